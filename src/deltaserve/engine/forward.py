@@ -1,0 +1,75 @@
+"""The hybrid's forward over a decode state: a batched prefill of a span, and a one-token decode."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..model.config import HybridConfig
+from ..model.weights import AttentionWeights, Weights
+from . import layers as L
+from .state import DecodeState
+
+
+class Forward:
+    """The forward of one host model on one device. Stateless itself: all sequence state is in a DecodeState."""
+
+    def __init__(self, config: HybridConfig, weights: Weights, device: torch.device | str = "cpu"):
+        self.config = config
+        self.weights = weights
+        self.device = torch.device(device)
+        self.query_rows = 512  # attention queries per score matrix in a prefill (a capacity-plan knob)
+
+    def new_state(self, capacity: int, kv_dtype: torch.dtype = torch.float32) -> DecodeState:
+        return DecodeState(self.config, capacity, self.device, kv_dtype)
+
+    def _ids(self, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        if isinstance(tokens, torch.Tensor):
+            return tokens.to(self.device, torch.long).reshape(-1)
+        return torch.tensor(list(tokens), dtype=torch.long, device=self.device)
+
+    @torch.inference_mode()
+    def _run(self, state: DecodeState, ids: torch.Tensor, chunked: bool, all_logits: bool) -> torch.Tensor:
+        c, w = self.config, self.weights
+        t = int(ids.numel())
+        start = state.length
+        if t == 0:
+            raise ValueError("a forward needs at least one token")
+        if start + t > state.capacity:
+            raise ValueError(f"{start + t} positions do not fit a decode state of {state.capacity}")
+        if int(ids.max()) >= c.vocab_size or int(ids.min()) < 0:
+            raise ValueError(f"token id out of range 0..{c.vocab_size - 1}")
+        x = w.embed.lookup(ids)
+        positions = torch.arange(start, start + t, device=self.device)
+        rope = L.rope_tables(positions, c.rotary_dim, c.rope_theta)
+        eps = c.rms_norm_eps
+        for i, lw in enumerate(w.layers):
+            h = L.rms_norm(x, lw.attn_norm, eps)
+            if isinstance(lw.mixer, AttentionWeights):
+                k_cache, v_cache = state.kv[i]
+                h = L.attention_mixer(h, lw.mixer, c, k_cache, v_cache, start, rope, self.query_rows)
+            else:
+                h = L.deltanet_mixer(h, lw.mixer, c, state.conv[i], state.ssm[i], chunked)
+            x = x + h
+            x = x + L.mlp(L.rms_norm(x, lw.post_norm, eps), lw.gate, lw.up, lw.down)
+        state.length = start + t
+        if not all_logits:
+            x = x[-1:]
+        return w.lm_head(L.rms_norm(x, w.final_norm, eps)).float()
+
+    def prefill(self, state: DecodeState, tokens, all_logits: bool = False) -> torch.Tensor:
+        """Feed a span at the state's current position through the chunked path.
+        Returns logits [T, vocab] when `all_logits`, else the last position's [vocab]."""
+        out = self._run(state, self._ids(tokens), chunked=True, all_logits=all_logits)
+        return out if all_logits else out[0]
+
+    def decode(self, state: DecodeState, token: int) -> torch.Tensor:
+        """One token through the recurrent path. Returns logits [vocab]."""
+        return self._run(state, self._ids([token]), chunked=False, all_logits=False)[0]
+
+    def prefill_per_token(self, state: DecodeState, tokens, all_logits: bool = False) -> torch.Tensor:
+        """The same span one token at a time (the comparison path)."""
+        ids = self._ids(tokens)
+        rows = [self._run(state, ids[i:i + 1], chunked=False, all_logits=False)[0] for i in range(ids.numel())]
+        return torch.stack(rows) if all_logits else rows[-1]

@@ -1,0 +1,129 @@
+"""The decode state of one sequence: a KV cache per attention layer, conv + recurrent state per DeltaNet layer.
+
+The session grows it (a new, larger one), resets it in place, checkpoints and restores it, without
+knowing what a layer holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..model.config import HybridConfig
+
+
+class DecodeState:
+    """Per-layer state for `capacity` positions on one device.
+
+    `kv[i]` is (k, v) of shape [kv_heads, capacity, head_dim] for attention layer i;
+    `conv[i]` is [K-1, conv_dim] and `ssm[i]` is [value_heads, dk, dv] for DeltaNet layer i.
+    `length` is the number of positions the state holds.
+    """
+
+    allocations = 0  # class-wide count of states ever allocated (tests count allocations)
+
+    def __init__(self, config: HybridConfig, capacity: int, device: torch.device | str = "cpu",
+                 kv_dtype: torch.dtype = torch.float32):
+        if capacity <= 0:
+            raise ValueError(f"a decode state needs a positive capacity, got {capacity}")
+        self.config = config
+        self.capacity = capacity
+        self.device = torch.device(device)
+        self.kv_dtype = kv_dtype
+        self.length = 0
+        c = config
+        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.conv: dict[int, torch.Tensor] = {}
+        self.ssm: dict[int, torch.Tensor] = {}
+        for i in range(c.num_layers):
+            if c.is_attention(i):
+                shape = (c.num_kv_heads, capacity, c.head_dim)
+                self.kv[i] = (torch.zeros(shape, dtype=kv_dtype, device=self.device),
+                              torch.zeros(shape, dtype=kv_dtype, device=self.device))
+            else:
+                self.conv[i] = torch.zeros((c.conv_kernel - 1, c.conv_dim), dtype=torch.float32, device=self.device)
+                self.ssm[i] = torch.zeros((c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim),
+                                          dtype=torch.float32, device=self.device)
+        DecodeState.allocations += 1
+
+    @staticmethod
+    def bytes_for(config: HybridConfig, capacity: int, kv_dtype_bytes: int = 4) -> int:
+        return config.kv_bytes_per_position(kv_dtype_bytes) * capacity + config.recurrent_state_bytes()
+
+    @property
+    def nbytes(self) -> int:
+        return DecodeState.bytes_for(self.config, self.capacity, torch.tensor([], dtype=self.kv_dtype).element_size())
+
+    def reset(self) -> None:
+        """Back to position 0 without allocating: recurrent and conv state zeroed (KV needs no zeroing)."""
+        for t in self.conv.values():
+            t.zero_()
+        for t in self.ssm.values():
+            t.zero_()
+        self.length = 0
+
+    def checkpoint(self, into: "Checkpoint | None" = None) -> "Checkpoint":
+        """A copy of the state at its current length. `into`, when given and large enough, is reused."""
+        n = self.length
+        if into is not None and into.device == self.device and into.kv_capacity >= n and into.config is self.config:
+            ck = into
+        else:
+            ck = Checkpoint.empty(self.config, max(n, 1), self.device, self.kv_dtype)
+        for i, (k, v) in self.kv.items():
+            ck.kv[i][0][:, :n].copy_(k[:, :n])
+            ck.kv[i][1][:, :n].copy_(v[:, :n])
+        for i, t in self.conv.items():
+            ck.conv[i].copy_(t)
+        for i, t in self.ssm.items():
+            ck.ssm[i].copy_(t)
+        ck.length = n
+        return ck
+
+    def restore(self, ck: "Checkpoint", valid_prefix: int = 0) -> None:
+        """Return to the checkpoint's position. KV positions below `valid_prefix` are known to be equal
+        already (the live state holds the same tokens there) and are not copied again."""
+        n = ck.length
+        if n > self.capacity:
+            raise ValueError(f"a checkpoint of {n} positions does not fit a state of {self.capacity}")
+        lo = min(valid_prefix, n)
+        for i, (k, v) in self.kv.items():
+            k[:, lo:n].copy_(ck.kv[i][0][:, lo:n])
+            v[:, lo:n].copy_(ck.kv[i][1][:, lo:n])
+        for i, t in self.conv.items():
+            t.copy_(ck.conv[i])
+        for i, t in self.ssm.items():
+            t.copy_(ck.ssm[i])
+        self.length = n
+
+
+@dataclass
+class Checkpoint:
+    """A saved copy of a decode state at `length` positions (KV up to `kv_capacity`)."""
+
+    config: HybridConfig
+    device: torch.device
+    kv_capacity: int
+    kv: dict
+    conv: dict
+    ssm: dict
+    length: int = 0
+
+    @classmethod
+    def empty(cls, config: HybridConfig, kv_capacity: int, device: torch.device, kv_dtype: torch.dtype) -> "Checkpoint":
+        c = config
+        kv, conv, ssm = {}, {}, {}
+        for i in range(c.num_layers):
+            if c.is_attention(i):
+                shape = (c.num_kv_heads, kv_capacity, c.head_dim)
+                kv[i] = (torch.empty(shape, dtype=kv_dtype, device=device), torch.empty(shape, dtype=kv_dtype, device=device))
+            else:
+                conv[i] = torch.empty((c.conv_kernel - 1, c.conv_dim), dtype=torch.float32, device=device)
+                ssm[i] = torch.empty((c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim),
+                                     dtype=torch.float32, device=device)
+        return cls(config, torch.device(device), kv_capacity, kv, conv, ssm)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for pair in self.kv.values() for t in pair) + \
+            sum(t.numel() * t.element_size() for t in list(self.conv.values()) + list(self.ssm.values()))

@@ -1,0 +1,205 @@
+"""One dataclass for the Qwen3.5 hybrid, whichever file it came from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, asdict
+from typing import Any, Mapping
+
+from ..errors import ModelFormatError
+
+ATTENTION = "full_attention"
+DELTANET = "linear_attention"
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    """The shape of a Qwen3.5 hybrid: Gated DeltaNet layers interleaved with gated full attention.
+
+    `value_head_order` says how the file lays out DeltaNet value heads when there are more of them
+    than key heads: "grouped" (HF: value head h reads key head h // (nv/nk)) or "tiled" (llama.cpp's
+    converter: value head j reads key head j % nk). The forward follows the file's order instead of
+    permuting weights, so packed quantized blocks are never cut.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rotary_dim: int
+    context_length: int
+    layer_types: tuple[str, ...]
+    conv_kernel: int
+    linear_num_key_heads: int
+    linear_key_head_dim: int
+    linear_num_value_heads: int
+    linear_value_head_dim: int
+    tie_word_embeddings: bool
+    value_head_order: str = "grouped"
+    arch: str = "qwen35"
+    eos_token_ids: tuple[int, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        problems = []
+        if len(self.layer_types) != self.num_layers:
+            problems.append(f"{len(self.layer_types)} layer types for {self.num_layers} layers")
+        for name in ("hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim",
+                     "linear_num_key_heads", "linear_key_head_dim", "linear_num_value_heads",
+                     "linear_value_head_dim", "conv_kernel", "vocab_size", "context_length"):
+            if getattr(self, name) <= 0:
+                problems.append(f"{name} = {getattr(self, name)}")
+        if self.num_attention_heads % max(self.num_kv_heads, 1):
+            problems.append(f"{self.num_attention_heads} attention heads not a multiple of {self.num_kv_heads} KV heads")
+        if self.linear_num_value_heads % max(self.linear_num_key_heads, 1):
+            problems.append(f"{self.linear_num_value_heads} value heads not a multiple of "
+                            f"{self.linear_num_key_heads} key heads")
+        if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
+            problems.append(f"rotary dim {self.rotary_dim} for head dim {self.head_dim}")
+        if self.value_head_order not in ("grouped", "tiled"):
+            problems.append(f"value head order {self.value_head_order!r}")
+        if problems:
+            raise ModelFormatError("not a usable Qwen3.5 hybrid config: " + "; ".join(problems))
+
+    # -- derived shapes -------------------------------------------------------------------------
+    def is_attention(self, layer: int) -> bool:
+        return self.layer_types[layer] == ATTENTION
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == ATTENTION)
+
+    @property
+    def deltanet_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t != ATTENTION)
+
+    @property
+    def key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    def kv_bytes_per_position(self, dtype_bytes: int = 4) -> int:
+        """KV cache bytes one position costs across all attention layers."""
+        return 2 * self.num_kv_heads * self.head_dim * dtype_bytes * len(self.attention_layers)
+
+    def recurrent_state_bytes(self) -> int:
+        """Conv + recurrent state of all DeltaNet layers (f32), independent of length."""
+        per_layer = (self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
+                     + (self.conv_kernel - 1) * self.conv_dim) * 4
+        return per_layer * len(self.deltanet_layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    # -- sources ---------------------------------------------------------------------------------
+    @staticmethod
+    def layer_types_for(num_layers: int, interval: int) -> tuple[str, ...]:
+        if interval <= 0:
+            raise ModelFormatError(f"full_attention_interval must be positive, found {interval}")
+        return tuple(ATTENTION if (i + 1) % interval == 0 else DELTANET for i in range(num_layers))
+
+    @classmethod
+    def from_hf(cls, config: Mapping[str, Any]) -> "HybridConfig":
+        """From an HF config.json (Qwen3_5ForCausalLM, or the multimodal one's `text_config`)."""
+        archs = config.get("architectures") or []
+        model_type = config.get("model_type")
+        text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else config
+        tmt = text.get("model_type", model_type)
+        if tmt not in ("qwen3_5_text", "qwen3_5") and not any(a.startswith("Qwen3_5") for a in archs):
+            raise ModelFormatError(
+                f"expected a Qwen3.5 config (model_type qwen3_5 / qwen3_5_text), found model_type "
+                f"{model_type!r}, architectures {archs}")
+        if "MoE" in "".join(archs) or "moe" in str(tmt):
+            raise ModelFormatError(f"the MoE sibling ({archs or tmt}) is not supported; expected dense Qwen3.5")
+
+        def need(key: str) -> Any:
+            if key not in text:
+                raise ModelFormatError(f"config.json has no {key!r} (expected a Qwen3.5 text config)")
+            return text[key]
+
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        rope_theta = float(rope.get("rope_theta", text.get("rope_theta", 10000.0)))
+        partial = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)))
+        head_dim = int(text.get("head_dim") or need("hidden_size") // need("num_attention_heads"))
+        num_layers = int(need("num_hidden_layers"))
+        layer_types = text.get("layer_types")
+        if layer_types is None:
+            layer_types = cls.layer_types_for(num_layers, int(text.get("full_attention_interval", 4)))
+        tie = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+        eos = text.get("eos_token_id", config.get("eos_token_id"))
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+        return cls(
+            vocab_size=int(need("vocab_size")),
+            hidden_size=int(need("hidden_size")),
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=num_layers,
+            num_attention_heads=int(need("num_attention_heads")),
+            num_kv_heads=int(need("num_key_value_heads")),
+            head_dim=head_dim,
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rotary_dim=int(head_dim * partial),
+            context_length=int(text.get("max_position_embeddings", 262144)),
+            layer_types=tuple(layer_types),
+            conv_kernel=int(text.get("linear_conv_kernel_dim", 4)),
+            linear_num_key_heads=int(need("linear_num_key_heads")),
+            linear_key_head_dim=int(need("linear_key_head_dim")),
+            linear_num_value_heads=int(need("linear_num_value_heads")),
+            linear_value_head_dim=int(need("linear_value_head_dim")),
+            tie_word_embeddings=bool(tie),
+            value_head_order="grouped",
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_gguf(cls, meta: Mapping[str, Any], vocab_rows: int, tied: bool) -> "HybridConfig":
+        """From GGUF metadata of arch `qwen35`. `vocab_rows` is the embedding's row count."""
+        arch = meta.get("general.architecture")
+        if arch != "qwen35":
+            hint = " (the MoE sibling is not supported)" if arch == "qwen35moe" else ""
+            raise ModelFormatError(f"expected a GGUF of architecture 'qwen35', found {arch!r}{hint}")
+
+        def need(key: str) -> Any:
+            full = f"{arch}.{key}"
+            if full not in meta:
+                raise ModelFormatError(f"GGUF metadata has no {full!r} (expected in a qwen35 file)")
+            return meta[full]
+
+        num_layers = int(need("block_count"))
+        interval = int(meta.get(f"{arch}.full_attention_interval", 4))
+        head_dim = int(meta.get(f"{arch}.attention.key_length") or need("embedding_length") // need("attention.head_count"))
+        inner = int(need("ssm.inner_size"))
+        nv = int(need("ssm.time_step_rank"))
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        return cls(
+            vocab_size=int(vocab_rows),
+            hidden_size=int(need("embedding_length")),
+            intermediate_size=int(need("feed_forward_length")),
+            num_layers=num_layers,
+            num_attention_heads=int(need("attention.head_count")),
+            num_kv_heads=int(need("attention.head_count_kv")),
+            head_dim=head_dim,
+            rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+            rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+            rotary_dim=int(meta.get(f"{arch}.rope.dimension_count", head_dim // 4)),
+            context_length=int(need("context_length")),
+            layer_types=cls.layer_types_for(num_layers, interval),
+            conv_kernel=int(need("ssm.conv_kernel")),
+            linear_num_key_heads=int(need("ssm.group_count")),
+            linear_key_head_dim=int(need("ssm.state_size")),
+            linear_num_value_heads=nv,
+            linear_value_head_dim=inner // max(nv, 1),
+            tie_word_embeddings=tied,
+            value_head_order="tiled",
+            eos_token_ids=(int(eos),) if eos is not None else (),
+        )

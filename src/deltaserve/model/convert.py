@@ -1,0 +1,162 @@
+"""HF Qwen3.5 directory -> GGUF (arch `qwen35`), in the layout llama.cpp's converter writes.
+
+The transforms are those of the GGUF convention: norms stored as `1 + w` (not the DeltaNet output
+norm), `ssm_a = -exp(A_log)`, conv weights squeezed to [channels, K], and DeltaNet value heads
+reordered from grouped to tiled order when there are more value heads than key heads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Callable
+
+import gguf
+import numpy as np
+import torch
+
+from ..errors import ModelFormatError
+from .config import HybridConfig
+from .loader import HFSource, _hf_prefix
+from .weights import check_tensors
+
+TYPES = {
+    "f32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
+    "f16": (gguf.GGMLQuantizationType.F16, gguf.LlamaFileType.MOSTLY_F16),
+    "bf16": (gguf.GGMLQuantizationType.BF16, gguf.LlamaFileType.MOSTLY_BF16),
+    "q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
+}
+
+# DeltaNet tensors whose value-head blocks are reordered: (name suffix, axis, rows per head or "dv")
+_V_REORDER = {
+    "attn_gate.weight": (0, "dv"),
+    "ssm_beta.weight": (0, 1),
+    "ssm_alpha.weight": (0, 1),
+    "ssm_dt.bias": (0, 1),
+    "ssm_a": (0, 1),
+    "ssm_out.weight": (1, "dv"),
+}
+
+
+def grouped_to_tiled(t: torch.Tensor, dim: int, num_key_heads: int, per_key: int, block: int) -> torch.Tensor:
+    """Reorder value-head blocks along `dim` from grouped (key head major) to tiled (key head minor)."""
+    shape = list(t.shape)
+    dim = dim % t.dim()
+    split = shape[:dim] + [num_key_heads, per_key, block] + shape[dim + 1:]
+    return t.reshape(split).transpose(dim, dim + 1).contiguous().reshape(shape)
+
+
+def tiled_layout(name: str, t: torch.Tensor, c: HybridConfig) -> torch.Tensor:
+    nk, nv = c.linear_num_key_heads, c.linear_num_value_heads
+    if nk == nv or not name.startswith("blk."):
+        return t
+    r = nv // nk
+    suffix = name.split(".", 2)[2]
+    if suffix in ("attn_qkv.weight", "ssm_conv1d.weight"):
+        qk = 2 * c.key_dim
+        return torch.cat([t[:qk], grouped_to_tiled(t[qk:], 0, nk, r, c.linear_value_head_dim)])
+    if suffix in _V_REORDER:
+        dim, block = _V_REORDER[suffix]
+        return grouped_to_tiled(t, dim, nk, r, c.linear_value_head_dim if block == "dv" else block)
+    return t
+
+
+def _storage_type(name: str, t: torch.Tensor, want: gguf.GGMLQuantizationType) -> gguf.GGMLQuantizationType:
+    """1-D tensors and the conv kernel stay f32 (as llama.cpp's converter keeps them); q8_0 needs rows of 32."""
+    if t.dim() < 2 or name.endswith("ssm_conv1d.weight"):
+        return gguf.GGMLQuantizationType.F32
+    if want == gguf.GGMLQuantizationType.Q8_0 and t.shape[-1] % 32:
+        return gguf.GGMLQuantizationType.F16
+    return want
+
+
+def _encode(t: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
+    t = t.float().contiguous()
+    if qtype == gguf.GGMLQuantizationType.F32:
+        return t.numpy()
+    if qtype == gguf.GGMLQuantizationType.F16:
+        return t.to(torch.float16).numpy()
+    if qtype == gguf.GGMLQuantizationType.BF16:
+        return t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).copy()
+    if qtype == gguf.GGMLQuantizationType.Q8_0:
+        from .quant import quantize_q8_0
+        return quantize_q8_0(t)
+    raise ModelFormatError(f"cannot write tensors of type {qtype.name}")
+
+
+def write_metadata(w: gguf.GGUFWriter, c: HybridConfig, name: str, file_type: int) -> None:
+    w.add_name(name)
+    w.add_block_count(c.num_layers)
+    w.add_context_length(c.context_length)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_kv_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_theta)
+    w.add_rope_dimension_count(c.rotary_dim)
+    w.add_rope_dimension_sections([11, 11, 10, 0])
+    interval = _interval(c)
+    w.add_full_attention_interval(interval)
+    w.add_ssm_conv_kernel(c.conv_kernel)
+    w.add_ssm_state_size(c.linear_key_head_dim)
+    w.add_ssm_group_count(c.linear_num_key_heads)
+    w.add_ssm_time_step_rank(c.linear_num_value_heads)
+    w.add_ssm_inner_size(c.value_dim)
+    w.add_file_type(file_type)
+
+
+def _interval(c: HybridConfig) -> int:
+    attn = c.attention_layers
+    interval = attn[0] + 1 if attn else c.num_layers + 1
+    if HybridConfig.layer_types_for(c.num_layers, interval) != c.layer_types:
+        raise ModelFormatError("the layer pattern is not 'full attention every N layers'; GGUF qwen35 cannot express it")
+    return interval
+
+
+def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "f32",
+            progress: Callable[[str], None] | None = None) -> Path:
+    """Write `out` (a GGUF) from the HF Qwen3.5 directory `hf_dir`. Returns the path written."""
+    from .tokenizer import Tokenizer
+
+    src_dir, out = Path(hf_dir), Path(out)
+    if out_type not in TYPES:
+        raise ModelFormatError(f"unknown output type {out_type!r}; expected one of {', '.join(TYPES)}")
+    if not (src_dir / "config.json").exists():
+        raise ModelFormatError(f"{src_dir} has no config.json (expected an HF Qwen3.5 directory)")
+    raw = json.loads((src_dir / "config.json").read_text())
+    c = HybridConfig.from_hf(raw)
+    if c.linear_key_head_dim != c.linear_value_head_dim:
+        raise ModelFormatError(f"GGUF qwen35 needs equal DeltaNet key and value head dims, found "
+                               f"{c.linear_key_head_dim} and {c.linear_value_head_dim}")
+    src = HFSource(src_dir, _hf_prefix(raw))
+    check_tensors(c, src, src_dir.name)
+    tokenizer = Tokenizer.from_hf_dir(src_dir)
+    want, file_type = TYPES[out_type]
+
+    tmp = out.with_suffix(out.suffix + ".part")
+    w = gguf.GGUFWriter(str(tmp), "qwen35")
+    write_metadata(w, c, src_dir.name, int(file_type))
+    tokenizer.write_gguf(w, c.vocab_size)
+    names = sorted(src.names(), key=lambda n: (0, 0, n) if not n.startswith("blk.") else (1, int(n.split(".")[1]), n))
+    if c.tie_word_embeddings and "output.weight" in names:
+        names.remove("output.weight")  # tied: llama.cpp reuses token_embd
+    for name in names:
+        t = tiled_layout(name, src.dense(name), c)
+        qtype = _storage_type(name, t, want)
+        data = _encode(t, qtype)
+        if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            w.add_tensor(name, data)
+        else:
+            w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+        if progress:
+            progress(f"{name} {qtype.name} {tuple(t.shape)}")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(tmp, out)
+    return out

@@ -1,0 +1,311 @@
+"""From a model path (a GGUF file or an HF directory) to a host model: config, weights, tokenizer."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..engine.linear import DenseLinear, Linear
+from ..errors import ModelFormatError
+from . import quant
+from .config import HybridConfig
+from .gguf import GGUFFile, RawTensor, is_gguf, read_gguf
+from .weights import Embedding, TensorSummary, Weights, build_weights
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF
+# ---------------------------------------------------------------------------------------------
+
+class GGUFSource:
+    def __init__(self, f: GGUFFile):
+        self.f = f
+
+    def names(self) -> set[str]:
+        return set(self.f.tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.f.tensors[name].shape
+
+    def type_name(self, name: str) -> str:
+        return self.f.tensors[name].qtype.name
+
+    def dense(self, name: str) -> torch.Tensor:
+        t = self.f.tensors[name]
+        return quant.dequantize(t.data, t.qtype, t.shape)
+
+    def linear(self, name: str) -> Linear:
+        return DenseLinear(self.dense(name))
+
+    def embedding(self, name: str) -> Embedding:
+        return Embedding(self.dense(name))
+
+
+# ---------------------------------------------------------------------------------------------
+# HF safetensors directories
+# ---------------------------------------------------------------------------------------------
+
+_HF_LAYER_MAP = {
+    "input_layernorm.weight": ("attn_norm.weight", "plus_one"),
+    "post_attention_layernorm.weight": ("post_attention_norm.weight", "plus_one"),
+    "mlp.gate_proj.weight": ("ffn_gate.weight", None),
+    "mlp.up_proj.weight": ("ffn_up.weight", None),
+    "mlp.down_proj.weight": ("ffn_down.weight", None),
+    "self_attn.q_proj.weight": ("attn_q.weight", None),
+    "self_attn.k_proj.weight": ("attn_k.weight", None),
+    "self_attn.v_proj.weight": ("attn_v.weight", None),
+    "self_attn.o_proj.weight": ("attn_output.weight", None),
+    "self_attn.q_norm.weight": ("attn_q_norm.weight", "plus_one"),
+    "self_attn.k_norm.weight": ("attn_k_norm.weight", "plus_one"),
+    "linear_attn.in_proj_qkv.weight": ("attn_qkv.weight", None),
+    "linear_attn.in_proj_z.weight": ("attn_gate.weight", None),
+    "linear_attn.in_proj_b.weight": ("ssm_beta.weight", None),
+    "linear_attn.in_proj_a.weight": ("ssm_alpha.weight", None),
+    "linear_attn.conv1d.weight": ("ssm_conv1d.weight", "squeeze"),
+    "linear_attn.dt_bias": ("ssm_dt.bias", None),
+    "linear_attn.A_log": ("ssm_a", "neg_exp"),
+    "linear_attn.norm.weight": ("ssm_norm.weight", None),
+    "linear_attn.out_proj.weight": ("ssm_out.weight", None),
+}
+
+
+def hf_to_gguf_name(name: str, prefix: str) -> tuple[str, str | None] | None:
+    """The GGUF name and transform of an HF tensor name under `prefix` ("model." or "model.language_model.")."""
+    if name == "lm_head.weight":
+        return "output.weight", None
+    if not name.startswith(prefix):
+        return None
+    rest = name[len(prefix):]
+    if rest == "embed_tokens.weight":
+        return "token_embd.weight", None
+    if rest == "norm.weight":
+        return "output_norm.weight", "plus_one"
+    if rest.startswith("layers."):
+        _, idx, tail = rest.split(".", 2)
+        if tail in _HF_LAYER_MAP:
+            gname, how = _HF_LAYER_MAP[tail]
+            return f"blk.{idx}.{gname}", how
+    return None
+
+
+def apply_hf_transform(t: torch.Tensor, how: str | None) -> torch.Tensor:
+    if how == "plus_one":
+        return t.float() + 1.0
+    if how == "neg_exp":
+        return -torch.exp(t.float())
+    if how == "squeeze":
+        return t.reshape(t.shape[0], -1)
+    return t
+
+
+class HFSource:
+    """Tensors of an HF Qwen3.5 directory, renamed and transformed to GGUF conventions on read."""
+
+    def __init__(self, directory: Path, prefix: str):
+        from safetensors import safe_open
+
+        self.dir = directory
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise ModelFormatError(f"{directory}: no *.safetensors files (expected HF Qwen3.5 weights)")
+        index_path = directory / "model.safetensors.index.json"
+        if index_path.exists():
+            try:
+                wanted = set(json.loads(index_path.read_text())["weight_map"].values())
+            except (ValueError, KeyError) as e:
+                raise ModelFormatError(f"{index_path.name} is not a valid safetensors index: {e}") from None
+            missing = sorted(w for w in wanted if not (directory / w).exists())
+            if missing:
+                raise ModelFormatError(f"{directory}: the index names shards that are missing: {', '.join(missing)}")
+        self._handles = []
+        self._where: dict[str, tuple[Any, str, str | None]] = {}
+        for path in files:
+            try:
+                h = safe_open(str(path), framework="pt")
+            except Exception as e:
+                raise ModelFormatError(f"{path.name} is not a readable safetensors file: {e}") from None
+            self._handles.append(h)
+            for name in h.keys():
+                mapped = hf_to_gguf_name(name, prefix)
+                if mapped is None:
+                    continue  # vision tower, mtp.*, anything not part of the text model
+                gname, how = mapped
+                self._where[gname] = (h, name, how)
+
+    def names(self) -> set[str]:
+        return set(self._where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        h, hf_name, how = self._where[name]
+        shape = tuple(h.get_slice(hf_name).get_shape())
+        if how == "squeeze":
+            shape = (shape[0], int(np.prod(shape[1:])))
+        return shape
+
+    def type_name(self, name: str) -> str:
+        h, hf_name, _ = self._where[name]
+        return str(h.get_slice(hf_name).get_dtype())
+
+    def dense(self, name: str) -> torch.Tensor:
+        h, hf_name, how = self._where[name]
+        try:
+            t = h.get_tensor(hf_name)
+        except Exception as e:
+            raise ModelFormatError(f"tensor {hf_name} could not be read: {e}") from None
+        return apply_hf_transform(t, how).float().contiguous()
+
+    def linear(self, name: str) -> Linear:
+        return DenseLinear(self.dense(name))
+
+    def embedding(self, name: str) -> Embedding:
+        return Embedding(self.dense(name))
+
+
+def _hf_prefix(config: dict) -> str:
+    archs = config.get("architectures") or []
+    if any("ConditionalGeneration" in a for a in archs) or "text_config" in config:
+        return "model.language_model."
+    return "model."
+
+
+# ---------------------------------------------------------------------------------------------
+# The host model
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class HostModel:
+    path: Path
+    format: str                      # "gguf" | "hf"
+    config: HybridConfig
+    weights: Weights
+    tokenizer: "Tokenizer"
+    tensor_summary: list[TensorSummary]
+    load_seconds: float
+    file_bytes: int
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def identity(self) -> tuple[str, int, int]:
+        return file_identity(self.path)
+
+    def sha256(self) -> str:
+        """The model's content hash, computed once per process per (path, size, mtime)."""
+        return model_sha256(self.path)
+
+
+def file_identity(path: Path) -> tuple[str, int, int]:
+    p = Path(path).resolve()
+    if p.is_dir():
+        files = sorted(p.glob("*.safetensors"))
+        return (str(p), sum(f.stat().st_size for f in files), max((f.stat().st_mtime_ns for f in files), default=0))
+    st = p.stat()
+    return (str(p), st.st_size, st.st_mtime_ns)
+
+
+_HASHES: dict[tuple[str, int, int], str] = {}
+_HASH_LOCK = threading.Lock()
+HASH_COUNT = {"computed": 0}  # how many times a file was actually hashed (tests check it is once)
+
+
+def model_sha256(path: Path) -> str:
+    key = file_identity(path)
+    with _HASH_LOCK:
+        if key in _HASHES:
+            return _HASHES[key]
+        p = Path(key[0])
+        files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
+        h = hashlib.sha256()
+        for f in files:
+            with open(f, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 22), b""):
+                    h.update(block)
+        HASH_COUNT["computed"] += 1
+        _HASHES[key] = h.hexdigest()
+        return _HASHES[key]
+
+
+def _summaries(src) -> list[TensorSummary]:
+    out = []
+    for name in sorted(src.names(), key=_tensor_sort_key):
+        shape = tuple(src.shape(name))
+        out.append(TensorSummary(name, src.type_name(name), shape, 0))
+    return out
+
+
+def _tensor_sort_key(name: str):
+    if name.startswith("blk."):
+        _, i, rest = name.split(".", 2)
+        return (1, int(i), rest)
+    return (0 if name.startswith("token") else 2, 0, name)
+
+
+def load_host(path: str | os.PathLike) -> HostModel:
+    """Read a GGUF file or an HF directory into a host model, or raise ModelFormatError naming what is wrong."""
+    from .tokenizer import Tokenizer
+
+    t0 = time.perf_counter()
+    p = Path(path)
+    if not p.exists():
+        raise ModelFormatError(f"no such model: {p}")
+    if p.is_dir():
+        cfg_path = p / "config.json"
+        if not cfg_path.exists():
+            raise ModelFormatError(f"{p} has no config.json (expected an HF Qwen3.5 directory or a GGUF file)")
+        try:
+            raw = json.loads(cfg_path.read_text())
+        except ValueError as e:
+            raise ModelFormatError(f"{cfg_path} is not valid JSON: {e}") from None
+        config = HybridConfig.from_hf(raw)
+        src = HFSource(p, _hf_prefix(raw))
+        if "output.weight" not in src.names() and not config.tie_word_embeddings:
+            raise ModelFormatError(f"{p.name}: missing tensor lm_head.weight (tie_word_embeddings is false)")
+        tokenizer = Tokenizer.from_hf_dir(p)
+        fmt = "hf"
+        metadata: dict[str, Any] = {"config.json": raw}
+        file_bytes = sum(f.stat().st_size for f in p.glob("*.safetensors"))
+    else:
+        if not is_gguf(p):
+            with open(p, "rb") as fh:
+                head = fh.read(4)
+            raise ModelFormatError(
+                f"{p.name} is neither a GGUF file (it starts with {head!r}, not b'GGUF') nor an HF model directory")
+        f = read_gguf(p)
+        src = GGUFSource(f)
+        if "token_embd.weight" not in f.tensors:
+            arch = f.arch
+            if arch != "qwen35":
+                HybridConfig.from_gguf(f.metadata, 0, True)  # raises the arch error
+            raise ModelFormatError(f"{p.name}: missing tensor token_embd.weight")
+        vocab_rows = f.tensors["token_embd.weight"].shape[0]
+        config = HybridConfig.from_gguf(f.metadata, vocab_rows, tied="output.weight" not in f.tensors)
+        tokenizer = Tokenizer.from_gguf_fields(f.metadata)
+        fmt = "gguf"
+        metadata = {k: v for k, v in f.metadata.items() if not k.startswith("tokenizer.ggml.")}
+        file_bytes = p.stat().st_size
+    weights = build_weights(config, src, p.name)
+    summary = _summaries(src)
+    return HostModel(p, fmt, config, weights, tokenizer, summary, time.perf_counter() - t0, file_bytes, metadata)
+
+
+_HOSTS: dict[tuple[str, int, int], HostModel] = {}
+_HOSTS_LOCK = threading.Lock()
+
+
+def cached_host(path: str | os.PathLike) -> HostModel:
+    """load_host once per (path, size, mtime) in this process: a file rewritten in place is read again."""
+    key = file_identity(Path(path))
+    with _HOSTS_LOCK:
+        host = _HOSTS.get(key)
+        if host is None:
+            host = load_host(path)
+            _HOSTS[key] = host
+        return host
