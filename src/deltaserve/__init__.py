@@ -1,3 +1,19 @@
-"""deltaserve: a resident-session inference engine for the Qwen3.5 hybrid models."""
+"""deltaserve: a resident-session inference engine for the Qwen3.5 hybrid models.
+
+    import deltaserve
+    model = deltaserve.load("Qwen3.5-0.8B-Q8_0.gguf")
+    session = model.session()
+    turn = session.chat([{"role": "user", "content": "Hello"}])
+"""
 
 __version__ = "0.1.0"
+
+
+def load(path, device: str = "cpu", threads: int | None = None, cache: bool = True):
+    """Load a Qwen3.5 GGUF file or HF directory; see `deltaserve.api.load`."""
+    from .api import load as _load
+
+    return _load(path, device=device, threads=threads, cache=cache)
+
+
+__all__ = ["load", "__version__"]

@@ -19,7 +19,11 @@ class Forward:
         self.config = config
         self.weights = weights
         self.device = torch.device(device)
-        self.query_rows = 512  # attention queries per score matrix in a prefill (a capacity-plan knob)
+        self.query_rows = 512    # attention queries per score matrix (a prefill-plan knob)
+        self.prefill_rows = 2048  # tokens per forward call of a long prefill (a prefill-plan knob)
+
+    def use_plan(self, rows: int, query_rows: int) -> None:
+        self.prefill_rows, self.query_rows = rows, query_rows
 
     def new_state(self, capacity: int, kv_dtype: torch.dtype = torch.float32) -> DecodeState:
         return DecodeState(self.config, capacity, self.device, kv_dtype)
@@ -61,8 +65,10 @@ class Forward:
     def prefill(self, state: DecodeState, tokens, all_logits: bool = False) -> torch.Tensor:
         """Feed a span at the state's current position through the chunked path.
         Returns logits [T, vocab] when `all_logits`, else the last position's [vocab]."""
-        out = self._run(state, self._ids(tokens), chunked=True, all_logits=all_logits)
-        return out if all_logits else out[0]
+        ids = self._ids(tokens)
+        pieces = [self._run(state, ids[i:i + self.prefill_rows], chunked=True, all_logits=all_logits)
+                  for i in range(0, ids.numel(), self.prefill_rows)]
+        return torch.cat(pieces) if all_logits else pieces[-1][0]
 
     def decode(self, state: DecodeState, token: int) -> torch.Tensor:
         """One token through the recurrent path. Returns logits [vocab]."""

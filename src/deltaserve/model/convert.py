@@ -85,7 +85,25 @@ def _encode(t: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
     raise ModelFormatError(f"cannot write tensors of type {qtype.name}")
 
 
-def write_metadata(w: gguf.GGUFWriter, c: HybridConfig, name: str, file_type: int) -> None:
+def balanced_sections(pairs: int) -> list[int]:
+    first, second = -(-pairs // 3), -(-(pairs - 1) // 3)
+    return [first, second, pairs - first - second]
+
+
+def rope_sections(c: HybridConfig, raw: dict | None = None) -> list[int]:
+    """The multimodal rope sections llama.cpp requires (4 entries). llama.cpp's interleaved M-RoPE gives
+    pair i to section i % 3 while i < 3 * sections[i % 3], else to a fourth section whose text position is 0,
+    so the sections must cover every rotary pair: balanced, summing to rotary_dim / 2 (the real [11, 11, 10])."""
+    text = (raw or {}).get("text_config", raw or {})
+    given = ((text.get("rope_parameters") or {}).get("mrope_section")) or [11, 11, 10]
+    pairs = c.rotary_dim // 2
+    if sum(given) != pairs:
+        given = balanced_sections(pairs)
+    return (list(given) + [0, 0, 0, 0])[:4]
+
+
+def write_metadata(w: gguf.GGUFWriter, c: HybridConfig, name: str, file_type: int,
+                   sections: list[int] | None = None) -> None:
     w.add_name(name)
     w.add_block_count(c.num_layers)
     w.add_context_length(c.context_length)
@@ -98,7 +116,7 @@ def write_metadata(w: gguf.GGUFWriter, c: HybridConfig, name: str, file_type: in
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_rope_freq_base(c.rope_theta)
     w.add_rope_dimension_count(c.rotary_dim)
-    w.add_rope_dimension_sections([11, 11, 10, 0])
+    w.add_rope_dimension_sections(sections or rope_sections(c))
     interval = _interval(c)
     w.add_full_attention_interval(interval)
     w.add_ssm_conv_kernel(c.conv_kernel)
@@ -139,7 +157,7 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "
 
     tmp = out.with_suffix(out.suffix + ".part")
     w = gguf.GGUFWriter(str(tmp), "qwen35")
-    write_metadata(w, c, src_dir.name, int(file_type))
+    write_metadata(w, c, src_dir.name, int(file_type), rope_sections(c, raw))
     tokenizer.write_gguf(w, c.vocab_size)
     names = sorted(src.names(), key=lambda n: (0, 0, n) if not n.startswith("blk.") else (1, int(n.split(".")[1]), n))
     if c.tie_word_embeddings and "output.weight" in names:

@@ -1,0 +1,247 @@
+"""`deltaserve run | chat | serve | convert | inspect | bench`.
+
+Every error a user can cause prints one line and exits non-zero; a traceback only with DELTASERVE_DEBUG=1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from . import __version__
+from .errors import DeltaserveError
+
+
+def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
+    if required:
+        p.add_argument("model", help="a Qwen3.5 GGUF file or HF directory")
+    else:
+        p.add_argument("model", nargs="?", default=None,
+                       help="a Qwen3.5 GGUF file or HF directory (default: the embedded demo model)")
+
+
+def _add_runtime(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", help="auto (CUDA when visible, else CPU), cpu, cuda, cuda:N")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    p.add_argument("--ctx", type=int, default=None, help="context positions to allow (default: the model's declared)")
+    p.add_argument("--revalidate", action="store_true", help="run the accelerator parity guard even if a verdict is cached")
+
+
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-n", "--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+
+
+def _sampling_kwargs(a) -> dict:
+    return dict(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
+                repetition_penalty=a.repetition_penalty, seed=a.seed)
+
+
+def _thinking(a) -> bool | None:
+    return {"on": True, "off": False, "auto": None}[a.think]
+
+
+def resolve_model(path: str | None) -> str:
+    if path:
+        return path
+    from .demo import default_model_path
+
+    found = default_model_path()
+    print(f"[deltaserve] no model named: using the embedded demo model ({found})", file=sys.stderr)
+    return str(found)
+
+
+def _load(a):
+    from .api import load
+
+    t0 = time.perf_counter()
+    model = load(resolve_model(a.model), device=a.device, threads=a.threads)
+    return model, time.perf_counter() - t0
+
+
+def _guard(a):
+    from .engine.guard import ParityGuard
+
+    return ParityGuard(revalidate=a.revalidate)
+
+
+# ---------------------------------------------------------------------------------------------
+# run
+# ---------------------------------------------------------------------------------------------
+
+def cmd_run(a) -> int:
+    model, load_s = _load(a)
+    tok = model.tokenizer
+    text = a.prompt
+    if text is None:
+        if sys.stdin.isatty():
+            raise DeltaserveError("no prompt: pass -p TEXT (or pipe text on stdin)")
+        text = sys.stdin.read()
+    if a.chat:
+        messages = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": text}]
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=_thinking(a))
+    ids = tok.encode(text)
+    backend, notice = model.backend(a.device)
+    if notice:
+        print(notice, file=sys.stderr)
+    session = model.session(context=a.ctx, backend=backend, one_call=True, guard=_guard(a) if backend.accelerator else None)
+    out = sys.stdout
+
+    def on_token(_tid, piece):
+        if piece:
+            out.write(piece)
+            out.flush()
+
+    turn = session.generate(ids, max_tokens=a.max_tokens, on_token=on_token, **_sampling_kwargs(a))
+    out.write("\n")
+    out.flush()
+    capped = " (cut by the context)" if turn.context_capped else ""
+    print(f"[stats] prompt {turn.prompt_tokens} tokens, prefill {turn.prefill_tok_s:.1f} tok/s, "
+          f"decode {turn.decode_tok_s:.1f} tok/s ({turn.generated} tokens, {turn.finish_reason}{capped}), "
+          f"TTFT {turn.timings.ttft_s * 1000:.0f} ms, load {load_s:.2f} s, backend {turn.backend}", file=sys.stderr)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# convert / inspect
+# ---------------------------------------------------------------------------------------------
+
+def cmd_convert(a) -> int:
+    from .model.convert import convert
+
+    t0 = time.perf_counter()
+    out = convert(a.hf_dir, a.out, a.type, progress=(lambda m: print(m, file=sys.stderr)) if a.verbose else None)
+    print(f"wrote {out} ({os.path.getsize(out) / (1 << 20):.1f} MiB, {a.type}) in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def cmd_inspect(a) -> int:
+    from .engine import capacity
+    from .engine.backend import cpu_memory
+    from .model.loader import load_host
+
+    host = load_host(resolve_model(a.model))
+    c = host.config
+    print(f"model: {host.path} ({host.format}, {host.file_bytes / (1 << 20):.1f} MiB)")
+    print(f"arch: {c.arch}, {c.num_layers} layers ({len(c.deltanet_layers)} Gated DeltaNet, "
+          f"{len(c.attention_layers)} gated attention: {list(c.attention_layers)})")
+    for k, v in c.to_dict().items():
+        if k != "layer_types":
+            print(f"  {k}: {v}")
+    tok = host.tokenizer
+    print(f"tokenizer: {tok.vocab_size} tokens, stop ids {sorted(tok.stop_ids)}, "
+          f"chat template: {'from the file' if tok.chat_template else 'built-in ChatML'}")
+    print(f"weights in memory: {host.weights.nbytes / (1 << 20):.1f} MiB")
+    print(f"KV cache: {c.kv_bytes_per_position() / 1024:.1f} KiB per position (f32); "
+          f"recurrent + conv state: {c.recurrent_state_bytes() / (1 << 20):.2f} MiB")
+    print("tensors:")
+    for t in host.tensor_summary:
+        print(f"  {t.name:40s} {t.type:8s} {t.shape}")
+    if a.ctx:
+        try:
+            p = capacity.plan(c, a.ctx, cpu_memory(), weights=host.weights.nbytes)
+            print(f"capacity plan for {a.ctx} positions: fits\n  " + p.describe().replace("\n", "\n  "))
+        except DeltaserveError as e:
+            print(f"capacity plan for {a.ctx} positions: REFUSED\n  {e}")
+            return 1
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="deltaserve", description="Resident-session inference for Qwen3.5 hybrid models.")
+    p.add_argument("--version", action="version", version=f"deltaserve {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    r = sub.add_parser("run", help="one prompt, streamed, then a stats line",
+                       description="Run one prompt on a one-call session and stream the answer.")
+    _add_model(r)
+    r.add_argument("-p", "--prompt", default=None, help="the prompt text (default: read stdin)")
+    r.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    r.add_argument("--system", default=None, help="a system message (with --chat)")
+    r.add_argument("--think", choices=["on", "off", "auto"], default="auto", help="thinking in the chat template")
+    _add_sampling(r)
+    _add_runtime(r)
+    r.set_defaults(func=cmd_run)
+
+    c = sub.add_parser("chat", help="an interactive conversation on one resident session",
+                       description="Chat with a model; the decode state stays resident between turns.")
+    _add_model(c)
+    c.add_argument("--system", default=None, help="a system message")
+    c.add_argument("--think", choices=["on", "off", "auto"], default="off", help="thinking in the chat template (default off)")
+    _add_sampling(c)
+    _add_runtime(c)
+    c.set_defaults(func=lambda a: __import__("deltaserve.chat", fromlist=["main"]).main(a))
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server",
+                       description="Serve a model over an OpenAI-compatible HTTP API on resident sessions.")
+    _add_model(s)
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8080)
+    s.add_argument("--slots", type=int, default=2, help="resident sessions (default 2)")
+    s.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot (default 16)")
+    s.add_argument("--api-key", default=os.environ.get("DELTASERVE_API_KEY"), help="require this bearer token")
+    s.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask for")
+    s.add_argument("--max-body", type=int, default=4 << 20, help="largest request body in bytes")
+    s.add_argument("--max-messages", type=int, default=512, help="most messages in one request")
+    s.add_argument("--model-name", default=None, help="the model id reported by /v1/models")
+    _add_runtime(s)
+    s.set_defaults(func=lambda a: __import__("deltaserve.server.app", fromlist=["main"]).main(a))
+
+    v = sub.add_parser("convert", help="HF Qwen3.5 directory -> GGUF",
+                       description="Convert an HF Qwen3.5 directory to a GGUF file llama.cpp loads.")
+    v.add_argument("hf_dir")
+    v.add_argument("out")
+    v.add_argument("--type", choices=["f32", "f16", "bf16", "q8_0"], default="f16")
+    v.add_argument("-v", "--verbose", action="store_true")
+    v.set_defaults(func=cmd_convert)
+
+    i = sub.add_parser("inspect", help="print the config, tensors and (with --ctx) the capacity plan",
+                       description="Describe a model file: config, tensor types and sizes, capacity plan.")
+    _add_model(i)
+    i.add_argument("--ctx", type=int, default=None, help="plan memory for this many positions")
+    i.set_defaults(func=cmd_inspect)
+
+    b = sub.add_parser("bench", help="benchmarks against llama.cpp and transformers",
+                       description="Run the benchmarks and write results under benchmarks/.")
+    b.add_argument("what", nargs="?", default="all", help="which benchmark (default all)")
+    b.add_argument("--out", default="benchmarks")
+    b.add_argument("--quick", action="store_true", help="a smaller, faster run")
+    b.set_defaults(func=lambda a: __import__("deltaserve.bench.run", fromlist=["main"]).main(a))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    if not getattr(a, "command", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(a.func(a) or 0)
+    except DeltaserveError as e:
+        print(f"deltaserve: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("deltaserve: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    except Exception as e:  # noqa: BLE001 - never a traceback to a user
+        if os.environ.get("DELTASERVE_DEBUG"):
+            raise
+        print(f"deltaserve: internal error: {type(e).__name__}: {e} (DELTASERVE_DEBUG=1 shows the traceback)",
+              file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

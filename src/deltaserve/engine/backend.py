@@ -1,0 +1,263 @@
+"""Where a forward runs: the CPU, a CUDA device through PyTorch, or a test backend that fails on demand.
+
+The session talks to a backend through this narrow seam only. An accelerator backend reports every
+failure of its own as `AcceleratorFailure`, which the session answers by moving to the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..model.loader import HostModel
+from .forward import Forward
+from .state import Checkpoint, DecodeState
+
+
+class AcceleratorFailure(Exception):
+    """Something on the accelerator failed; the session falls back to the CPU with this reason."""
+
+
+@dataclass(frozen=True)
+class Memory:
+    free: int
+    total: int
+    source: str  # e.g. "cpu: MemAvailable" or "cuda:0: mem_get_info"
+
+
+def cpu_memory() -> Memory:
+    info = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, value = line.split(":", 1)
+                info[key] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    total = info.get("MemTotal", 0)
+    free = info.get("MemAvailable", info.get("MemFree", 0))
+    # a cgroup limit (containers) is the real ceiling when it is lower
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            raw = open(path).read().strip()
+            limit = int(raw) if raw != "max" else 0
+        except (OSError, ValueError):
+            continue
+        if 0 < limit < total:
+            used_path = path.replace("memory.max", "memory.current").replace("limit_in_bytes", "usage_in_bytes")
+            try:
+                used = int(open(used_path).read().strip())
+            except (OSError, ValueError):
+                used = 0
+            return Memory(min(free, max(limit - used, 0)), limit, "cpu: cgroup limit")
+    return Memory(free, total, "cpu: MemAvailable")
+
+
+class Backend:
+    """One device's view of a host model. Subclasses override `_setup` and the device facts."""
+
+    accelerator = False
+    name = "cpu"
+
+    def __init__(self, host: HostModel):
+        self.host = host
+        self.forward: Forward | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Initialise the device and put the weights there (once)."""
+        self.forward = Forward(self.host.config, self._device_weights(), self.device)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def _device_weights(self):
+        return self.host.weights
+
+    def bind_thread(self) -> None:
+        """Make this backend's device current in the calling thread (CUDA contexts are per thread)."""
+
+    def memory(self) -> Memory:
+        return cpu_memory()
+
+    def describe(self) -> str:
+        return f"CPU ({torch.get_num_threads()} threads)"
+
+    # -- state ------------------------------------------------------------------------------------
+    def new_state(self, capacity: int) -> DecodeState:
+        return self.forward.new_state(capacity)
+
+    def reset(self, state: DecodeState) -> None:
+        state.reset()
+
+    def save(self, state: DecodeState, into: Checkpoint | None) -> Checkpoint:
+        return state.checkpoint(into)
+
+    def restore(self, state: DecodeState, ck: Checkpoint, valid_prefix: int) -> None:
+        state.restore(ck, valid_prefix)
+
+    # -- forward ----------------------------------------------------------------------------------
+    def prefill(self, state: DecodeState, tokens, all_logits: bool = False) -> torch.Tensor:
+        return self.forward.prefill(state, tokens, all_logits)
+
+    def decode(self, state: DecodeState, token: int) -> torch.Tensor:
+        return self.forward.decode(state, token)
+
+
+class CPUBackend(Backend):
+    pass
+
+
+class CUDABackend(Backend):
+    """The same forward on a CUDA device: weights uploaded once, state on the device."""
+
+    accelerator = True
+
+    def __init__(self, host: HostModel, index: int = 0):
+        super().__init__(host)
+        self.index = index
+        self.name = f"cuda:{index}"
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", self.index)
+
+    def start(self) -> None:
+        try:
+            if not torch.cuda.is_available():
+                raise AcceleratorFailure("CUDA is not available to PyTorch "
+                                         f"(torch {torch.__version__}, built for CUDA {torch.version.cuda})")
+            torch.cuda.set_device(self.index)
+            super().start()
+        except AcceleratorFailure:
+            raise
+        except Exception as e:  # noqa: BLE001 - every device failure is a fallback reason
+            raise AcceleratorFailure(f"the CUDA model would not build: {e}") from e
+
+    def _device_weights(self):
+        return self.host.weights.to(self.device)
+
+    def bind_thread(self) -> None:
+        try:
+            torch.cuda.set_device(self.index)
+        except Exception as e:  # noqa: BLE001
+            raise AcceleratorFailure(f"the CUDA device would not bind to this thread: {e}") from e
+
+    def memory(self) -> Memory:
+        free, total = torch.cuda.mem_get_info(self.index)
+        return Memory(int(free), int(total), f"{self.name}: mem_get_info")
+
+    def describe(self) -> str:
+        props = torch.cuda.get_device_properties(self.index)
+        return f"GPU (CUDA, {props.name}, {props.total_memory // (1 << 20)} MiB)"
+
+    @property
+    def device_name(self) -> str:
+        return torch.cuda.get_device_properties(self.index).name
+
+    def _guarded(self, what: str, fn, *args):
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001
+            raise AcceleratorFailure(f"{what} failed on {self.name}: {e}") from e
+
+    def new_state(self, capacity):
+        return self._guarded(f"a decode state for {capacity} positions", super().new_state, capacity)
+
+    def reset(self, state):
+        return self._guarded("the state reset", super().reset, state)
+
+    def save(self, state, into):
+        return self._guarded("the checkpoint save", super().save, state, into)
+
+    def restore(self, state, ck, valid_prefix):
+        return self._guarded("the checkpoint restore", super().restore, state, ck, valid_prefix)
+
+    def prefill(self, state, tokens, all_logits=False):
+        return self._guarded(f"the prefill at position {state.length}", super().prefill, state, tokens, all_logits)
+
+    def decode(self, state, token):
+        return self._guarded(f"the decode step at position {state.length}", super().decode, state, token)
+
+
+class FaultyBackend(Backend):
+    """A test accelerator: the CPU forward, posing as a device, that fails at a chosen stage.
+
+    `stage` is one of: init, upload, alloc, prefill, decode, restore, guard. `after` is how many
+    calls of that stage succeed before the failure; `corrupt` makes the guard see wrong logits
+    (a silent numerical fault) instead of an exception.
+    """
+
+    accelerator = True
+    STAGES = ("init", "upload", "alloc", "prefill", "decode", "restore", "guard")
+
+    def __init__(self, host: HostModel, stage: str | None = None, after: int = 0, device_name: str = "faulty-test-device"):
+        super().__init__(host)
+        if stage is not None and stage not in self.STAGES:
+            raise ValueError(f"unknown fault stage {stage!r}; expected one of {self.STAGES}")
+        self.stage = stage
+        self.after = after
+        self.calls: dict[str, int] = {}
+        self.name = "faulty"
+        self.device_name = device_name
+
+    def _hit(self, stage: str) -> None:
+        n = self.calls.get(stage, 0)
+        self.calls[stage] = n + 1
+        if stage == self.stage and n >= self.after:
+            raise AcceleratorFailure(f"injected {stage} failure (call {n + 1})")
+
+    def start(self) -> None:
+        self._hit("init")
+        self._hit("upload")
+        super().start()
+
+    def describe(self) -> str:
+        return f"test accelerator ({self.device_name})"
+
+    def new_state(self, capacity):
+        self._hit("alloc")
+        return super().new_state(capacity)
+
+    def restore(self, state, ck, valid_prefix):
+        self._hit("restore")
+        return super().restore(state, ck, valid_prefix)
+
+    def prefill(self, state, tokens, all_logits=False):
+        self._hit("prefill")
+        out = super().prefill(state, tokens, all_logits)
+        return out
+
+    def decode(self, state, token):
+        self._hit("decode")
+        return super().decode(state, token)
+
+    def guard_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """What the guard sees from this device: corrupted when the fault stage is 'guard'."""
+        if self.stage == "guard":
+            g = torch.Generator().manual_seed(0)
+            return logits + torch.randn(logits.shape, generator=g) * logits.std() * 2
+        return logits
+
+
+def select_backend(host: HostModel, device: str = "auto") -> tuple[Backend, str | None]:
+    """The backend a session starts on, and why (a notice) when it is not the one asked for.
+
+    `device`: "cpu", "cuda", "cuda:N", or "auto" (CUDA when PyTorch sees a device, else CPU).
+    DELTASERVE_DEVICE overrides "auto".
+    """
+    if device == "auto":
+        device = os.environ.get("DELTASERVE_DEVICE", "auto")
+    if device == "cpu":
+        return CPUBackend(host), None
+    if device.startswith("cuda"):
+        index = int(device.split(":", 1)[1]) if ":" in device else 0
+        return CUDABackend(host, index), None
+    if device != "auto":
+        raise ValueError(f"unknown device {device!r}; expected auto, cpu, cuda or cuda:N")
+    if torch.cuda.is_available():
+        return CUDABackend(host, 0), None
+    return CPUBackend(host), "no CUDA device visible to PyTorch: serving from the CPU"

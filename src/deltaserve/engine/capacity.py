@@ -1,0 +1,119 @@
+"""The capacity plan: add up what a call needs, compare it with the measured free memory, refuse with the arithmetic.
+
+Nothing is allocated before a plan fits. Where several prefill plans exist (rows per prefill call,
+attention query rows), the first that fits is taken and the ones passed over are named.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import CapacityError
+from ..model.config import HybridConfig
+from .backend import Memory
+
+MiB = 1 << 20
+KiB = 1 << 10
+CPU_OVERHEAD = 256 * MiB    # interpreter, torch runtime, allocator slack
+CUDA_OVERHEAD = 512 * MiB   # CUDA context, cuBLAS workspaces, allocator slack
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """How a long span is prefilled: `rows` tokens per forward call, attention scores `query_rows` at a time."""
+
+    rows: int
+    query_rows: int
+
+    @property
+    def label(self) -> str:
+        return f"prefill {self.rows} rows x attention {self.query_rows} query rows"
+
+
+PREFILL_PLANS = (PrefillPlan(2048, 512), PrefillPlan(512, 128), PrefillPlan(128, 32), PrefillPlan(64, 8))
+
+
+def workspace_bytes(c: HybridConfig, plan: PrefillPlan, positions: int) -> int:
+    """Peak transient memory of one prefill call of `plan.rows` tokens with `positions` in the cache (f32)."""
+    r = plan.rows
+    # activations live at once in a layer: residual, normed input, mixer projections, MLP gate/up, outputs
+    widest_mixer = max(3 * c.conv_dim + 2 * c.value_dim,                 # qkv, conv window, z, output
+                       3 * c.num_attention_heads * c.head_dim + 4 * c.num_kv_heads * c.head_dim)
+    per_row = 4 * c.hidden_size + widest_mixer + 3 * c.intermediate_size
+    activations = r * per_row * 4
+    # chunked delta rule: per value head, [chunk x chunk] systems and [chunk x d] solves for every chunk
+    chunks = -(-r // 64)
+    nv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    delta = nv * chunks * 64 * (5 * 64 + 4 * dk + 4 * dv) * 4
+    # attention scores (+ mask) for query_rows queries over all positions
+    scores = c.num_attention_heads * min(plan.query_rows, r) * positions * (4 + 1)
+    logits = c.vocab_size * 4 * 2
+    return activations + delta + scores + logits
+
+
+@dataclass
+class Plan:
+    weights: int
+    positions: int
+    kv_per_position: int
+    kv_dtype: str
+    state: int
+    workspace: int
+    overhead: int
+    memory: Memory
+    prefill: PrefillPlan
+    passed_over: list[str] = field(default_factory=list)
+
+    @property
+    def kv(self) -> int:
+        return self.positions * self.kv_per_position
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.state + self.workspace + self.overhead
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.memory.free
+
+    def arithmetic(self) -> str:
+        return (f"weights {mib(self.weights)} MiB + KV {mib(self.kv)} MiB ({self.positions} positions x "
+                f"{kib(self.kv_per_position)} KiB {self.kv_dtype}) + state {mib(self.state)} MiB + "
+                f"workspace {mib(self.workspace)} MiB + overhead {mib(self.overhead)} MiB = {mib(self.total)} MiB, "
+                f"against {mib(self.memory.free)} MiB free of {mib(self.memory.total)} MiB ({self.memory.source})")
+
+    def describe(self) -> str:
+        lines = [self.arithmetic(), f"prefill plan: {self.prefill.label}"]
+        if self.passed_over:
+            lines.append("passed over: " + "; ".join(self.passed_over))
+        return "\n".join(lines)
+
+
+def mib(n: int) -> int:
+    return int(round(n / MiB))
+
+
+def kib(n: int) -> str:
+    v = n / KiB
+    return f"{v:.0f}" if v == int(v) else f"{v:.1f}"
+
+
+def plan(c: HybridConfig, positions: int, memory: Memory, weights: int = 0, overhead: int = CPU_OVERHEAD,
+         kv_dtype_bytes: int = 4, plans: tuple[PrefillPlan, ...] = PREFILL_PLANS) -> Plan:
+    """The first prefill plan whose total fits `memory.free`, or CapacityError carrying the arithmetic.
+
+    `weights` counts weights not yet resident (0 when they already are).
+    """
+    kv_per_pos = c.kv_bytes_per_position(kv_dtype_bytes)
+    kv_name = {4: "f32", 2: "f16"}.get(kv_dtype_bytes, f"{kv_dtype_bytes}-byte")
+    passed: list[str] = []
+    last: Plan | None = None
+    for p in plans:
+        candidate = Plan(weights, positions, kv_per_pos, kv_name, c.recurrent_state_bytes(),
+                         workspace_bytes(c, p, positions), overhead, memory, p, list(passed))
+        if candidate.fits:
+            return candidate
+        passed.append(f"{p.label} needs {mib(candidate.total)} MiB")
+        last = candidate
+    assert last is not None
+    raise CapacityError(f"the plan for {positions} positions does not fit: {last.arithmetic()}")

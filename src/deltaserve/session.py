@@ -1,0 +1,435 @@
+"""The resident session: one model on one backend, one decode state that outlives a call.
+
+A turn that extends what the state holds prefills only the new suffix; a checkpoint taken before
+the generation header lets a re-rendered history or a regenerate resume cheaply; the state grows by
+doubling under a capacity plan; an accelerator that fails is left for the CPU, loudly, and the turn
+is replayed there. See shared/design/session.md for the contract.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from .engine import capacity as cap
+from .engine.backend import AcceleratorFailure, Backend, CPUBackend
+from .engine.state import Checkpoint, DecodeState
+from .errors import BackendError, ContextError, DeltaserveError
+from .sampling import Sampler, SamplingParams
+
+MIN_CAPACITY = 4096
+PREFILL_ENV = "DELTASERVE_PREFILL"
+FALLBACK_PREFIX = "[deltaserve] accelerator failure"
+
+# on_token(token_id, text): called once per generated token with the text it completes (possibly "",
+# while a UTF-8 character or a possible stop string is incomplete); a last call (None, text) hands out
+# what was held back. Returning False cancels the turn.
+OnToken = Callable[["int | None", str], "bool | None"]
+
+
+@dataclass
+class Timings:
+    prefill_s: float = 0.0
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+
+
+@dataclass
+class Turn:
+    """What one turn did."""
+
+    tokens: list[int]
+    text: str
+    reused: int
+    prefilled: int
+    prompt_tokens: int
+    finish_reason: str            # "stop" | "length" | "cancelled"
+    context_capped: bool
+    backend: str
+    start: str                    # "extend" | "checkpoint" | "reset"
+    timings: Timings = field(default_factory=Timings)
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prefilled / self.timings.prefill_s if self.timings.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        steps = max(len(self.tokens) - 1, 0)
+        return steps / self.timings.decode_s if self.timings.decode_s > 0 else 0.0
+
+
+def grown_capacity(positions: int, current: int, min_capacity: int, context: int) -> int:
+    """The capacity a state grows to for a turn of `positions`: `min_capacity` doubled until it holds the
+    turn (never below double the current one), clamped to the context. A one-call state
+    (`min_capacity == 0`) is sized to the call exactly."""
+    if min_capacity == 0:
+        return positions
+    capacity = max(min_capacity, 2 * current)
+    while capacity < positions:
+        capacity *= 2
+    return max(min(capacity, context), positions)
+
+
+class Session:
+    """One resident decode state over a host model. Not thread-safe across turns: one turn at a time
+    (a lock enforces it)."""
+
+    def __init__(self, host, backend: Backend | None = None, *, context: int | None = None,
+                 one_call: bool = False, guard=None, quiet: bool = False, plan_memory=None):
+        self.host = host
+        self.tokenizer = host.tokenizer
+        declared = host.config.context_length
+        self.context = min(context, declared) if context else declared
+        self.min_capacity = 0 if one_call else MIN_CAPACITY
+        self.notices: list[str] = []
+        self.quiet = quiet
+        self._lock = threading.Lock()
+        self.held: list[int] = []
+        self.state: DecodeState | None = None
+        self.capacity = 0
+        self.allocations = 0
+        self._checkpoint: Checkpoint | None = None
+        self._checkpoint_tokens: tuple[int, ...] = ()
+        self._guard = guard
+        self._plan_memory = plan_memory  # tests inject a Memory; None measures the backend
+        self.per_token = os.environ.get(PREFILL_ENV, "").strip().lower() == "per-token"
+        self.batched_prefills = 0
+        self.turns = 0
+        if self.per_token:
+            self.say(f"[deltaserve] {PREFILL_ENV}=per-token: prompts prefill one token at a time, not batched")
+        self.im_start = self.tokenizer.im_start_id
+        self.stop_ids = frozenset(self.tokenizer.stop_ids) | frozenset(host.config.eos_token_ids)
+        self.backend = self._start(backend or CPUBackend(host))
+
+    # -- notices ----------------------------------------------------------------------------------
+    def say(self, line: str) -> None:
+        """Print a route decision once to stderr and keep it, in order."""
+        self.notices.append(line)
+        if not self.quiet:
+            print(line, file=sys.stderr, flush=True)
+
+    def _start(self, backend: Backend) -> Backend:
+        try:
+            backend.start()
+        except AcceleratorFailure as e:
+            self._say_fallback(str(e))
+            backend = CPUBackend(self.host)
+            backend.start()
+        self.say(f"Backend: {backend.describe()} [qwen35 hybrid, {self.host.config.num_layers} layers]")
+        return backend
+
+    def _say_fallback(self, reason: str) -> None:
+        self.say(f"{FALLBACK_PREFIX}, falling back to CPU: {reason}")
+
+    @property
+    def on_accelerator(self) -> bool:
+        return self.backend.accelerator
+
+    @property
+    def checkpoint_length(self) -> int:
+        return len(self._checkpoint_tokens) if self._checkpoint is not None else 0
+
+    # -- capacity ---------------------------------------------------------------------------------
+    def _memory(self):
+        return self._plan_memory if self._plan_memory is not None else self.backend.memory()
+
+    def _plan(self, capacity: int) -> cap.Plan:
+        memory = self._memory()
+        if self.state is not None:  # the old state is freed before the new one is allocated
+            memory = type(memory)(memory.free + self.state.nbytes, memory.total, memory.source)
+        overhead = cap.CUDA_OVERHEAD if self.backend.accelerator else cap.CPU_OVERHEAD
+        p = cap.plan(self.host.config, capacity, memory, weights=0, overhead=overhead)
+        if p.passed_over:
+            self.say(f"[deltaserve] prefill plan for {capacity} positions: {'; '.join(p.passed_over)}; "
+                     f"using {p.prefill.label}")
+        return p
+
+    def _reserve(self, positions: int) -> bool:
+        """Make the state hold `positions`; True when it was (re)allocated (what it held is gone)."""
+        if self.state is not None and positions <= self.capacity:
+            return False
+        capacity = grown_capacity(positions, self.capacity, self.min_capacity, self.context)
+        p = self._plan(capacity)  # a refusal is an error, never a fallback
+        self.held = []
+        self._drop_checkpoint()
+        self.state = None
+        while True:
+            try:
+                self.state = self.backend.new_state(capacity)
+                break
+            except AcceleratorFailure as e:
+                self._move_to_cpu(str(e), allocate=False)
+        self.backend.forward.use_plan(p.prefill.rows, p.prefill.query_rows)
+        self.capacity = capacity
+        self.allocations += 1
+        return True
+
+    def _drop_checkpoint(self) -> None:
+        self._checkpoint = None
+        self._checkpoint_tokens = ()
+
+    def _move_to_cpu(self, reason: str, allocate: bool = True) -> None:
+        self._say_fallback(reason)
+        self.backend = CPUBackend(self.host)
+        self.backend.start()
+        self.say(f"Backend: {self.backend.describe()} [after the fallback]")
+        self.held = []
+        self._drop_checkpoint()
+        self.state = None
+        if allocate:
+            p = self._plan(self.capacity)
+            self.state = self.backend.new_state(self.capacity)
+            self.backend.forward.use_plan(p.prefill.rows, p.prefill.query_rows)
+            self.allocations += 1
+
+    # -- where a prompt starts --------------------------------------------------------------------
+    def checkpoint_position(self, prompt: Sequence[int]) -> int:
+        """Just before the prompt's last <|im_start|> (its generation header), else before its last token."""
+        if self.im_start is not None:
+            for i in range(len(prompt) - 1, 0, -1):
+                if prompt[i] == self.im_start:
+                    return i
+        return len(prompt) - 1
+
+    def _decide_start(self, prompt: list[int]) -> tuple[str, int]:
+        n = len(self.held)
+        if 0 < n < len(prompt) and prompt[:n] == self.held:
+            return "extend", n
+        ck = self._checkpoint_tokens
+        if self._checkpoint is not None and 0 < len(ck) < len(prompt) and tuple(prompt[:len(ck)]) == ck:
+            valid = _common_prefix(self.held, ck)
+            try:
+                self.backend.restore(self.state, self._checkpoint, valid)
+            except AcceleratorFailure as e:
+                self._move_to_cpu(f"the device checkpoint would not restore: {e}")
+                return "reset", 0
+            self.held = list(ck)
+            return "checkpoint", len(ck)
+        self._reset_in_place()
+        return "reset", 0
+
+    def _reset_in_place(self) -> None:
+        try:
+            self.backend.reset(self.state)
+        except AcceleratorFailure as e:
+            self._move_to_cpu(f"the device state would not reset: {e}")
+        self.held = []
+
+    # -- feeding tokens -----------------------------------------------------------------------------
+    def _feed(self, seq: list[int], start: int, ck_at: int | None) -> tuple[torch.Tensor, int]:
+        """Advance the state from holding seq[:start] to holding seq; the logits at the last position,
+        and the position the feed really started from (0 after a fallback replay).
+
+        Crossing `ck_at` saves a checkpoint there. An accelerator failure moves the session to the CPU
+        and replays all of `seq` there. Any other failure clears `held` and the checkpoint and raises.
+        """
+        while True:
+            try:
+                logits = self._feed_on_backend(seq, start, ck_at)
+                self.held = seq
+                return logits, start
+            except AcceleratorFailure as e:
+                self._move_to_cpu(str(e))
+                start = 0
+            except DeltaserveError:
+                self._forget()
+                raise
+            except Exception as e:  # noqa: BLE001 - a half-valid state is never reused
+                self._forget()
+                raise BackendError(f"the forward failed at position {start}: {type(e).__name__}: {e}") from e
+
+    def _forget(self) -> None:
+        self.held = []
+        self._drop_checkpoint()
+        if self.state is not None:
+            self.state.length = 0
+
+    def _feed_on_backend(self, seq: list[int], start: int, ck_at: int | None) -> torch.Tensor:
+        self.held = []  # until the feed completes, what the state holds is not trusted
+        state = self.state
+        if state.length != start:
+            raise BackendError(f"internal: the state holds {state.length} positions, expected {start}")
+        cut = ck_at if ck_at is not None and start <= ck_at < len(seq) and ck_at > 0 else None
+        if cut is not None and cut > start:
+            self._span(seq[start:cut])
+        if cut is not None and tuple(seq[:cut]) != self._checkpoint_tokens:
+            self._checkpoint = self.backend.save(state, self._checkpoint)
+            self._checkpoint_tokens = tuple(seq[:cut])
+        return self._span(seq[cut if cut is not None else start:])
+
+    def _span(self, tokens: list[int]) -> torch.Tensor:
+        if len(tokens) > 1 and not self.per_token:
+            self.batched_prefills += 1
+            return self.backend.prefill(self.state, tokens)
+        logits = None
+        for t in tokens:
+            logits = self.backend.decode(self.state, t)
+        return logits
+
+    # -- a turn -----------------------------------------------------------------------------------
+    def generate(self, prompt_ids: Sequence[int], max_tokens: int = 256, temperature: float = 0.0,
+                 top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
+                 repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                 seed: int | None = None, stop: Sequence[str | int] | None = None,
+                 on_token: OnToken | None = None) -> Turn:
+        params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
+                                frequency_penalty, seed)
+        with self._lock:
+            return self._turn(list(int(t) for t in prompt_ids), max_tokens, params, stop, on_token)
+
+    def chat(self, messages, max_tokens: int = 256, enable_thinking: bool | None = None, **sampling) -> Turn:
+        """Render `messages` with the model's template (generation header added) and run a turn."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=enable_thinking)
+        return self.generate(self.tokenizer.encode(text), max_tokens=max_tokens, **sampling)
+
+    def _turn(self, prompt: list[int], max_tokens: int, params: SamplingParams, stop, on_token) -> Turn:
+        t0 = time.perf_counter()
+        n = len(prompt)
+        if n == 0:
+            raise ContextError("the prompt is empty: a turn needs at least one token")
+        if n >= self.context:
+            raise ContextError(f"the prompt has {n} tokens and the context holds {self.context}: "
+                               f"refused whole (nothing is truncated)")
+        if max_tokens < 1:
+            raise DeltaserveError(f"max_tokens must be at least 1, got {max_tokens}")
+        vocab = self.host.config.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise DeltaserveError(f"the prompt has a token id outside 0..{vocab - 1}")
+        budget = min(max_tokens, self.context - n)
+        limited = budget < max_tokens
+        stop_ids, stop_texts = set(self.stop_ids), []
+        for s in stop or ():
+            (stop_ids.add(int(s)) if isinstance(s, int) else stop_texts.append(str(s)))
+
+        try:
+            self.backend.bind_thread()
+        except AcceleratorFailure as e:
+            self._move_to_cpu(str(e), allocate=self.state is not None)
+        self._reserve(n + budget)
+        if self._guard is not None and self.backend.accelerator:
+            guard, self._guard = self._guard, None  # once per session
+            try:
+                rejection = guard(self, prompt)
+            except AcceleratorFailure as e:
+                rejection = f"the parity probe failed: {e}"
+            if rejection is not None:
+                self._move_to_cpu(rejection)
+        start_kind, start = self._decide_start(prompt)
+
+        prefill_t0 = time.perf_counter()
+        logits, start = self._feed(prompt, start, self.checkpoint_position(prompt))
+        prefill_s = time.perf_counter() - prefill_t0
+        if start == 0:
+            start_kind = "reset"
+
+        sampler = Sampler(params)
+        stream = _TextStream(self.tokenizer, stop_texts)
+        generated: list[int] = []
+        finish = "length"
+        ttft = 0.0
+        decode_t0 = time.perf_counter()
+        seq = prompt
+        while len(generated) < budget:
+            token = sampler(logits, prompt, generated)
+            if not generated:
+                ttft = time.perf_counter() - t0
+                decode_t0 = time.perf_counter()
+            if token in stop_ids:
+                finish = "stop"
+                break
+            generated.append(token)
+            piece, hit_stop = stream.push(token)
+            if on_token is not None and on_token(token, piece) is False:
+                finish = "cancelled"
+                break
+            if hit_stop:
+                finish = "stop"
+                break
+            if len(generated) >= budget:
+                break
+            seq = seq + [token]
+            logits, _ = self._feed(seq, len(seq) - 1, None)
+        decode_s = time.perf_counter() - decode_t0 if generated else 0.0
+        tail = stream.finish()
+        if tail and on_token is not None and finish != "cancelled":
+            on_token(None, tail)
+        self.turns += 1
+        return Turn(
+            tokens=generated, text=stream.text, reused=start, prefilled=n - start, prompt_tokens=n,
+            finish_reason=finish, context_capped=finish == "length" and limited,
+            backend=self.backend.name, start=start_kind,
+            timings=Timings(prefill_s=prefill_s, ttft_s=ttft, decode_s=decode_s))
+
+    def reset(self) -> None:
+        """Forget the conversation (state reset in place, checkpoint dropped)."""
+        with self._lock:
+            if self.state is not None:
+                self._reset_in_place()
+            self._drop_checkpoint()
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class _TextStream:
+    """Detokenises a generation as it goes; holds back text that could be the start of a stop string,
+    and cuts the text at the first stop string (which is not included)."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        from .model.tokenizer import StreamDecoder
+
+        self.dec = StreamDecoder(tokenizer)
+        self.stops = [s for s in stops if s]
+        self.text = ""      # text handed out so far (never includes a stop string)
+        self.pending = ""   # decoded but held back
+        self.stopped = False
+
+    def push(self, token: int) -> tuple[str, bool]:
+        self.pending += self.dec.feed(token)
+        if not self.stops:
+            out, self.pending = self.pending, ""
+            self.text += out
+            return out, False
+        for s in self.stops:
+            k = self.pending.find(s)
+            if k >= 0:
+                out = self.pending[:k]
+                self.pending = ""
+                self.text += out
+                self.stopped = True
+                return out, True
+        keep = max((len(s) - 1 for s in self.stops), default=0)
+        # hold back the longest tail that is a prefix of some stop string
+        hold = 0
+        for j in range(1, min(keep, len(self.pending)) + 1):
+            tail = self.pending[-j:]
+            if any(s.startswith(tail) for s in self.stops):
+                hold = j
+        out = self.pending[:len(self.pending) - hold]
+        self.pending = self.pending[len(self.pending) - hold:]
+        self.text += out
+        return out, False
+
+    def finish(self) -> str:
+        if self.stopped:
+            return ""
+        rest = self.pending + self.dec.flush()
+        self.pending = ""
+        self.text += rest
+        return rest

@@ -1,0 +1,41 @@
+"""Shared fixtures: small random Qwen3.5 models (built once, cached under .fixtures/), loaded once per test run."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# every test gets a private guard-verdict cache, so a verdict from a developer's machine never leaks in
+os.environ.setdefault("DELTASERVE_CACHE_DIR", str(ROOT / ".fixtures" / "cache"))
+
+from tests.fixtures import models as fx  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def hybrid_hf_dir() -> Path:
+    return fx.hf_dir("hybrid")
+
+
+@pytest.fixture(scope="session")
+def hybrid_gguf() -> Path:
+    return fx.gguf_path("hybrid", "f32")
+
+
+@pytest.fixture(scope="session")
+def hybrid_model(hybrid_gguf):
+    import deltaserve
+
+    return deltaserve.load(hybrid_gguf)
+
+
+@pytest.fixture(scope="session")
+def hybrid_oracle():
+    return fx.load_hf_model("hybrid")
