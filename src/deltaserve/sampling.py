@@ -58,7 +58,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, prompt: Sequence[int], generated: Sequence[int]) -> int:
         p = self.params
-        x = logits.detach().float().reshape(-1).cpu()
+        x = logits.detach().float().reshape(-1).cpu().clone()
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(prompt) | set(generated)), dtype=torch.long)
             if seen.numel():

@@ -54,6 +54,7 @@ class Turn:
     backend: str
     start: str                    # "extend" | "checkpoint" | "reset"
     timings: Timings = field(default_factory=Timings)
+    prompt_logits: torch.Tensor | None = field(default=None, repr=False)  # at the prompt's last position
 
     @property
     def generated(self) -> int:
@@ -330,6 +331,7 @@ class Session:
         prefill_t0 = time.perf_counter()
         logits, start = self._feed(prompt, start, self.checkpoint_position(prompt))
         prefill_s = time.perf_counter() - prefill_t0
+        prompt_logits = logits
         if start == 0:
             start_kind = "reset"
 
@@ -369,7 +371,7 @@ class Session:
             tokens=generated, text=stream.text, reused=start, prefilled=n - start, prompt_tokens=n,
             finish_reason=finish, context_capped=finish == "length" and limited,
             backend=self.backend.name, start=start_kind,
-            timings=Timings(prefill_s=prefill_s, ttft_s=ttft, decode_s=decode_s))
+            timings=Timings(prefill_s=prefill_s, ttft_s=ttft, decode_s=decode_s), prompt_logits=prompt_logits)
 
     def reset(self) -> None:
         """Forget the conversation (state reset in place, checkpoint dropped)."""

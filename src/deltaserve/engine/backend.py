@@ -194,8 +194,10 @@ class FaultyBackend(Backend):
     accelerator = True
     STAGES = ("init", "upload", "alloc", "prefill", "decode", "restore", "guard")
 
-    def __init__(self, host: HostModel, stage: str | None = None, after: int = 0, device_name: str = "faulty-test-device"):
+    def __init__(self, host: HostModel, stage: str | None = None, after: int = 0,
+                 device_name: str = "faulty-test-device", accelerator: bool = True):
         super().__init__(host)
+        self.accelerator = accelerator  # False: a CPU whose forward breaks (no fallback, the turn fails)
         if stage is not None and stage not in self.STAGES:
             raise ValueError(f"unknown fault stage {stage!r}; expected one of {self.STAGES}")
         self.stage = stage
@@ -208,7 +210,10 @@ class FaultyBackend(Backend):
         n = self.calls.get(stage, 0)
         self.calls[stage] = n + 1
         if stage == self.stage and n >= self.after:
-            raise AcceleratorFailure(f"injected {stage} failure (call {n + 1})")
+            if self.accelerator:
+                raise AcceleratorFailure(f"injected {stage} failure (call {n + 1})")
+            self.stage = None  # a CPU fault happens once
+            raise RuntimeError(f"injected {stage} failure (call {n + 1})")
 
     def start(self) -> None:
         self._hit("init")

@@ -69,7 +69,9 @@ class DecodeState:
         if into is not None and into.device == self.device and into.kv_capacity >= n and into.config is self.config:
             ck = into
         else:
-            ck = Checkpoint.empty(self.config, max(n, 1), self.device, self.kv_dtype)
+            # room to grow: the next checkpoint of a conversation is longer, and reuses these buffers
+            room = min(self.capacity, max(256, 1 << max(n - 1, 1).bit_length()))
+            ck = Checkpoint.empty(self.config, room, self.device, self.kv_dtype)
         for i, (k, v) in self.kv.items():
             ck.kv[i][0][:, :n].copy_(k[:, :n])
             ck.kv[i][1][:, :n].copy_(v[:, :n])

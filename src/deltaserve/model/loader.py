@@ -277,7 +277,7 @@ def load_host(path: str | os.PathLike) -> HostModel:
             with open(p, "rb") as fh:
                 head = fh.read(4)
             raise ModelFormatError(
-                f"{p.name} is neither a GGUF file (it starts with {head!r}, not b'GGUF') nor an HF model directory")
+                f"{p.name} is not a GGUF file (it starts with {head!r}, a GGUF starts with b'GGUF') nor an HF model directory")
         f = read_gguf(p)
         src = GGUFSource(f)
         if "token_embd.weight" not in f.tensors:
@@ -302,6 +302,8 @@ _HOSTS_LOCK = threading.Lock()
 
 def cached_host(path: str | os.PathLike) -> HostModel:
     """load_host once per (path, size, mtime) in this process: a file rewritten in place is read again."""
+    if not Path(path).exists():
+        raise ModelFormatError(f"no such model: {path}")
     key = file_identity(Path(path))
     with _HOSTS_LOCK:
         host = _HOSTS.get(key)

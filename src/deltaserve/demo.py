@@ -1,0 +1,16 @@
+"""The embedded demo model: a tiny Qwen3.5 trained to hold a short conversation, shipped in the package."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .errors import DeltaserveError
+
+DEMO_FILE = Path(__file__).resolve().parent / "data" / "demo-qwen35.gguf"
+
+
+def default_model_path() -> Path:
+    if not DEMO_FILE.exists():
+        raise DeltaserveError(f"no model named and the embedded demo model is missing ({DEMO_FILE}); "
+                              "pass a GGUF file or an HF directory")
+    return DEMO_FILE

@@ -1,0 +1,44 @@
+"""Rewrite a GGUF with one thing changed (arch, a tensor dropped or reshaped): bad files for the error tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import GGUFReader, GGUFValueType
+
+
+def rewrite(src: Path, dst: Path, arch: str | None = None, drop: str | None = None,
+            reshape: tuple[str, int] | None = None) -> Path:
+    """Copy `src` to `dst`: `arch` renames the architecture (and its key prefix), `drop` leaves a tensor out,
+    `reshape=(name, rows)` keeps only the first `rows` rows of a 2-D f32 tensor."""
+    r = GGUFReader(src)
+    old_arch = r.fields["general.architecture"].contents()
+    new_arch = arch or old_arch
+    w = gguf.GGUFWriter(str(dst), new_arch)
+    for name, field in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        key = new_arch + name[len(old_arch):] if name.startswith(old_arch + ".") else name
+        vtype = field.types[0]
+        value = field.contents()
+        if vtype == GGUFValueType.ARRAY:
+            w.add_key_value(key, value, vtype, sub_type=field.types[-1])
+        else:
+            w.add_key_value(key, value, vtype)
+    for t in r.tensors:
+        if t.name == drop:
+            continue
+        data = np.array(t.data)
+        if reshape and t.name == reshape[0]:
+            data = data[: reshape[1]]
+        if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            w.add_tensor(t.name, data)
+        else:
+            w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst

@@ -1,0 +1,97 @@
+"""`deltaserve run` prints what transformers' greedy generate produces; sampling is reproducible by seed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import deltaserve
+from deltaserve.errors import DeltaserveError
+from deltaserve.sampling import Sampler, SamplingParams
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deltaserve.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def transformers_greedy(oracle, tokenizer, ids: list[int], n: int) -> str:
+    with torch.no_grad():
+        out = oracle.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                              eos_token_id=sorted(tokenizer.stop_ids), pad_token_id=tokenizer.pad_id)
+    new = out[0, len(ids):].tolist()
+    new = [t for t in new if t not in tokenizer.stop_ids]
+    return tokenizer.decode(new)
+
+
+@pytest.mark.parametrize("source", ["gguf", "hf"])
+def test_run_prints_exactly_what_transformers_greedy_generate_produces(source, hybrid_gguf, hybrid_hf_dir, hybrid_oracle):
+    path = hybrid_gguf if source == "gguf" else hybrid_hf_dir
+    model = deltaserve.load(path)
+    prompt = "The quick brown fox said hello to the"
+    want = transformers_greedy(hybrid_oracle, model.tokenizer, model.tokenizer.encode(prompt), 40)
+    proc = run_cli("run", str(path), "-p", prompt, "-n", "40", "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == want + "\n"
+    stats = [line for line in proc.stderr.splitlines() if line.startswith("[stats]")]
+    assert len(stats) == 1
+    for needle in ("prompt", "prefill", "tok/s", "decode", "load"):
+        assert needle in stats[0]
+
+
+def test_run_with_the_chat_template_matches_transformers_on_the_rendered_prompt(hybrid_gguf, hybrid_oracle):
+    model = deltaserve.load(hybrid_gguf)
+    text = model.tokenizer.apply_chat_template([{"role": "user", "content": "Say something."}],
+                                               add_generation_prompt=True, enable_thinking=False)
+    want = transformers_greedy(hybrid_oracle, model.tokenizer, model.tokenizer.encode(text), 24)
+    proc = run_cli("run", str(hybrid_gguf), "--chat", "--think", "off", "-p", "Say something.", "-n", "24")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == want + "\n"
+
+
+def test_every_verb_has_help():
+    for verb in ("run", "chat", "serve", "convert", "inspect", "bench"):
+        proc = run_cli(verb, "--help")
+        assert proc.returncode == 0 and "usage: deltaserve " + verb in proc.stdout
+
+
+def test_inspect_prints_the_config_and_every_tensor_type(hybrid_gguf):
+    proc = run_cli("inspect", str(hybrid_gguf))
+    assert proc.returncode == 0, proc.stderr
+    assert "4 layers (3 Gated DeltaNet, 1 gated attention: [3])" in proc.stdout
+    assert "blk.0.ssm_conv1d.weight" in proc.stdout and "F32" in proc.stdout
+
+
+def test_a_seed_reproduces_a_sampled_generation(hybrid_model):
+    ids = hybrid_model.tokenizer.encode("Once upon a time")
+    kw = dict(max_tokens=30, temperature=0.9, top_k=50, top_p=0.95, min_p=0.01, seed=1234)
+    a = hybrid_model.generate(ids, **kw).tokens
+    b = hybrid_model.generate(ids, **kw).tokens
+    c = hybrid_model.generate(ids, **dict(kw, seed=99)).tokens
+    assert a == b and a != c
+
+
+def test_top_k_one_is_greedy_and_top_p_keeps_the_smallest_set_reaching_p():
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0, 3.0])
+    assert Sampler(SamplingParams(temperature=1.0, top_k=1, seed=0))(logits, [], []) == 4
+    probs = torch.softmax(logits, -1)
+    # the top two (ids 4, 0) hold more than 0.8 of the mass: only they may come out
+    assert probs[4] + probs[0] > 0.8
+    seen = {Sampler(SamplingParams(temperature=1.0, top_p=0.8, seed=s))(logits, [], []) for s in range(200)}
+    assert seen == {0, 4}
+    seen = {Sampler(SamplingParams(temperature=1.0, min_p=0.3, seed=s))(logits, [], []) for s in range(200)}
+    assert seen == {0, 4}  # p(0) / p(4) = e^-1 = 0.37 stays; p(1) / p(4) = e^-2 = 0.14 falls under 0.3
+
+
+def test_repetition_penalty_follows_the_hf_rule():
+    logits = torch.tensor([2.0, 1.9, -1.0])
+    # id 0 seen: 2.0 / 1.5 = 1.33 < 1.9, so greedy picks id 1
+    assert Sampler(SamplingParams(repetition_penalty=1.5))(logits, [0], []) == 1
+    assert Sampler(SamplingParams())(logits, [0], []) == 0
+
+
+def test_invalid_sampling_parameters_are_refused_by_name():
+    with pytest.raises(DeltaserveError, match="top_p"):
+        SamplingParams(top_p=1.5)
