@@ -10,9 +10,9 @@ from gguf import GGUFReader, GGUFValueType
 
 
 def rewrite(src: Path, dst: Path, arch: str | None = None, drop: str | None = None,
-            reshape: tuple[str, int] | None = None) -> Path:
+            reshape: tuple[str, int] | None = None, meta: dict | None = None) -> Path:
     """Copy `src` to `dst`: `arch` renames the architecture (and its key prefix), `drop` leaves a tensor out,
-    `reshape=(name, rows)` keeps only the first `rows` rows of a 2-D f32 tensor."""
+    `reshape=(name, rows)` keeps only the first `rows` rows of a 2-D f32 tensor, `meta` overrides values."""
     r = GGUFReader(src)
     old_arch = r.fields["general.architecture"].contents()
     new_arch = arch or old_arch
@@ -23,6 +23,8 @@ def rewrite(src: Path, dst: Path, arch: str | None = None, drop: str | None = No
         key = new_arch + name[len(old_arch):] if name.startswith(old_arch + ".") else name
         vtype = field.types[0]
         value = field.contents()
+        if meta and key in meta:
+            value = meta[key]
         if vtype == GGUFValueType.ARRAY:
             w.add_key_value(key, value, vtype, sub_type=field.types[-1])
         else:

@@ -51,7 +51,8 @@ class Model:
         return select_backend(self.host, device or self.device)
 
     def session(self, context: int | None = None, device: str | None = None, backend: Backend | None = None,
-                guard=None, quiet: bool = False, one_call: bool = False, plan_memory=None) -> Session:
+                guard=None, quiet: bool = False, one_call: bool = False, plan_memory=None,
+                plan_positions: int | None = None) -> Session:
         """A resident session: its state starts at 4096 positions and grows by doubling."""
         notice = None
         if backend is None:
@@ -60,7 +61,7 @@ class Model:
             from .engine.guard import ParityGuard
             guard = ParityGuard()
         s = Session(self.host, backend, context=context, one_call=one_call, guard=guard, quiet=quiet,
-                    plan_memory=plan_memory)
+                    plan_memory=plan_memory, plan_positions=plan_positions)
         if notice:
             s.notices.insert(0, notice)
         return s

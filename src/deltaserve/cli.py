@@ -23,7 +23,8 @@ def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
 
 
 def _add_runtime(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="auto", help="auto (CUDA when visible, else CPU), cpu, cuda, cuda:N")
+    p.add_argument("--device", default="auto",
+                   help="auto (CUDA when visible, else CPU), cpu, cuda, cuda:N (faulty[:STAGE] is a test device)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     p.add_argument("--ctx", type=int, default=None, help="context positions to allow (default: the model's declared)")
     p.add_argument("--revalidate", action="store_true", help="run the accelerator parity guard even if a verdict is cached")
@@ -91,7 +92,10 @@ def cmd_run(a) -> int:
     backend, notice = model.backend(a.device)
     if notice:
         print(notice, file=sys.stderr)
-    session = model.session(context=a.ctx, backend=backend, one_call=True, guard=_guard(a) if backend.accelerator else None)
+    context = min(a.ctx or model.config.context_length, model.config.context_length)
+    positions = len(ids) + min(a.max_tokens, max(context - len(ids), 0))
+    session = model.session(context=a.ctx, backend=backend, one_call=True, plan_positions=positions,
+                            guard=_guard(a) if backend.accelerator else None)
     out = sys.stdout
 
     def on_token(_tid, piece):

@@ -87,7 +87,8 @@ class Session:
     (a lock enforces it)."""
 
     def __init__(self, host, backend: Backend | None = None, *, context: int | None = None,
-                 one_call: bool = False, guard=None, quiet: bool = False, plan_memory=None):
+                 one_call: bool = False, guard=None, quiet: bool = False, plan_memory=None,
+                 plan_positions: int | None = None):
         self.host = host
         self.tokenizer = host.tokenizer
         declared = host.config.context_length
@@ -111,7 +112,7 @@ class Session:
             self.say(f"[deltaserve] {PREFILL_ENV}=per-token: prompts prefill one token at a time, not batched")
         self.im_start = self.tokenizer.im_start_id
         self.stop_ids = frozenset(self.tokenizer.stop_ids) | frozenset(host.config.eos_token_ids)
-        self.backend = self._start(backend or CPUBackend(host))
+        self.backend = self._start(backend or CPUBackend(host), plan_positions)
 
     # -- notices ----------------------------------------------------------------------------------
     def say(self, line: str) -> None:
@@ -120,8 +121,14 @@ class Session:
         if not self.quiet:
             print(line, file=sys.stderr, flush=True)
 
-    def _start(self, backend: Backend) -> Backend:
+    def _start(self, backend: Backend, plan_positions: int | None) -> Backend:
         try:
+            if backend.accelerator and plan_positions:
+                # before a byte is uploaded: weights + the call's state against the device's free memory.
+                # A refusal is an error (CapacityError), never a fallback.
+                memory = self._plan_memory if self._plan_memory is not None else backend.memory()
+                cap.plan(self.host.config, min(plan_positions, self.context), memory,
+                         weights=self.host.weights.nbytes, overhead=cap.CUDA_OVERHEAD)
             backend.start()
         except AcceleratorFailure as e:
             self._say_fallback(str(e))
@@ -150,7 +157,8 @@ class Session:
         if self.state is not None:  # the old state is freed before the new one is allocated
             memory = type(memory)(memory.free + self.state.nbytes, memory.total, memory.source)
         overhead = cap.CUDA_OVERHEAD if self.backend.accelerator else cap.CPU_OVERHEAD
-        p = cap.plan(self.host.config, capacity, memory, weights=0, overhead=overhead)
+        p = cap.plan(self.host.config, capacity, memory, weights=0, overhead=overhead,
+                     resident=self.host.weights.nbytes)
         if p.passed_over:
             self.say(f"[deltaserve] prefill plan for {capacity} positions: {'; '.join(p.passed_over)}; "
                      f"using {p.prefill.label}")

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import DeltaserveError
 from ..model.loader import HostModel
 from .forward import Forward
 from .state import Checkpoint, DecodeState
@@ -251,18 +252,23 @@ class FaultyBackend(Backend):
 def select_backend(host: HostModel, device: str = "auto") -> tuple[Backend, str | None]:
     """The backend a session starts on, and why (a notice) when it is not the one asked for.
 
-    `device`: "cpu", "cuda", "cuda:N", or "auto" (CUDA when PyTorch sees a device, else CPU).
-    DELTASERVE_DEVICE overrides "auto".
+    `device`: "cpu", "cuda", "cuda:N", or "auto" (CUDA when PyTorch sees a device, else CPU);
+    "faulty[:STAGE[:AFTER]]" is the test accelerator. DELTASERVE_DEVICE overrides "auto".
     """
     if device == "auto":
         device = os.environ.get("DELTASERVE_DEVICE", "auto")
     if device == "cpu":
         return CPUBackend(host), None
+    if device.startswith("faulty"):  # the test accelerator: faulty[:STAGE[:AFTER]]
+        parts = device.split(":")
+        stage = parts[1] if len(parts) > 1 and parts[1] else None
+        after = int(parts[2]) if len(parts) > 2 else 0
+        return FaultyBackend(host, stage=stage, after=after), None
     if device.startswith("cuda"):
         index = int(device.split(":", 1)[1]) if ":" in device else 0
         return CUDABackend(host, index), None
     if device != "auto":
-        raise ValueError(f"unknown device {device!r}; expected auto, cpu, cuda or cuda:N")
+        raise DeltaserveError(f"unknown device {device!r}; expected auto, cpu, cuda or cuda:N")
     if torch.cuda.is_available():
         return CUDABackend(host, 0), None
     return CPUBackend(host), "no CUDA device visible to PyTorch: serving from the CPU"

@@ -63,6 +63,7 @@ class Plan:
     memory: Memory
     prefill: PrefillPlan
     passed_over: list[str] = field(default_factory=list)
+    resident: int = 0  # weights already in this memory (not counted again)
 
     @property
     def kv(self) -> int:
@@ -77,7 +78,10 @@ class Plan:
         return self.total <= self.memory.free
 
     def arithmetic(self) -> str:
-        return (f"weights {mib(self.weights)} MiB + KV {mib(self.kv)} MiB ({self.positions} positions x "
+        weights = f"weights {mib(self.weights)} MiB"
+        if self.resident and not self.weights:
+            weights += f" (the {mib(self.resident)} MiB loaded are resident already)"
+        return (f"{weights} + KV {mib(self.kv)} MiB ({self.positions} positions x "
                 f"{kib(self.kv_per_position)} KiB {self.kv_dtype}) + state {mib(self.state)} MiB + "
                 f"workspace {mib(self.workspace)} MiB + overhead {mib(self.overhead)} MiB = {mib(self.total)} MiB, "
                 f"against {mib(self.memory.free)} MiB free of {mib(self.memory.total)} MiB ({self.memory.source})")
@@ -99,10 +103,10 @@ def kib(n: int) -> str:
 
 
 def plan(c: HybridConfig, positions: int, memory: Memory, weights: int = 0, overhead: int = CPU_OVERHEAD,
-         kv_dtype_bytes: int = 4, plans: tuple[PrefillPlan, ...] = PREFILL_PLANS) -> Plan:
+         kv_dtype_bytes: int = 4, plans: tuple[PrefillPlan, ...] = PREFILL_PLANS, resident: int = 0) -> Plan:
     """The first prefill plan whose total fits `memory.free`, or CapacityError carrying the arithmetic.
 
-    `weights` counts weights not yet resident (0 when they already are).
+    `weights` counts weights not yet resident; `resident` names those already loaded (for the message).
     """
     kv_per_pos = c.kv_bytes_per_position(kv_dtype_bytes)
     kv_name = {4: "f32", 2: "f16"}.get(kv_dtype_bytes, f"{kv_dtype_bytes}-byte")
@@ -110,7 +114,7 @@ def plan(c: HybridConfig, positions: int, memory: Memory, weights: int = 0, over
     last: Plan | None = None
     for p in plans:
         candidate = Plan(weights, positions, kv_per_pos, kv_name, c.recurrent_state_bytes(),
-                         workspace_bytes(c, p, positions), overhead, memory, p, list(passed))
+                         workspace_bytes(c, p, positions), overhead, memory, p, list(passed), resident)
         if candidate.fits:
             return candidate
         passed.append(f"{p.label} needs {mib(candidate.total)} MiB")

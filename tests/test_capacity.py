@@ -1,0 +1,107 @@
+"""The capacity plan: what a call needs against the measured free memory, refused with the arithmetic."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import deltaserve
+from deltaserve.engine import capacity as cap
+from deltaserve.engine.backend import Memory, cpu_memory
+from deltaserve.engine.state import DecodeState
+from deltaserve.errors import CapacityError
+from tests.gguf_edit import rewrite
+
+MiB = 1 << 20
+
+
+def expected_total(c, positions: int, plan: cap.PrefillPlan, weights: int, overhead: int) -> int:
+    """The sum, computed here from the config's numbers (not from the Plan object)."""
+    kv = positions * 2 * c.num_kv_heads * c.head_dim * 4 * sum(1 for t in c.layer_types if t == "full_attention")
+    state = sum(c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+                + (c.conv_kernel - 1) * (2 * c.linear_num_key_heads * c.linear_key_head_dim
+                                         + c.linear_num_value_heads * c.linear_value_head_dim) * 4
+                for t in c.layer_types if t != "full_attention")
+    return weights + kv + state + cap.workspace_bytes(c, plan, positions) + overhead
+
+
+def test_the_refusal_message_carries_the_arithmetic(hybrid_model):
+    c = hybrid_model.config
+    positions = 16384
+    memory = Memory(free=300 * MiB, total=24000 * MiB, source="cpu: MemAvailable")
+    weights = 1520 * MiB
+    with pytest.raises(CapacityError) as e:
+        cap.plan(c, positions, memory, weights=weights, overhead=cap.CPU_OVERHEAD,
+                 plans=(cap.PrefillPlan(2048, 512),))
+    kv = positions * 512  # 2 x 2 KV heads x 32 dims x 4 bytes x 1 attention layer = 512 B per position
+    plan = cap.PrefillPlan(2048, 512)
+    total = expected_total(c, positions, plan, weights, cap.CPU_OVERHEAD)
+    state = c.recurrent_state_bytes()
+    want = (f"the plan for 16384 positions does not fit: weights 1520 MiB + KV {round(kv / MiB)} MiB "
+            f"(16384 positions x 0.5 KiB f32) + state {round(state / MiB)} MiB + workspace "
+            f"{round(cap.workspace_bytes(c, plan, positions) / MiB)} MiB + overhead 256 MiB = {round(total / MiB)} MiB, "
+            f"against 300 MiB free of 24000 MiB (cpu: MemAvailable)")
+    assert str(e.value) == want
+
+
+def test_the_first_prefill_plan_that_fits_is_taken_and_the_others_named(hybrid_model):
+    c = hybrid_model.config
+    positions = 262144
+    big, small = cap.PREFILL_PLANS[0], cap.PREFILL_PLANS[-1]
+    need_small = expected_total(c, positions, small, 0, cap.CPU_OVERHEAD)
+    need_big = expected_total(c, positions, big, 0, cap.CPU_OVERHEAD)
+    assert need_small < need_big
+    p = cap.plan(c, positions, Memory(free=need_small, total=4 * need_big, source="test"))
+    assert p.prefill == small and p.total == need_small
+    assert len(p.passed_over) == len(cap.PREFILL_PLANS) - 1
+    assert f"needs {round(need_big / MiB)} MiB" in p.passed_over[0]
+
+
+def test_a_plan_that_fits_is_not_refused(hybrid_model):
+    p = cap.plan(hybrid_model.config, 4096, cpu_memory(), weights=hybrid_model.host.weights.nbytes)
+    assert p.fits and p.total < cpu_memory().free
+
+
+def test_a_session_that_cannot_grow_is_refused_before_it_allocates(hybrid_model):
+    c = hybrid_model.config
+    # enough for 4096 positions; 8192 do not fit even counting the 4096-position state freed first
+    old_state = 4096 * 512 + c.recurrent_state_bytes()
+    free = expected_total(c, 8192, cap.PREFILL_PLANS[-1], 0, cap.CPU_OVERHEAD) - old_state - 1
+    assert expected_total(c, 4096, cap.PREFILL_PLANS[-1], 0, cap.CPU_OVERHEAD) <= free
+    tight = Memory(free=free, total=1 << 34, source="test")
+    s = hybrid_model.session(quiet=True, plan_memory=tight)
+    s.generate([1, 2, 3], max_tokens=2)
+    assert s.capacity == 4096
+    before = DecodeState.allocations
+    with pytest.raises(CapacityError, match="the plan for 8192 positions does not fit"):
+        s.generate([5] * 4100, max_tokens=2)
+    assert DecodeState.allocations == before  # refused, not attempted
+    assert s.state is not None and s.capacity == 4096  # and the old state is still there
+
+
+def test_a_cpu_context_larger_than_the_machine_is_refused_before_any_allocation(tmp_path, hybrid_gguf):
+    huge = rewrite(hybrid_gguf, tmp_path / "huge-context.gguf", meta={"qwen35.context_length": 1 << 31})
+    model = deltaserve.load(huge, cache=False)
+    before = DecodeState.allocations
+    s = model.session(one_call=True, quiet=True)
+    with pytest.raises(CapacityError) as e:
+        s.generate([1, 2, 3], max_tokens=(1 << 31) - 10)
+    assert DecodeState.allocations == before
+    msg = str(e.value)
+    positions = 3 + (1 << 31) - 10
+    assert f"KV {round(positions * 512 / MiB)} MiB ({positions} positions x 0.5 KiB f32)" in msg
+    assert "(cpu: MemAvailable)" in msg or "(cpu: cgroup limit)" in msg
+    proc = subprocess.run([sys.executable, "-m", "deltaserve.cli", "run", str(huge), "-p", "hi", "-n", str((1 << 31) - 10),
+                           "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "deltaserve: error: the plan for" in proc.stderr and "does not fit" in proc.stderr
+
+
+def test_inspect_prints_the_plan_for_a_context(hybrid_gguf):
+    proc = subprocess.run([sys.executable, "-m", "deltaserve.cli", "inspect", str(hybrid_gguf), "--ctx", "16384"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "capacity plan for 16384 positions: fits" in proc.stdout
+    assert "KV 8 MiB (16384 positions x 0.5 KiB f32)" in proc.stdout
