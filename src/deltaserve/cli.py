@@ -216,8 +216,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks against llama.cpp and transformers",
                        description="Run the benchmarks and write results under benchmarks/.")
-    b.add_argument("what", nargs="?", default="all", help="which benchmark (default all)")
-    b.add_argument("--out", default="benchmarks")
+    b.add_argument("what", nargs="?", default="all", choices=["all", "session", "speed", "chat"],
+                   help="which benchmark (default all)")
+    b.add_argument("--out", default="benchmarks", help="where results go (default benchmarks/)")
+    b.add_argument("--kind", default="bf16", help="weight format of the session benchmark's model (default bf16)")
+    b.add_argument("--layers", type=int, default=None, help="fewer layers than the real shape (default: all)")
+    b.add_argument("--turns", type=int, default=20, help="turns of the session benchmark (default 20)")
+    b.add_argument("--max-tokens", type=int, default=24, help="tokens generated per turn (default 24)")
+    b.add_argument("--threads", type=int, default=2, help="CPU threads for every engine (default 2)")
+    b.add_argument("--repeats", type=int, default=3, help="repetitions; medians are reported (default 3)")
     b.add_argument("--quick", action="store_true", help="a smaller, faster run")
     b.set_defaults(func=lambda a: __import__("deltaserve.bench.run", fromlist=["main"]).main(a))
     return p

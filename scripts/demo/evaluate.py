@@ -1,0 +1,152 @@
+"""Evaluate the demo model through deltaserve (not transformers) on the held-out sets.
+
+    .venv/bin/python scripts/demo/evaluate.py [MODEL] [--json OUT]
+
+MODEL defaults to the shipped src/deltaserve/data/demo-qwen35.gguf. Sets (seeded, disjoint from
+training, see corpus.py):
+  * single-turn: 35 held-out items of each of greet, thanks, fact statement, add, repeat, reverse,
+    other (refusal) = 245 items, one `Session.chat` each, enable_thinking=False;
+  * recall: 120 conversations of 4-6 turns where a fact is asked 3 or more turns after it was stated,
+    other facts and tasks in between; every turn is a `Session.chat` on ONE resident session with the
+    growing history (the model's own replies appended), and the recall answer is scored;
+  * think-auto (reported, not a target): 70 single-turn items with `enable_thinking` unset (the
+    header ends in `<think>\\n`); the answer is the text after `</think>`.
+Scoring: exact match after stripping whitespace and one final period (corpus.normalise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+for p in (str(ROOT / "src"), str(HERE)):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+import corpus as C  # noqa: E402
+
+SINGLE_SEED, SINGLE_PER_KIND = 1001, 35
+RECALL_SEED, RECALL_COUNT = 1002, 120
+AUTO_SEED, AUTO_PER_KIND = 1003, 10
+MAX_TOKENS = 32
+
+
+def eval_sets(single_seed: int = SINGLE_SEED, per_kind: int = SINGLE_PER_KIND, recall_seed: int = RECALL_SEED,
+              recall_count: int = RECALL_COUNT):
+    return C.single_turn_eval(single_seed, per_kind), C.recall_eval(recall_seed, recall_count)
+
+
+def answer_of(text: str) -> str:
+    """The answer part of a reply (after a `</think>` if the model wrote one)."""
+    return text.split("</think>")[-1]
+
+
+def correct(got: str, want: str) -> bool:
+    return C.normalise(answer_of(got)) == C.normalise(want)
+
+
+def run_single(model, items, thinking: bool | None = False):
+    by_kind: dict[str, list[int]] = {}
+    failures = []
+    s = model.session(quiet=True)
+    for t in items:
+        turn = s.chat([{"role": "user", "content": t.user}], max_tokens=MAX_TOKENS, enable_thinking=thinking)
+        ok = correct(turn.text, t.answer)
+        by_kind.setdefault(t.kind, []).append(int(ok))
+        if not ok:
+            failures.append({"kind": t.kind, "user": t.user, "want": t.answer, "got": turn.text})
+    return by_kind, failures
+
+
+def run_conversation(model, turns, thinking: bool | None = False):
+    """One resident session, turn after turn; returns [(turn, ok)]."""
+    s = model.session(quiet=True)
+    history: list[dict] = []
+    out = []
+    for t in turns:
+        history.append({"role": "user", "content": t.user})
+        turn = s.chat(history, max_tokens=MAX_TOKENS, enable_thinking=thinking)
+        history.append({"role": "assistant", "content": turn.text})
+        out.append((turn, correct(turn.text, t.answer)))
+    return out
+
+
+def run_recall(model, convs):
+    scored_ok, all_by_kind = [], {}
+    reused_ok = True
+    failures = []
+    for turns, scored in convs:
+        results = run_conversation(model, turns)
+        for k, (t, (turn, ok)) in enumerate(zip(turns, results)):
+            all_by_kind.setdefault(t.kind, []).append(int(ok))
+            if k > 0 and turn.reused <= 0:
+                reused_ok = False
+            if k in scored:
+                scored_ok.append(int(ok))
+                if not ok:
+                    failures.append({"kind": "recall", "conversation": [(x.user, x.answer) for x in turns],
+                                     "turn": k, "got": turn.text, "want": t.answer})
+    return scored_ok, all_by_kind, reused_ok, failures
+
+
+def frac(v: list[int]) -> float:
+    return sum(v) / len(v) if v else float("nan")
+
+
+def evaluate(path, json_out: Path | None = None, verbose: bool = True) -> dict:
+    import deltaserve
+
+    t0 = time.time()
+    model = deltaserve.load(path)
+    single, recall = eval_sets()
+    by_kind, f1 = run_single(model, single)
+    scored, all_kinds, reused_ok, f2 = run_recall(model, recall)
+    auto_items = C.single_turn_eval(AUTO_SEED, AUTO_PER_KIND)
+    auto_by_kind, f3 = run_single(model, auto_items, thinking=None)
+    flat = [x for v in by_kind.values() for x in v]
+    res = {
+        "model": str(path),
+        "scoring": "exact match after stripping whitespace and one final period",
+        "single_turn": {"accuracy": frac(flat), "n": len(flat),
+                        "by_kind": {k: {"accuracy": frac(v), "n": len(v)} for k, v in by_kind.items()}},
+        "recall_3plus_turns": {"accuracy": frac(scored), "n": len(scored), "conversations": len(recall),
+                               "every_later_turn_reused_state": reused_ok},
+        "recall_conversations_all_turns_by_kind": {k: {"accuracy": frac(v), "n": len(v)} for k, v in all_kinds.items()},
+        "think_auto_single_turn": {"accuracy": frac([x for v in auto_by_kind.values() for x in v]),
+                                   "n": sum(len(v) for v in auto_by_kind.values())},
+        "wall_s": time.time() - t0,
+        "failures": (f1 + f2 + [dict(x, mode="think-auto") for x in f3])[:200],
+    }
+    if verbose:
+        print(f"single-turn: {res['single_turn']['accuracy']:.3f} of {len(flat)}  " +
+              ", ".join(f"{k} {v['accuracy']:.2f}" for k, v in res["single_turn"]["by_kind"].items()))
+        print(f"recall 3+ turns later: {res['recall_3plus_turns']['accuracy']:.3f} of {len(scored)} "
+              f"(state reused on every later turn: {reused_ok})")
+        print("all turns of the recall conversations: " +
+              ", ".join(f"{k} {v['accuracy']:.2f}/{v['n']}" for k, v in res["recall_conversations_all_turns_by_kind"].items()))
+        print(f"think-auto single-turn: {res['think_auto_single_turn']['accuracy']:.3f} of {res['think_auto_single_turn']['n']}")
+        print(f"({res['wall_s']:.1f} s)")
+    if json_out is not None:
+        Path(json_out).write_text(json.dumps(res, indent=1) + "\n")
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description="Evaluate the demo model through deltaserve")
+    ap.add_argument("model", nargs="?", default=str(ROOT / "src" / "deltaserve" / "data" / "demo-qwen35.gguf"))
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--failures", type=int, default=10, help="print this many failures")
+    a = ap.parse_args()
+    res = evaluate(a.model, a.json)
+    for f in res["failures"][:a.failures]:
+        print("  FAIL", json.dumps(f, ensure_ascii=False))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

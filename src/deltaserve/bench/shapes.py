@@ -1,0 +1,26 @@
+"""The real Qwen3.5 shapes (from the published config.json files), for benchmarks with random weights."""
+
+from __future__ import annotations
+
+from ..model.config import HybridConfig
+
+# text_config of Qwen/Qwen3.5-0.8B and Qwen/Qwen3.5-9B (vocab 248,320; context 262,144; rope theta 1e7;
+# partial rotary 0.25; full attention every 4th layer)
+SHAPES: dict[str, dict] = {
+    "0.8B": dict(hidden_size=1024, intermediate_size=3584, num_layers=24, num_attention_heads=8, num_kv_heads=2,
+                 head_dim=256, linear_num_key_heads=16, linear_key_head_dim=128, linear_num_value_heads=16,
+                 linear_value_head_dim=128, tie_word_embeddings=True),
+    "9B": dict(hidden_size=4096, intermediate_size=12288, num_layers=32, num_attention_heads=16, num_kv_heads=4,
+               head_dim=256, linear_num_key_heads=16, linear_key_head_dim=128, linear_num_value_heads=32,
+               linear_value_head_dim=128, tie_word_embeddings=False),
+}
+
+
+def shape_config(name: str, vocab_size: int = 248320, context: int = 262144, layers: int | None = None) -> HybridConfig:
+    s = dict(SHAPES[name])
+    if layers is not None:
+        s["num_layers"] = layers
+    return HybridConfig(
+        vocab_size=vocab_size, rms_norm_eps=1e-6, rope_theta=1e7, rotary_dim=s["head_dim"] // 4,
+        context_length=context, layer_types=HybridConfig.layer_types_for(s["num_layers"], 4), conv_kernel=4,
+        value_head_order="tiled", eos_token_ids=(248046,), **s)
