@@ -7,7 +7,7 @@ from typing import Sequence
 
 import torch
 
-from .engine.backend import Backend, CPUBackend, select_backend
+from .engine.backend import Backend, select_backend
 from .engine.forward import Forward
 from .model.loader import HostModel, cached_host, load_host
 from .session import Session, Turn

@@ -197,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-body", type=int, default=4 << 20, help="largest request body in bytes")
     s.add_argument("--max-messages", type=int, default=512, help="most messages in one request")
     s.add_argument("--model-name", default=None, help="the model id reported by /v1/models")
+    s.add_argument("--think", choices=["on", "off", "auto"], default="auto",
+                   help="thinking when a request does not say (default: the template's own default)")
     _add_runtime(s)
     s.set_defaults(func=lambda a: __import__("deltaserve.server.app", fromlist=["main"]).main(a))
 

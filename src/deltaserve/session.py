@@ -211,22 +211,34 @@ class Session:
                     return i
         return len(prompt) - 1
 
-    def _decide_start(self, prompt: list[int]) -> tuple[str, int]:
+    def _where_to_start(self, prompt: Sequence[int]) -> tuple[str, int]:
+        """("extend", len(held)) when the prompt strictly extends what the state holds; ("checkpoint", n) when
+        the checkpoint (n tokens) is a proper prefix of it; else ("reset", 0)."""
         n = len(self.held)
-        if 0 < n < len(prompt) and prompt[:n] == self.held:
+        if 0 < n < len(prompt) and list(prompt[:n]) == self.held:
             return "extend", n
         ck = self._checkpoint_tokens
         if self._checkpoint is not None and 0 < len(ck) < len(prompt) and tuple(prompt[:len(ck)]) == ck:
-            valid = _common_prefix(self.held, ck)
+            return "checkpoint", len(ck)
+        return "reset", 0
+
+    def reusable(self, prompt: Sequence[int]) -> int:
+        """How many of `prompt`'s tokens a turn would not prefill again."""
+        return self._where_to_start(prompt)[1]
+
+    def _decide_start(self, prompt: list[int]) -> tuple[str, int]:
+        kind, n = self._where_to_start(prompt)
+        if kind == "checkpoint":
+            ck = self._checkpoint_tokens
             try:
-                self.backend.restore(self.state, self._checkpoint, valid)
+                self.backend.restore(self.state, self._checkpoint, _common_prefix(self.held, ck))
             except AcceleratorFailure as e:
                 self._move_to_cpu(f"the device checkpoint would not restore: {e}")
                 return "reset", 0
             self.held = list(ck)
-            return "checkpoint", len(ck)
-        self._reset_in_place()
-        return "reset", 0
+        elif kind == "reset":
+            self._reset_in_place()
+        return kind, n
 
     def _reset_in_place(self) -> None:
         try:

@@ -68,8 +68,9 @@ class Backend:
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
-        """Initialise the device and put the weights there (once)."""
-        self.forward = Forward(self.host.config, self._device_weights(), self.device)
+        """Initialise the device and put the weights there (once; sessions may share a backend)."""
+        if self.forward is None:
+            self.forward = Forward(self.host.config, self._device_weights(), self.device)
 
     @property
     def device(self) -> torch.device:
@@ -132,6 +133,7 @@ class CUDABackend(Backend):
                 raise AcceleratorFailure("CUDA is not available to PyTorch "
                                          f"(torch {torch.__version__}, built for CUDA {torch.version.cuda})")
             torch.cuda.set_device(self.index)
+            torch.backends.cudnn.allow_tf32 = False  # the conv must stay f32 to match the CPU reference
             super().start()
         except AcceleratorFailure:
             raise
@@ -217,8 +219,9 @@ class FaultyBackend(Backend):
             raise RuntimeError(f"injected {stage} failure (call {n + 1})")
 
     def start(self) -> None:
-        self._hit("init")
-        self._hit("upload")
+        if self.forward is None:
+            self._hit("init")
+            self._hit("upload")
         super().start()
 
     def describe(self) -> str:

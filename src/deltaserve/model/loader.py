@@ -9,7 +9,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -18,7 +18,10 @@ from ..engine.linear import DenseLinear, Linear
 from ..errors import ModelFormatError
 from . import quant
 from .config import HybridConfig
-from .gguf import GGUFFile, RawTensor, is_gguf, read_gguf
+
+if TYPE_CHECKING:
+    from .tokenizer import Tokenizer
+from .gguf import GGUFFile, is_gguf, read_gguf
 from .weights import Embedding, TensorSummary, Weights, build_weights
 
 

@@ -197,7 +197,6 @@ def _deq_q4_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def _deq_q5_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
-    n = blocks.shape[0]
     ql = _nibbles_k(blocks[:, 48:176])
     qh = blocks[:, 16:48].unsqueeze(1)  # [n, 1, 32]; bit j of byte l is the 5th bit of sub-block j, element l
     shifts = torch.arange(8, dtype=torch.uint8, device=blocks.device).view(1, 8, 1)

@@ -1,0 +1,384 @@
+"""`deltaserve serve`: an OpenAI-compatible HTTP server on resident sessions.
+
+The server knows sessions and tokens, never tensors. Each generation runs in a worker thread; the event
+loop only parses, queues and streams. A client that disconnects cancels its generation, and its slot's
+state stays valid for the next request of that conversation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .. import __version__
+from ..errors import ContextError, DeltaserveError
+from .metrics import Metrics
+from .protocol import APIError, GenerationRequest, Limits, bad, parse_chat, parse_completion
+from .slots import QueueFull, SlotPool
+
+THINK_END = "</think>"
+
+
+class ReasoningSplitter:
+    """Splits generated text into reasoning (before </think>) and content, as it streams."""
+
+    def __init__(self, thinking: bool):
+        self.in_reasoning = thinking
+        self.buf = ""
+
+    def push(self, text: str) -> tuple[str, str]:
+        if not self.in_reasoning:
+            return "", text
+        self.buf += text
+        k = self.buf.find(THINK_END)
+        if k >= 0:
+            reasoning, rest = self.buf[:k], self.buf[k + len(THINK_END):].lstrip("\n")
+            self.buf, self.in_reasoning = "", False
+            return reasoning, rest
+        keep = 0  # hold back a tail that could be the start of </think>
+        for j in range(1, min(len(THINK_END), len(self.buf)) + 1):
+            if THINK_END.startswith(self.buf[-j:]):
+                keep = j
+        out, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+        return out, ""
+
+    def flush(self) -> tuple[str, str]:
+        out, self.buf = self.buf, ""
+        return (out, "") if self.in_reasoning else ("", out)
+
+
+def split_reasoning(text: str, thinking: bool) -> tuple[str | None, str]:
+    s = ReasoningSplitter(thinking)
+    r1, c1 = s.push(text)
+    r2, c2 = s.flush()
+    reasoning = (r1 + r2).strip()
+    return (reasoning if thinking else None), (c1 + c2)
+
+
+class Server:
+    def __init__(self, model, slots: int = 2, queue: int = 16, api_key: str | None = None,
+                 limits: Limits | None = None, model_name: str | None = None, device: str = "auto",
+                 think_default: bool | None = None, context: int | None = None, quiet: bool = False, guard=None):
+        self.model = model
+        self.limits = limits or Limits()
+        self.api_key = api_key
+        self.model_name = model_name or model.path.name
+        self.think_default = think_default
+        self.metrics = Metrics()
+        backend, notice = model.backend(device)
+        if guard is None and backend.accelerator:
+            from ..engine.guard import ParityGuard
+            guard = ParityGuard()
+        sessions = []
+        for i in range(slots):
+            s = model.session(context=context, backend=backend, guard=guard, quiet=quiet or i > 0)
+            if notice:
+                s.notices.insert(0, notice)
+            sessions.append(s)
+        self.pool = SlotPool(sessions, queue)
+        self.context = sessions[0].context
+        self.executor = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="deltaserve-slot")
+        self.started = time.time()
+
+    # -- helpers ------------------------------------------------------------------------------------
+    def check_auth(self, request: Request) -> None:
+        if not self.api_key:
+            return
+        header = request.headers.get("authorization", "")
+        if header != f"Bearer {self.api_key}":
+            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                           "invalid_request_error", None, "invalid_api_key")
+
+    async def read_json(self, request: Request):
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.limits.max_body:
+            raise APIError(413, f"the request body has {length} bytes, more than the limit of {self.limits.max_body}",
+                           code="request_too_large")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.limits.max_body:
+                raise APIError(413, f"the request body is larger than the limit of {self.limits.max_body} bytes",
+                               code="request_too_large")
+        try:
+            return json.loads(body)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise bad(f"the request body is not valid JSON: {e}"[:300]) from None
+
+    def prompt_ids(self, req: GenerationRequest) -> tuple[list[int], bool]:
+        tok = self.model.tokenizer
+        if req.prompt is not None:
+            if isinstance(req.prompt, list):
+                vocab = self.model.config.vocab_size
+                if min(req.prompt) < 0 or max(req.prompt) >= vocab:
+                    raise bad(f"'prompt' holds a token id outside 0..{vocab - 1}", "prompt")
+                return list(req.prompt), False
+            return tok.encode(req.prompt), False
+        thinking = req.enable_thinking if req.enable_thinking is not None else self.think_default
+        try:
+            text = tok.apply_chat_template(req.messages, add_generation_prompt=True, enable_thinking=thinking)
+        except DeltaserveError as e:
+            raise bad(f"the chat template refused the conversation: {e}", "messages") from None
+        return tok.encode(text), text.rstrip(" ").endswith("<think>\n")
+
+    def budget(self, req: GenerationRequest, n: int) -> int:
+        if n >= self.context:
+            raise bad(f"This model's maximum context length is {self.context} tokens. However, your prompt has "
+                      f"{n} tokens. Nothing was truncated: shorten the conversation.", "messages",
+                      "context_length_exceeded")
+        room = self.context - n
+        return min(req.max_tokens, room) if req.max_tokens else min(self.limits.max_tokens, room)
+
+    # -- one generation ----------------------------------------------------------------------------
+    async def generate(self, endpoint: str, req: GenerationRequest, ids: list[int], thinking: bool, t0: float):
+        max_tokens = self.budget(req, len(ids))
+        try:
+            slot = await self.pool.acquire(ids)
+        except QueueFull:
+            raise APIError(503, f"all {len(self.pool.slots)} slots are busy and {self.pool.queue_size} requests are "
+                           "already waiting; retry shortly", "server_overloaded", None, "server_busy",
+                           {"Retry-After": "1"}) from None
+        loop = asyncio.get_running_loop()
+        cancel = threading.Event()
+        pieces: asyncio.Queue = asyncio.Queue()
+        first = {}
+
+        def on_token(tid, text):
+            if "t" not in first:
+                first["t"] = time.perf_counter()
+            if text:
+                loop.call_soon_threadsafe(pieces.put_nowait, text)
+            return not cancel.is_set()
+
+        def work():
+            return slot.session.generate(ids, max_tokens=max_tokens, stop=req.stop, on_token=on_token,
+                                         **req.sampling())
+
+        fut = loop.run_in_executor(self.executor, work)
+
+        def finished(f):
+            self.pool.release(slot)
+            pieces.put_nowait(None)
+            if not f.cancelled() and f.exception() is None:
+                turn = f.result()
+                self.metrics.tokens(len(ids), turn.reused, turn.generated)
+                self.metrics.observe("ttft", first.get("t", time.perf_counter()) - t0)
+            self.metrics.observe("duration", time.perf_counter() - t0)
+
+        fut.add_done_callback(finished)
+        return fut, pieces, cancel
+
+    @staticmethod
+    def turn_error(e: BaseException) -> APIError:
+        if isinstance(e, ContextError):
+            return bad(str(e), "messages", "context_length_exceeded")
+        if isinstance(e, DeltaserveError):
+            return bad(str(e))
+        return APIError(500, f"the generation failed: {type(e).__name__}: {e}"[:500], "server_error")
+
+    def usage(self, n_prompt: int, turn) -> dict:
+        return {"prompt_tokens": n_prompt, "completion_tokens": turn.generated,
+                "total_tokens": n_prompt + turn.generated,
+                "prompt_tokens_details": {"cached_tokens": turn.reused}}
+
+    async def complete(self, endpoint: str, req: GenerationRequest, ids: list[int], thinking: bool, t0: float):
+        fut, pieces, cancel = await self.generate(endpoint, req, ids, thinking, t0)
+        rid = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        if not req.stream:
+            try:
+                turn = await asyncio.shield(fut)
+            except asyncio.CancelledError:
+                cancel.set()
+                raise
+            except Exception as e:  # noqa: BLE001
+                raise self.turn_error(e) from None
+            if endpoint == "chat":
+                reasoning, content = split_reasoning(turn.text, thinking)
+                message = {"role": "assistant", "content": content}
+                if reasoning is not None:
+                    message["reasoning_content"] = reasoning
+                choice = {"index": 0, "message": message, "finish_reason": turn.finish_reason, "logprobs": None}
+                obj = "chat.completion"
+            else:
+                choice = {"index": 0, "text": turn.text, "finish_reason": turn.finish_reason, "logprobs": None}
+                obj = "text_completion"
+            return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model_name,
+                                 "choices": [choice], "usage": self.usage(len(ids), turn),
+                                 "system_fingerprint": f"deltaserve-{__version__}"})
+
+        obj = "chat.completion.chunk" if endpoint == "chat" else "text_completion"
+
+        def chunk(delta: dict | None = None, finish=None, text=None, usage=None, empty=False) -> str:
+            if empty:
+                choices = []
+            elif endpoint == "chat":
+                choices = [{"index": 0, "delta": delta or {}, "finish_reason": finish, "logprobs": None}]
+            else:
+                choices = [{"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}]
+            body = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choices}
+            if usage is not None:
+                body["usage"] = usage
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        async def events():
+            splitter = ReasoningSplitter(thinking)
+            try:
+                if endpoint == "chat":
+                    yield chunk({"role": "assistant", "content": ""})
+                while True:
+                    text = await pieces.get()
+                    if text is None:
+                        break
+                    if endpoint != "chat":
+                        yield chunk(text=text)
+                        continue
+                    reasoning, content = splitter.push(text)
+                    if reasoning:
+                        yield chunk({"reasoning_content": reasoning})
+                    if content:
+                        yield chunk({"content": content})
+                try:
+                    turn = await fut
+                except Exception as e:  # noqa: BLE001
+                    yield f"data: {json.dumps(self.turn_error(e).body())}\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
+                if endpoint == "chat":
+                    reasoning, content = splitter.flush()
+                    if reasoning:
+                        yield chunk({"reasoning_content": reasoning})
+                    if content:
+                        yield chunk({"content": content})
+                    yield chunk({}, finish=turn.finish_reason)
+                else:
+                    yield chunk(text="", finish=turn.finish_reason)
+                if req.include_usage:
+                    yield chunk(usage=self.usage(len(ids), turn), empty=True)
+                yield "data: [DONE]\n\n"
+            finally:
+                if not fut.done():
+                    cancel.set()  # the client went away: stop the generation, keep the slot's state valid
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    def health(self) -> dict:
+        s0 = self.pool.slots[0].session
+        return {
+            "status": "ok", "model": self.model_name, "path": str(self.model.path), "version": __version__,
+            "backend": s0.backend.name, "layers": self.model.config.num_layers,
+            "declared_context": self.model.config.context_length, "context": self.context,
+            "slots": [{"index": s.index, "busy": s.busy, "held_tokens": len(s.session.held),
+                       "capacity": s.session.capacity, "checkpoint": s.session.checkpoint_length,
+                       "backend": s.session.backend.name, "requests": s.requests} for s in self.pool.slots],
+            "queue": {"waiting": self.pool.waiting, "limit": self.pool.queue_size},
+            "notices": [n for s in self.pool.slots for n in s.session.notices],
+        }
+
+
+def create_app(server: Server) -> FastAPI:
+    app = FastAPI(title="deltaserve", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        kind = {404: ("not_found_error", "no such route: " + request.url.path),
+                405: ("invalid_request_error", f"method {request.method} is not allowed on {request.url.path}")}
+        type_, message = kind.get(e.status_code, ("invalid_request_error", str(e.detail)))
+        return JSONResponse(APIError(e.status_code, message, type_).body(), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, e: Exception):
+        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}", "server_error").body(), status_code=500)
+
+    @app.middleware("http")
+    async def count(request: Request, call_next):
+        response = await call_next(request)
+        path = request.url.path
+        endpoint = path if path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health",
+                                    "/metrics") else "other"
+        server.metrics.request(endpoint, response.status_code)
+        return response
+
+    async def run(request: Request, endpoint: str):
+        t0 = time.perf_counter()
+        server.check_auth(request)
+        body = await server.read_json(request)
+        req = parse_chat(body, server.limits) if endpoint == "chat" else parse_completion(body, server.limits)
+        ids, thinking = server.prompt_ids(req)
+        if not ids:
+            raise bad("the prompt encodes to no tokens", "prompt")
+        return await server.complete(endpoint, req, ids, thinking, t0)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await run(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await run(request, "completion")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        server.check_auth(request)
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": int(server.started),
+                                            "owned_by": "deltaserve", "context_length": server.context}]}
+
+    @app.get("/health")
+    async def health():
+        return server.health()
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        server.check_auth(request)
+        return PlainTextResponse(server.metrics.render(server.pool.waiting, server.pool.busy, len(server.pool.slots)),
+                                 media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def main(a) -> int:
+    import uvicorn
+
+    from ..cli import _load
+
+    if a.slots < 1 or a.queue < 0:
+        raise DeltaserveError(f"--slots must be at least 1 and --queue at least 0 (got {a.slots}, {a.queue})")
+    named = a.model is not None
+    model, load_s = _load(a)
+    think = {"on": True, "off": False, "auto": None}[a.think]
+    if a.think == "auto" and not named:
+        think = False  # the embedded demo model was trained with thinking off
+    server = Server(model, slots=a.slots, queue=a.queue, api_key=a.api_key, model_name=a.model_name,
+                    limits=Limits(max_tokens=a.max_tokens_limit, max_messages=a.max_messages, max_body=a.max_body),
+                    device=a.device, think_default=think, context=a.ctx)
+    c = model.config
+    s0 = server.pool.slots[0].session
+    template = "from the model file" if model.tokenizer.chat_template else "built-in ChatML"
+    say = lambda line: print(f"[deltaserve] {line}", file=sys.stderr, flush=True)  # noqa: E731
+    say(f"model {model.path} ({server.model_name}), {c.num_layers} layers "
+        f"({len(c.deltanet_layers)} Gated DeltaNet + {len(c.attention_layers)} attention), loaded in {load_s:.2f} s")
+    say(f"backend {s0.backend.describe()}; declared context {c.context_length}, serving {server.context}")
+    say(f"chat template {template}; thinking {'default of the template' if think is None else ('on' if think else 'off')}")
+    say(f"{a.slots} slots, queue {a.queue}, max_tokens <= {a.max_tokens_limit}, body <= {a.max_body} bytes, "
+        f"{'API key required' if a.api_key else 'no API key'}")
+    say(f"listening on http://{a.host}:{a.port}/v1")
+    if a.host not in ("127.0.0.1", "localhost", "::1") and not a.api_key:
+        say(f"warning: bound to {a.host} without --api-key: anyone who reaches this address can use the model")
+    uvicorn.run(create_app(server), host=a.host, port=a.port, log_level="warning", access_log=False)
+    return 0

@@ -1,0 +1,216 @@
+"""Bad requests get the right 4xx with an OpenAI error body (never a 5xx); a bounded load run loses nothing;
+/metrics adds up."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server_proc import ServerProcess
+
+KEY = "sk-test-0123456789"
+
+
+@pytest.fixture(scope="module")
+def server(hybrid_gguf):
+    s = ServerProcess(hybrid_gguf, "--slots", "2", "--queue", "6", "--api-key", KEY, "--max-tokens-limit", "512",
+                      "--max-body", "65536", "--max-messages", "64", "--ctx", "4096", "--think", "off")
+    yield s
+    s.stop()
+
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+OK_MSGS = [{"role": "user", "content": "hi"}]
+LONG = "word " * 5000  # > 4096 tokens once encoded
+
+# (name, method, path, body (dict -> JSON, str/bytes -> raw), headers, expected status, param or None)
+BAD = [
+    ("invalid JSON", "POST", "/v1/chat/completions", b"{not json", AUTH, 400, None),
+    ("JSON that is a list", "POST", "/v1/chat/completions", [1, 2], AUTH, 400, None),
+    ("empty body", "POST", "/v1/chat/completions", b"", AUTH, 400, None),
+    ("no messages", "POST", "/v1/chat/completions", {"model": "x"}, AUTH, 400, "messages"),
+    ("messages not a list", "POST", "/v1/chat/completions", {"messages": "hi"}, AUTH, 400, "messages"),
+    ("empty messages", "POST", "/v1/chat/completions", {"messages": []}, AUTH, 400, "messages"),
+    ("message not an object", "POST", "/v1/chat/completions", {"messages": ["hi"]}, AUTH, 400, "messages[0]"),
+    ("unknown role", "POST", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, AUTH, 400,
+     "messages[0].role"),
+    ("content a number", "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, AUTH, 400,
+     "messages[0].content"),
+    ("image content", "POST", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, AUTH, 400,
+     "messages[0].content"),
+    ("too many messages", "POST", "/v1/chat/completions", {"messages": OK_MSGS * 65}, AUTH, 400, "messages"),
+    ("n > 1", "POST", "/v1/chat/completions", {"messages": OK_MSGS, "n": 2}, AUTH, 400, "n"),
+    ("n a string", "POST", "/v1/chat/completions", {"messages": OK_MSGS, "n": "1"}, AUTH, 400, "n"),
+    ("max_tokens 0", "POST", "/v1/chat/completions", {"messages": OK_MSGS, "max_tokens": 0}, AUTH, 400, "max_tokens"),
+    ("max_tokens above the limit", "POST", "/v1/chat/completions", {"messages": OK_MSGS, "max_tokens": 100000}, AUTH,
+     400, "max_tokens"),
+    ("max_tokens a float", "POST", "/v1/chat/completions", {"messages": OK_MSGS, "max_tokens": 2.5}, AUTH, 400,
+     "max_tokens"),
+    ("max_completion_tokens negative", "POST", "/v1/chat/completions",
+     {"messages": OK_MSGS, "max_completion_tokens": -3}, AUTH, 400, "max_completion_tokens"),
+    ("temperature a string", "POST", "/v1/chat/completions", {"messages": OK_MSGS, "temperature": "hot"}, AUTH, 400,
+     "temperature"),
+    ("temperature too high", "POST", "/v1/chat/completions", {"messages": OK_MSGS, "temperature": 9}, AUTH, 400,
+     "temperature"),
+    ("top_p above 1", "POST", "/v1/chat/completions", {"messages": OK_MSGS, "top_p": 1.5}, AUTH, 400, "top_p"),
+    ("top_p zero", "POST", "/v1/chat/completions", {"messages": OK_MSGS, "top_p": 0}, AUTH, 400, "top_p"),
+    ("min_p negative", "POST", "/v1/chat/completions", {"messages": OK_MSGS, "min_p": -0.1}, AUTH, 400, "min_p"),
+    ("top_k a float", "POST", "/v1/chat/completions", {"messages": OK_MSGS, "top_k": 1.5}, AUTH, 400, "top_k"),
+    ("presence_penalty out of range", "POST", "/v1/chat/completions", {"messages": OK_MSGS, "presence_penalty": 3},
+     AUTH, 400, "presence_penalty"),
+    ("frequency_penalty a list", "POST", "/v1/chat/completions", {"messages": OK_MSGS, "frequency_penalty": [1]},
+     AUTH, 400, "frequency_penalty"),
+    ("repetition_penalty zero", "POST", "/v1/chat/completions", {"messages": OK_MSGS, "repetition_penalty": 0},
+     AUTH, 400, "repetition_penalty"),
+    ("seed a string", "POST", "/v1/chat/completions", {"messages": OK_MSGS, "seed": "abc"}, AUTH, 400, "seed"),
+    ("stop a number", "POST", "/v1/chat/completions", {"messages": OK_MSGS, "stop": 7}, AUTH, 400, "stop"),
+    ("too many stops", "POST", "/v1/chat/completions", {"messages": OK_MSGS, "stop": list("abcde")}, AUTH, 400,
+     "stop"),
+    ("stream a string", "POST", "/v1/chat/completions", {"messages": OK_MSGS, "stream": "yes"}, AUTH, 400, "stream"),
+    ("stream_options without stream", "POST", "/v1/chat/completions",
+     {"messages": OK_MSGS, "stream_options": {"include_usage": True}}, AUTH, 400, "stream_options"),
+    ("logprobs asked for", "POST", "/v1/chat/completions", {"messages": OK_MSGS, "logprobs": True}, AUTH, 400,
+     "logprobs"),
+    ("tools asked for", "POST", "/v1/chat/completions",
+     {"messages": OK_MSGS, "tools": [{"type": "function", "function": {"name": "f"}}]}, AUTH, 400, "tools"),
+    ("enable_thinking a string", "POST", "/v1/chat/completions",
+     {"messages": OK_MSGS, "chat_template_kwargs": {"enable_thinking": "yes"}}, AUTH, 400,
+     "chat_template_kwargs.enable_thinking"),
+    ("template refuses (no user message)", "POST", "/v1/chat/completions",
+     {"messages": [{"role": "system", "content": "only a system message"}]}, AUTH, 400, "messages"),
+    ("prompt longer than the context", "POST", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": LONG[:60000]}]}, AUTH, 400, "messages"),
+    ("completion without prompt", "POST", "/v1/completions", {"model": "x"}, AUTH, 400, "prompt"),
+    ("completion prompt a dict", "POST", "/v1/completions", {"prompt": {"a": 1}}, AUTH, 400, "prompt"),
+    ("completion token id out of range", "POST", "/v1/completions", {"prompt": [1, 2, 10 ** 9]}, AUTH, 400, "prompt"),
+    ("completion empty prompt", "POST", "/v1/completions", {"prompt": ""}, AUTH, 400, "prompt"),
+    ("no API key", "POST", "/v1/chat/completions", {"messages": OK_MSGS}, {}, 401, None),
+    ("wrong API key", "POST", "/v1/chat/completions", {"messages": OK_MSGS}, {"Authorization": "Bearer nope"}, 401,
+     None),
+    ("models without key", "GET", "/v1/models", None, {}, 401, None),
+    ("unknown route", "POST", "/v1/embeddings", {"input": "x"}, AUTH, 404, None),
+    ("unknown path", "GET", "/nothing/here", None, AUTH, 404, None),
+    ("GET on a POST route", "GET", "/v1/chat/completions", None, AUTH, 405, None),
+    ("PUT on models", "PUT", "/v1/models", None, AUTH, 405, None),
+    ("body over the limit", "POST", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x" * 70000}]}, AUTH, 413, None),
+]
+
+
+def send(server, method, path, body, headers):
+    if body is None:
+        content = None
+    elif isinstance(body, (bytes, str)):
+        content = body
+    else:
+        content = json.dumps(body)
+    h = dict(headers)
+    if content is not None:
+        h["Content-Type"] = "application/json"
+    return httpx.request(method, server.url + path, content=content, headers=h, timeout=60)
+
+
+def test_the_table_has_at_least_thirty_bad_requests():
+    assert len(BAD) >= 30
+
+
+@pytest.mark.parametrize("name,method,path,body,headers,status,param", BAD, ids=[b[0] for b in BAD])
+def test_a_bad_request_gets_its_4xx_and_an_openai_error_body(server, name, method, path, body, headers, status, param):
+    r = send(server, method, path, body, headers)
+    assert r.status_code == status, (name, r.status_code, r.text)
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert "Traceback" not in r.text
+    if param is not None:
+        assert err["param"] == param, err
+
+
+def test_the_context_refusal_names_both_numbers(server):
+    r = send(server, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": LONG[:60000]}]}, AUTH)
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and "4096" in err["message"]
+    assert any(w.isdigit() and int(w) > 4096 for w in err["message"].replace(",", " ").split())
+
+
+def test_after_every_bad_request_the_server_still_answers(server):
+    r = send(server, "POST", "/v1/chat/completions", {"messages": OK_MSGS, "max_tokens": 3}, AUTH)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+def chat_body(i: int) -> dict:
+    return {"messages": [{"role": "user", "content": f"request number {i % 25}"}], "max_tokens": 4, "temperature": 0}
+
+
+def test_a_bounded_load_run_completes_or_cleanly_refuses_every_request(server, hybrid_model):
+    tok = hybrid_model.tokenizer
+    expected = {}
+    for k in range(25):
+        ids = tok.encode(tok.apply_chat_template(chat_body(k)["messages"], add_generation_prompt=True,
+                                                 enable_thinking=False))
+        expected[k] = hybrid_model.generate(ids, max_tokens=4).text
+    warm = [send(server, "POST", "/v1/chat/completions", chat_body(i), AUTH) for i in range(4)]
+    assert all(r.status_code == 200 for r in warm)
+    rss_before = server.rss()
+    results = []
+    lock = threading.Lock()
+
+    def one(i: int):
+        with httpx.Client(timeout=120) as c:
+            r = c.post(server.url + "/v1/chat/completions", json=chat_body(i), headers=AUTH)
+        with lock:
+            results.append((i, r.status_code, r.json(), r.headers.get("retry-after")))
+
+    t0 = time.time()
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(one, range(500)))
+    elapsed = time.time() - t0
+    assert len(results) == 500
+    statuses = [s for _, s, _, _ in results]
+    assert set(statuses) <= {200, 503}, sorted(set(statuses))
+    assert statuses.count(200) >= 100
+    for i, status, body, retry in results:
+        if status == 200:
+            assert body["choices"][0]["message"]["content"] == expected[i % 25], i  # nothing garbled
+        else:
+            assert body["error"]["code"] == "server_busy" and retry == "1"
+    rss_after = server.rss()
+    assert rss_after <= rss_before * 1.10, (rss_before, rss_after)
+    print(f"load: 500 requests in {elapsed:.1f} s, {statuses.count(200)} answered, {statuses.count(503)} refused, "
+          f"RSS {rss_before >> 20} -> {rss_after >> 20} MiB")
+
+
+def test_metrics_parse_and_add_up_to_what_was_sent(hybrid_gguf):
+    s = ServerProcess(hybrid_gguf, "--slots", "2", "--think", "off")
+    try:
+        sent = {"chat": 0, "bad": 0, "prompt": 0, "generated": 0}
+        for i in range(6):  # three prompts, each sent twice in a row: the repeat resumes from a checkpoint
+            r = httpx.post(s.url + "/v1/chat/completions", json=chat_body(i // 2), timeout=60).json()
+            sent["chat"] += 1
+            sent["prompt"] += r["usage"]["prompt_tokens"]
+            sent["generated"] += r["usage"]["completion_tokens"]
+            sent["cached"] = sent.get("cached", 0) + r["usage"]["prompt_tokens_details"]["cached_tokens"]
+        for _ in range(3):
+            assert httpx.post(s.url + "/v1/chat/completions", content=b"{", timeout=60).status_code == 400
+            sent["bad"] += 1
+        text = httpx.get(s.url + "/metrics").text
+        fams = {f.name: f for f in text_string_to_metric_families(text)}
+        req = {(smp.labels["endpoint"], smp.labels["status"]): smp.value
+               for smp in fams["deltaserve_requests"].samples if smp.name == "deltaserve_requests_total"}
+        assert req[("/v1/chat/completions", "200")] == sent["chat"]
+        assert req[("/v1/chat/completions", "400")] == sent["bad"]
+        value = {smp.name: smp.value for f in fams.values() for smp in f.samples}
+        assert value["deltaserve_prompt_tokens_total"] == sent["prompt"]
+        assert value["deltaserve_generated_tokens_total"] == sent["generated"]
+        assert value["deltaserve_time_to_first_token_seconds_count"] == sent["chat"]
+        assert value["deltaserve_request_duration_seconds_count"] == sent["chat"]
+        assert value["deltaserve_busy_slots"] == 0 and value["deltaserve_queue_depth"] == 0
+        assert value["deltaserve_cached_tokens_total"] == sent["cached"] > 0
+    finally:
+        s.stop()
