@@ -108,3 +108,23 @@ def test_a_prefill_in_several_forward_calls_equals_one_call():
     f.use_plan(rows=64, query_rows=16)
     pieces = f.prefill(f.new_state(230), ids, all_logits=True)
     assert (whole - pieces).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("name", ["hybrid", "deep", "multimodal"])
+def test_a_batched_decode_of_several_sequences_equals_decoding_each_alone(name):
+    m = ours(name, "gguf")
+    f = Forward(m.config, m.host.weights)
+    prompts = [prompt(name, n)[:n] for n in (5, 63, 64, 130)]
+    alone, batch = [], []
+    for p in prompts:
+        s = f.new_state(200)
+        f.prefill(s, p)
+        alone.append([f.decode(s, t) for t in (7, 8, 9)])
+        s2 = f.new_state(200)
+        f.prefill(s2, p)
+        batch.append(s2)
+    for step, t in enumerate((7, 8, 9)):
+        rows = f.decode_batch(batch, [t] * len(batch))
+        for j in range(len(batch)):
+            assert (rows[j] - alone[j][step]).abs().max().item() <= 1e-4
+    assert [s.length for s in batch] == [len(p) + 3 for p in prompts]

@@ -351,17 +351,34 @@ class Session:
         prefill_t0 = time.perf_counter()
         logits, start = self._feed(prompt, start, self.checkpoint_position(prompt))
         prefill_s = time.perf_counter() - prefill_t0
-        prompt_logits = logits
         if start == 0:
             start_kind = "reset"
 
+        batcher = self.backend.batcher  # the decode loop's steps join other sessions' in one forward
+        if batcher is not None:
+            batcher.enter()
+        try:
+            tokens, text, finish, ttft, decode_s = self._decode(prompt, logits, budget, params, stop_ids,
+                                                                stop_texts, on_token, t0)
+        finally:
+            if batcher is not None:
+                batcher.leave()
+        self.turns += 1
+        return Turn(
+            tokens=tokens, text=text, reused=start, prefilled=n - start, prompt_tokens=n,
+            finish_reason=finish, context_capped=finish == "length" and limited,
+            backend=self.backend.name, start=start_kind,
+            timings=Timings(prefill_s=prefill_s, ttft_s=ttft, decode_s=decode_s), prompt_logits=logits)
+
+    def _decode(self, prompt, logits, budget, params, stop_ids, stop_texts, on_token, t0):
+        """Sample, hand out, feed back; until a stop token or string, the budget, or a cancel."""
         sampler = Sampler(params)
         stream = _TextStream(self.tokenizer, stop_texts)
         generated: list[int] = []
         finish = "length"
         ttft = 0.0
         decode_t0 = time.perf_counter()
-        seq = prompt
+        seq = list(prompt)  # grows by one token per step; becomes `held` after each feed
         while len(generated) < budget:
             token = sampler(logits, prompt, generated)
             if not generated:
@@ -380,18 +397,13 @@ class Session:
                 break
             if len(generated) >= budget:
                 break
-            seq = seq + [token]
+            seq.append(token)
             logits, _ = self._feed(seq, len(seq) - 1, None)
         decode_s = time.perf_counter() - decode_t0 if generated else 0.0
         tail = stream.finish()
         if tail and on_token is not None and finish != "cancelled":
             on_token(None, tail)
-        self.turns += 1
-        return Turn(
-            tokens=generated, text=stream.text, reused=start, prefilled=n - start, prompt_tokens=n,
-            finish_reason=finish, context_capped=finish == "length" and limited,
-            backend=self.backend.name, start=start_kind,
-            timings=Timings(prefill_s=prefill_s, ttft_s=ttft, decode_s=decode_s), prompt_logits=prompt_logits)
+        return generated, stream.text, finish, ttft, decode_s
 
     def reset(self) -> None:
         """Forget the conversation (state reset in place, checkpoint dropped)."""

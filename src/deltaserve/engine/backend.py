@@ -65,6 +65,15 @@ class Backend:
     def __init__(self, host: HostModel):
         self.host = host
         self.forward: Forward | None = None
+        self.batcher = None  # a DecodeBatcher when sessions sharing this backend batch their decode steps
+
+    def enable_batching(self) -> None:
+        """Gather the decode steps of the sessions sharing this backend into batched forwards."""
+        from .batching import DecodeBatcher
+
+        self.start()
+        if self.batcher is None:
+            self.batcher = DecodeBatcher(self.forward)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -106,6 +115,8 @@ class Backend:
         return self.forward.prefill(state, tokens, all_logits)
 
     def decode(self, state: DecodeState, token: int) -> torch.Tensor:
+        if self.batcher is not None:
+            return self.batcher.decode(state, token)
         return self.forward.decode(state, token)
 
 

@@ -74,6 +74,39 @@ class Forward:
         """One token through the recurrent path. Returns logits [vocab]."""
         return self._run(state, self._ids([token]), chunked=False, all_logits=False)[0]
 
+    @torch.inference_mode()
+    def decode_batch(self, states: list[DecodeState], tokens: list[int]) -> torch.Tensor:
+        """One token for each of B sequences at once: every weight is read once for the whole batch.
+        Returns logits [B, vocab]; each state advances by one position."""
+        c, w = self.config, self.weights
+        b = len(states)
+        if b != len(tokens) or b == 0:
+            raise ValueError(f"{b} states for {len(tokens)} tokens")
+        for st in states:
+            if st.length + 1 > st.capacity:
+                raise ValueError(f"{st.length + 1} positions do not fit a decode state of {st.capacity}")
+        ids = self._ids(tokens)
+        starts = [st.length for st in states]
+        x = w.embed.lookup(ids)
+        rope = L.rope_tables(torch.tensor(starts, device=self.device), c.rotary_dim, c.rope_theta)
+        eps = c.rms_norm_eps
+        for i, lw in enumerate(w.layers):
+            h = L.rms_norm(x, lw.attn_norm, eps)
+            if isinstance(lw.mixer, AttentionWeights):
+                h = L.attention_mixer_batch(h, lw.mixer, c, [st.kv[i] for st in states], starts, rope)
+            else:
+                conv = torch.stack([st.conv[i] for st in states])
+                ssm = torch.stack([st.ssm[i] for st in states])
+                h = L.deltanet_mixer_batch(h, lw.mixer, c, conv, ssm)
+                for j, st in enumerate(states):
+                    st.conv[i].copy_(conv[j])
+                    st.ssm[i].copy_(ssm[j])
+            x = x + h
+            x = x + L.mlp(L.rms_norm(x, lw.post_norm, eps), lw.gate, lw.up, lw.down)
+        for st in states:
+            st.length += 1
+        return w.lm_head(L.rms_norm(x, w.final_norm, eps)).float()
+
     def prefill_per_token(self, state: DecodeState, tokens, all_logits: bool = False) -> torch.Tensor:
         """The same span one token at a time (the comparison path)."""
         ids = self._ids(tokens)

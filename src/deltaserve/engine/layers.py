@@ -69,15 +69,15 @@ def expand_key_heads(x: torch.Tensor, num_value_heads: int, order: str) -> torch
 
 
 def delta_rule_step(q, k, v, g, beta, state):
-    """One token of the gated delta rule, in place on `state` [H, dk, dv].
+    """One token of the gated delta rule, in place on `state` [..., H, dk, dv] (leading dims: a batch).
 
-    q, k: [H, dk] (normalised, q scaled); v: [H, dv]; g, beta: [H]. Returns o: [H, dv].
+    q, k: [..., H, dk] (normalised, q scaled); v: [..., H, dv]; g, beta: [..., H]. Returns o: [..., H, dv].
     """
-    state.mul_(torch.exp(g)[:, None, None])
-    predicted = torch.einsum("hkv,hk->hv", state, k)
-    delta = (v - predicted) * beta[:, None]
-    state.add_(k[:, :, None] * delta[:, None, :])
-    return torch.einsum("hkv,hk->hv", state, q)
+    state.mul_(torch.exp(g)[..., None, None])
+    predicted = torch.einsum("...kv,...k->...v", state, k)
+    delta = (v - predicted) * beta[..., None]
+    state.add_(k[..., :, None] * delta[..., None, :])
+    return torch.einsum("...kv,...k->...v", state, q)
 
 
 def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
@@ -136,28 +136,50 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
     return out.reshape(h, n * chunk, dv)[:, :t].transpose(0, 1)
 
 
-def deltanet_mixer(x: torch.Tensor, w, cfg, conv_state: torch.Tensor, ssm_state: torch.Tensor,
-                   chunked: bool) -> torch.Tensor:
-    """A Gated DeltaNet layer's mixer over T new tokens. x: [T, hidden] (already normed)."""
-    t = x.shape[0]
+def _deltanet_heads(qkv: torch.Tensor, cfg):
+    """Split the conv output [R, conv_dim] into q, k (normalised, one per value head) and v, each [R, nv, d]."""
+    r = qkv.shape[0]
     nk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
     nv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
-    qkv = causal_conv(w.qkv(x), conv_state, w.conv)
     q, k, v = torch.split(qkv, [nk * dk, nk * dk, nv * dv], dim=-1)
-    q = l2_normalize(q.reshape(t, nk, dk)) * (dk ** -0.5)
-    k = l2_normalize(k.reshape(t, nk, dk))
-    q = expand_key_heads(q, nv, cfg.value_head_order)
-    k = expand_key_heads(k, nv, cfg.value_head_order)
-    v = v.reshape(t, nv, dv)
-    beta = torch.sigmoid(w.b(x).float())
-    g = w.a_neg * F.softplus(w.a(x).float() + w.dt_bias)
+    q = l2_normalize(q.reshape(r, nk, dk)) * (dk ** -0.5)
+    k = l2_normalize(k.reshape(r, nk, dk))
+    return (expand_key_heads(q, nv, cfg.value_head_order), expand_key_heads(k, nv, cfg.value_head_order),
+            v.reshape(r, nv, dv))
+
+
+def _deltanet_gates(x: torch.Tensor, w):
+    """beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias), per row and value head."""
+    return torch.sigmoid(w.b(x).float()), w.a_neg * F.softplus(w.a(x).float() + w.dt_bias)
+
+
+def _deltanet_out(o: torch.Tensor, x: torch.Tensor, w, cfg) -> torch.Tensor:
+    r, nv, dv = o.shape
+    z = w.z(x).reshape(r, nv, dv)
+    return w.out(gated_rms_norm(o, z, w.norm, cfg.rms_norm_eps).reshape(r, nv * dv))
+
+
+def deltanet_mixer(x: torch.Tensor, w, cfg, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+                   chunked: bool) -> torch.Tensor:
+    """A Gated DeltaNet layer's mixer over T new tokens of one sequence. x: [T, hidden] (already normed)."""
+    q, k, v = _deltanet_heads(causal_conv(w.qkv(x), conv_state, w.conv), cfg)
+    beta, g = _deltanet_gates(x, w)
     if chunked:
         o = delta_rule_chunked(q, k, v, g, beta, ssm_state)
     else:
-        o = torch.stack([delta_rule_step(q[i], k[i], v[i], g[i], beta[i], ssm_state) for i in range(t)])
-    z = w.z(x).reshape(t, nv, dv)
-    o = gated_rms_norm(o, z, w.norm, cfg.rms_norm_eps)
-    return w.out(o.reshape(t, nv * dv))
+        o = torch.stack([delta_rule_step(q[i], k[i], v[i], g[i], beta[i], ssm_state) for i in range(x.shape[0])])
+    return _deltanet_out(o, x, w, cfg)
+
+
+def deltanet_mixer_batch(x: torch.Tensor, w, cfg, conv_states: torch.Tensor, ssm_states: torch.Tensor) -> torch.Tensor:
+    """One token each of B sequences. x: [B, hidden]; conv_states [B, K-1, C] and ssm_states [B, nv, dk, dv]
+    are the sequences' states stacked, updated in place."""
+    window = torch.cat([conv_states, w.qkv(x).to(conv_states.dtype)[:, None, :]], dim=1)  # [B, K, C]
+    qkv = F.silu((window * w.conv.t()).sum(1))
+    conv_states.copy_(window[:, 1:])
+    q, k, v = _deltanet_heads(qkv, cfg)
+    beta, g = _deltanet_gates(x, w)
+    return _deltanet_out(delta_rule_step(q, k, v, g, beta, ssm_states), x, w, cfg)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,23 +205,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([out, rest], dim=-1)
 
 
-def attention_mixer(x: torch.Tensor, w, cfg, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
-                    rope: tuple[torch.Tensor, torch.Tensor], query_rows: int = 512) -> torch.Tensor:
-    """A gated full-attention layer's mixer over T new tokens at positions start..start+T-1.
-
-    k_cache, v_cache: [kv_heads, capacity, hd], written in place at the new positions.
-    `query_rows` bounds the attention score matrix: queries are processed that many at a time.
-    """
-    t = x.shape[0]
+def _attention_qkv(x: torch.Tensor, w, cfg, rope):
+    """Projected, normed, rotated q [R, nh, hd], k, v [R, nkv, hd] and the output gate [R, nh*hd]."""
+    r = x.shape[0]
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim
-    qg = w.q(x).reshape(t, nh, 2 * hd)
-    q, gate = qg[..., :hd], qg[..., hd:]
-    q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
-    k = rms_norm(w.k(x).reshape(t, nkv, hd), w.k_norm, cfg.rms_norm_eps)
-    v = w.v(x).reshape(t, nkv, hd).float()
+    qg = w.q(x).reshape(r, nh, 2 * hd)
+    q = rms_norm(qg[..., :hd], w.q_norm, cfg.rms_norm_eps)
+    k = rms_norm(w.k(x).reshape(r, nkv, hd), w.k_norm, cfg.rms_norm_eps)
+    v = w.v(x).reshape(r, nkv, hd).float()
     cos, sin = rope
-    q = apply_rope(q, cos, sin)
-    k = apply_rope(k, cos, sin)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, qg[..., hd:].reshape(r, nh * hd)
+
+
+def _attend(q, k, v, k_cache, v_cache, start: int, query_rows: int) -> torch.Tensor:
+    """Write k, v [T, nkv, hd] at positions start.. of one sequence's cache; causal attention of q [T, nh, hd]
+    over the cache. Returns [T, nh * hd]."""
+    t, nh, hd = q.shape
+    nkv = k.shape[1]
     end = start + t
     k_cache[:, start:end] = k.transpose(0, 1).to(k_cache.dtype)
     v_cache[:, start:end] = v.transpose(0, 1).to(v_cache.dtype)
@@ -211,14 +233,32 @@ def attention_mixer(x: torch.Tensor, w, cfg, k_cache: torch.Tensor, v_cache: tor
         o = F.scaled_dot_product_attention(qh, keys, values, scale=scale, enable_gqa=nh != nkv)
     else:
         pieces = []
+        kpos = torch.arange(0, end, device=q.device)
         for r0 in range(0, t, query_rows):
             r1 = min(t, r0 + query_rows)
-            qpos = torch.arange(start + r0, start + r1, device=x.device)
-            kpos = torch.arange(0, end, device=x.device)
+            qpos = torch.arange(start + r0, start + r1, device=q.device)
             mask = kpos[None, :] <= qpos[:, None]
             pieces.append(F.scaled_dot_product_attention(qh[:, r0:r1], keys, values, attn_mask=mask,
                                                          scale=scale, enable_gqa=nh != nkv))
         o = torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]
-    o = o.transpose(0, 1).reshape(t, nh * hd)
-    o = o * torch.sigmoid(gate.reshape(t, nh * hd).float())
-    return w.o(o)
+    return o.transpose(0, 1).reshape(t, nh * hd)
+
+
+def attention_mixer(x: torch.Tensor, w, cfg, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
+                    rope: tuple[torch.Tensor, torch.Tensor], query_rows: int = 512) -> torch.Tensor:
+    """A gated full-attention layer's mixer over T new tokens at positions start..start+T-1 of one sequence.
+
+    k_cache, v_cache: [kv_heads, capacity, hd], written in place at the new positions.
+    `query_rows` bounds the attention score matrix: queries are processed that many at a time.
+    """
+    q, k, v, gate = _attention_qkv(x, w, cfg, rope)
+    o = _attend(q, k, v, k_cache, v_cache, start, query_rows)
+    return w.o(o * torch.sigmoid(gate.float()))
+
+
+def attention_mixer_batch(x: torch.Tensor, w, cfg, caches: list, starts: list[int], rope) -> torch.Tensor:
+    """One token each of B sequences (own caches, own positions; `rope` holds each row's position)."""
+    q, k, v, gate = _attention_qkv(x, w, cfg, rope)
+    o = torch.cat([_attend(q[i:i + 1], k[i:i + 1], v[i:i + 1], kc, vc, starts[i], 1)
+                   for i, (kc, vc) in enumerate(caches)])
+    return w.o(o * torch.sigmoid(gate.float()))

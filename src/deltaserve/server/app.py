@@ -78,6 +78,8 @@ class Server:
         if guard is None and backend.accelerator:
             from ..engine.guard import ParityGuard
             guard = ParityGuard()
+        if slots > 1:
+            backend.enable_batching()  # the slots' decode steps share one forward
         sessions = []
         for i in range(slots):
             s = model.session(context=context, backend=backend, guard=guard, quiet=quiet or i > 0)
@@ -277,6 +279,8 @@ class Server:
         return {
             "status": "ok", "model": self.model_name, "path": str(self.model.path), "version": __version__,
             "backend": s0.backend.name, "layers": self.model.config.num_layers,
+            "batched_decode": ({"batches": b.batches, "rows": b.batched_rows}
+                               if (b := s0.backend.batcher) is not None else None),
             "declared_context": self.model.config.context_length, "context": self.context,
             "slots": [{"index": s.index, "busy": s.busy, "held_tokens": len(s.session.held),
                        "capacity": s.session.capacity, "checkpoint": s.session.checkpoint_length,
