@@ -9,11 +9,11 @@
 __version__ = "0.1.0"
 
 
-def load(path, device: str = "cpu", threads: int | None = None, cache: bool = True):
+def load(path, device: str = "cpu", threads: int | None = None, cache: bool = True, weights: str | None = None):
     """Load a Qwen3.5 GGUF file or HF directory; see `deltaserve.api.load`."""
     from .api import load as _load
 
-    return _load(path, device=device, threads=threads, cache=cache)
+    return _load(path, device=device, threads=threads, cache=cache, weights=weights)
 
 
 __all__ = ["load", "__version__"]

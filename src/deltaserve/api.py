@@ -73,9 +73,11 @@ class Model:
         return self.session(one_call=True, **session_kw).generate(prompt_ids, max_tokens=max_tokens, **kwargs)
 
 
-def load(path: str | os.PathLike, device: str = "cpu", threads: int | None = None, cache: bool = True) -> Model:
-    """Load a Qwen3.5 GGUF file or HF directory. `threads` sets torch's CPU threads."""
+def load(path: str | os.PathLike, device: str = "cpu", threads: int | None = None, cache: bool = True,
+         weights: str | None = None) -> Model:
+    """Load a Qwen3.5 GGUF file or HF directory. `threads` sets torch's CPU threads. `weights`: "fast"
+    (default: quantized tensors as int8 tables, 16-bit ones as bf16, f32 kept) or "exact" (all f32)."""
     if threads:
         torch.set_num_threads(int(threads))
-    host = cached_host(path) if cache else load_host(path)
+    host = cached_host(path, weights) if cache else load_host(path, weights)
     return Model(host, device)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ..engine.linear import DenseLinear, Linear
+from ..engine.linear import DenseLinear, Int8Linear, Linear
 from ..errors import ModelFormatError
 from . import quant
 from .config import HybridConfig
@@ -29,9 +29,31 @@ from .weights import Embedding, TensorSummary, Weights, build_weights
 # GGUF
 # ---------------------------------------------------------------------------------------------
 
+WEIGHT_MODES = ("fast", "exact")
+
+
+def weight_mode(mode: str | None = None) -> str:
+    """"fast" (default): quantized tensors become int8 per-row tables, f16/bf16 become bf16, f32 stays f32;
+    "exact": every tensor dequantized to f32 (the parity reference). DELTASERVE_WEIGHTS picks it too."""
+    mode = mode or os.environ.get("DELTASERVE_WEIGHTS", "fast")
+    if mode not in WEIGHT_MODES:
+        raise ModelFormatError(f"unknown weight mode {mode!r}; expected one of {', '.join(WEIGHT_MODES)}")
+    return mode
+
+
+def make_linear(w: torch.Tensor, source_type: str, mode: str) -> Linear:
+    """The Linear a tensor of `source_type` (a GGUF type name or a torch dtype name) becomes in `mode`."""
+    if mode == "exact" or source_type in ("F32", "float32", "torch.float32"):
+        return DenseLinear(w.float())
+    if source_type in ("F16", "BF16", "float16", "bfloat16", "torch.float16", "torch.bfloat16"):
+        return DenseLinear(w.to(torch.bfloat16))
+    return Int8Linear.from_float(w)
+
+
 class GGUFSource:
-    def __init__(self, f: GGUFFile):
+    def __init__(self, f: GGUFFile, mode: str = "fast"):
         self.f = f
+        self.mode = mode
 
     def names(self) -> set[str]:
         return set(self.f.tensors)
@@ -47,10 +69,11 @@ class GGUFSource:
         return quant.dequantize(t.data, t.qtype, t.shape)
 
     def linear(self, name: str) -> Linear:
-        return DenseLinear(self.dense(name))
+        return make_linear(self.dense(name), self.type_name(name), self.mode)
 
     def embedding(self, name: str) -> Embedding:
-        return Embedding(self.dense(name))
+        table = self.linear(name)
+        return Embedding(table if isinstance(table, Int8Linear) else table.weight)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,9 +136,10 @@ def apply_hf_transform(t: torch.Tensor, how: str | None) -> torch.Tensor:
 class HFSource:
     """Tensors of an HF Qwen3.5 directory, renamed and transformed to GGUF conventions on read."""
 
-    def __init__(self, directory: Path, prefix: str):
+    def __init__(self, directory: Path, prefix: str, mode: str = "fast"):
         from safetensors import safe_open
 
+        self.mode = mode
         self.dir = directory
         files = sorted(directory.glob("*.safetensors"))
         if not files:
@@ -167,10 +191,11 @@ class HFSource:
         return apply_hf_transform(t, how).float().contiguous()
 
     def linear(self, name: str) -> Linear:
-        return DenseLinear(self.dense(name))
+        return make_linear(self.dense(name), self.type_name(name), self.mode)
 
     def embedding(self, name: str) -> Embedding:
-        return Embedding(self.dense(name))
+        table = self.linear(name)
+        return Embedding(table if isinstance(table, Int8Linear) else table.weight)
 
 
 def _hf_prefix(config: dict) -> str:
@@ -195,6 +220,7 @@ class HostModel:
     load_seconds: float
     file_bytes: int
     metadata: dict[str, Any] = field(default_factory=dict)
+    weight_mode: str = "fast"
 
     @property
     def identity(self) -> tuple[str, int, int]:
@@ -251,11 +277,13 @@ def _tensor_sort_key(name: str):
     return (0 if name.startswith("token") else 2, 0, name)
 
 
-def load_host(path: str | os.PathLike) -> HostModel:
-    """Read a GGUF file or an HF directory into a host model, or raise ModelFormatError naming what is wrong."""
+def load_host(path: str | os.PathLike, weights: str | None = None) -> HostModel:
+    """Read a GGUF file or an HF directory into a host model, or raise ModelFormatError naming what is wrong.
+    `weights`: "fast" or "exact" (see `weight_mode`)."""
     from .tokenizer import Tokenizer
 
     t0 = time.perf_counter()
+    mode = weight_mode(weights)
     p = Path(path)
     if not p.exists():
         raise ModelFormatError(f"no such model: {p}")
@@ -268,7 +296,7 @@ def load_host(path: str | os.PathLike) -> HostModel:
         except ValueError as e:
             raise ModelFormatError(f"{cfg_path} is not valid JSON: {e}") from None
         config = HybridConfig.from_hf(raw)
-        src = HFSource(p, _hf_prefix(raw))
+        src = HFSource(p, _hf_prefix(raw), mode)
         if "output.weight" not in src.names() and not config.tie_word_embeddings:
             raise ModelFormatError(f"{p.name}: missing tensor lm_head.weight (tie_word_embeddings is false)")
         tokenizer = Tokenizer.from_hf_dir(p)
@@ -282,7 +310,7 @@ def load_host(path: str | os.PathLike) -> HostModel:
             raise ModelFormatError(
                 f"{p.name} is not a GGUF file (it starts with {head!r}, a GGUF starts with b'GGUF') nor an HF model directory")
         f = read_gguf(p)
-        src = GGUFSource(f)
+        src = GGUFSource(f, mode)
         if "token_embd.weight" not in f.tensors:
             arch = f.arch
             if arch != "qwen35":
@@ -296,21 +324,24 @@ def load_host(path: str | os.PathLike) -> HostModel:
         file_bytes = p.stat().st_size
     weights = build_weights(config, src, p.name)
     summary = _summaries(src)
-    return HostModel(p, fmt, config, weights, tokenizer, summary, time.perf_counter() - t0, file_bytes, metadata)
+    host = HostModel(p, fmt, config, weights, tokenizer, summary, time.perf_counter() - t0, file_bytes, metadata)
+    host.weight_mode = mode
+    return host
 
 
-_HOSTS: dict[tuple[str, int, int], HostModel] = {}
+_HOSTS: dict[tuple, HostModel] = {}
 _HOSTS_LOCK = threading.Lock()
 
 
-def cached_host(path: str | os.PathLike) -> HostModel:
-    """load_host once per (path, size, mtime) in this process: a file rewritten in place is read again."""
+def cached_host(path: str | os.PathLike, weights: str | None = None) -> HostModel:
+    """load_host once per (path, size, mtime, weight mode) in this process: a file rewritten in place is
+    read again."""
     if not Path(path).exists():
         raise ModelFormatError(f"no such model: {path}")
-    key = file_identity(Path(path))
+    key = (*file_identity(Path(path)), weight_mode(weights))
     with _HOSTS_LOCK:
         host = _HOSTS.get(key)
         if host is None:
-            host = load_host(path)
+            host = load_host(path, weights)
             _HOSTS[key] = host
         return host

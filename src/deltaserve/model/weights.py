@@ -13,30 +13,39 @@ from typing import Callable, Protocol
 
 import torch
 
-from ..engine.linear import DenseLinear, Linear
+from ..engine.linear import DenseLinear, Int8Linear, Linear
 from ..errors import ModelFormatError
 from .config import HybridConfig
 
 
 class Embedding:
-    """Token embedding rows [vocab, hidden]; dense float32 here, looked up by row."""
+    """Token embedding rows [vocab, hidden], looked up by row: a dense tensor or an int8 table. A tied LM
+    head is the same table seen as a Linear (no second copy)."""
 
-    def __init__(self, weight: torch.Tensor):
-        self.weight = weight
-        self.num_embeddings, self.dim = weight.shape
+    def __init__(self, table: torch.Tensor | Int8Linear):
+        self.table = table
+        self.num_embeddings, self.dim = (table.out_features, table.in_features) if isinstance(table, Int8Linear) \
+            else tuple(table.shape)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.table.dense() if isinstance(self.table, Int8Linear) else self.table
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.weight.index_select(0, ids).float()
+        if isinstance(self.table, Int8Linear):
+            return self.table.rows(ids)
+        return self.table.index_select(0, ids).float()
 
     def as_linear(self) -> Linear:
-        return DenseLinear(self.weight)
+        return self.table if isinstance(self.table, Int8Linear) else DenseLinear(self.table)
 
     @property
     def nbytes(self) -> int:
-        return self.weight.numel() * self.weight.element_size()
+        t = self.table
+        return t.nbytes if isinstance(t, Int8Linear) else t.numel() * t.element_size()
 
     def to(self, device) -> "Embedding":
-        return Embedding(self.weight.to(device))
+        return Embedding(self.table.to(device))
 
 
 @dataclass
@@ -112,7 +121,9 @@ class Weights:
         def visit(obj):
             if isinstance(obj, torch.Tensor):
                 add(obj)
-            elif isinstance(obj, (Linear, Embedding)):
+            elif isinstance(obj, Embedding):
+                visit(obj.table)
+            elif isinstance(obj, Linear):
                 for v in vars(obj).values():
                     if isinstance(v, torch.Tensor):
                         add(v)
