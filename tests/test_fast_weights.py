@@ -38,7 +38,7 @@ def decode_all(m, ids):
 def test_the_fast_q8_0_path_stays_within_twice_the_files_own_quantization_error(name):
     fast, exact = model(name, "q8_0", "fast"), model(name, "q8_0", "exact")
     ref = model(name, "f32", "exact")
-    assert isinstance(fast.host.weights.layers[0].gate, Int8Linear)
+    assert isinstance(fast.host.weights.layers[0].gate_up.fused, Int8Linear)
     ids = ids_for(ref)
     want = ref.logits(ids)
     own = (exact.logits(ids) - want).abs().mean().item()
@@ -49,7 +49,7 @@ def test_the_fast_q8_0_path_stays_within_twice_the_files_own_quantization_error(
 def test_the_fast_bf16_path_stays_close_to_f32():
     fast = model("hybrid", "bf16", "fast")
     ref = model("hybrid", "f32", "exact")
-    lw = fast.host.weights.layers[0].gate
+    lw = fast.host.weights.layers[0].gate_up.fused
     assert isinstance(lw, DenseLinear) and lw.weight.dtype == torch.bfloat16
     ids = ids_for(ref)
     for got in (fast.logits(ids), decode_all(fast, ids)):
@@ -58,7 +58,7 @@ def test_the_fast_bf16_path_stays_close_to_f32():
 
 def test_f32_files_stay_exact_on_the_fast_path():
     m = model("hybrid", "f32", "fast")
-    assert m.host.weights.layers[0].gate.weight.dtype == torch.float32
+    assert m.host.weights.layers[0].gate_up.fused.weight.dtype == torch.float32
 
 
 def test_an_int8_table_serves_both_the_embedding_and_the_tied_head():

@@ -34,6 +34,9 @@ SINGLE_SEED, SINGLE_PER_KIND = 1001, 35
 RECALL_SEED, RECALL_COUNT = 1002, 120
 AUTO_SEED, AUTO_PER_KIND = 1003, 10
 MAX_TOKENS = 32
+# the smaller sets tests/test_demo_model.py uses (other seeds)
+TEST_SINGLE_SEED, TEST_PER_KIND = 2001, 9
+TEST_RECALL_SEED, TEST_RECALL_COUNT = 2002, 30
 
 
 def eval_sets(single_seed: int = SINGLE_SEED, per_kind: int = SINGLE_PER_KIND, recall_seed: int = RECALL_SEED,

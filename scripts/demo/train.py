@@ -323,11 +323,66 @@ def plot(log: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def train(args, enc: Encoder, tok: Tokenizer, vocab: int, out: Path):
+    from transformers import Qwen3_5ForCausalLM
+
+    cfg = make_config(args, vocab, tok.im_end_id, tok.pad_id)
+    model = Qwen3_5ForCausalLM(cfg)
+    model.train()
+    params = sum(p.numel() for p in model.parameters())
+    print(f"model: {params / 1e6:.2f}M params, layers {cfg.layer_types}", flush=True)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+
+    batches = Batches(enc, args.seed + 1, args.batch)
+    checks_items = tf_items(enc, 7001)
+    log: dict = {"config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                            "params": params, "vocab_rows": vocab, "tokens": tok.vocab_size,
+                            "layer_types": cfg.layer_types},
+                 "losses": [], "checks": []}
+    t0 = time.time()
+    ema = None
+    for step in range(args.steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, args)
+        ids, w = batches.next(tok.pad_id)
+        logits = model(input_ids=ids).logits
+        loss = weighted_loss(logits, ids, w)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        lv = loss.item()
+        ema = lv if ema is None else 0.95 * ema + 0.05 * lv
+        if step % 10 == 0 or step == args.steps - 1:
+            log["losses"].append({"step": step, "loss": lv, "ema": ema, "lr": lr_at(step, args), "grad_norm": float(gn),
+                                  "elapsed_s": time.time() - t0})
+        if step % 50 == 0:
+            el = time.time() - t0
+            print(f"step {step:5d} loss {lv:.4f} ema {ema:.4f} lr {lr_at(step, args):.2e} gn {float(gn):.2f} "
+                  f"T {ids.shape[1]} tok/s {batches.tokens / max(el, 1e-9):.0f} elapsed {el / 60:.1f} min", flush=True)
+        if (step + 1) % args.check_every == 0 or step == args.steps - 1:
+            acc = tf_accuracy(model, checks_items, tok.pad_id)
+            log["checks"].append({"step": step + 1, **acc, "elapsed_s": time.time() - t0})
+            print(f"  check @ {step + 1}: " + ", ".join(f"{k} {v:.3f}" for k, v in acc.items()), flush=True)
+    train_s = time.time() - t0
+    log["train_wall_s"] = train_s
+    log["train_tokens"] = batches.tokens
+    log["train_samples"] = batches.samples
+    log["final_loss_ema"] = ema
+    print(f"trained {args.steps} steps in {train_s / 60:.1f} min ({batches.samples} samples, {batches.tokens} tokens)",
+          flush=True)
+
+    return model, log, batches
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--steps", type=int, default=2400)
+    ap.add_argument("--steps", type=int, default=1800)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=150)
@@ -335,23 +390,27 @@ def main() -> int:
     ap.add_argument("--weight-decay", type=float, default=0.05)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--inter", type=int, default=768)
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--attn-every", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--attn-every", type=int, default=2)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--lin-heads", type=int, default=4)
     ap.add_argument("--lin-head-dim", type=int, default=64)
     ap.add_argument("--bpe-size", type=int, default=1200)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads (1: batched triangular solves stall with 2 threads on a busy 2-core box)")
     ap.add_argument("--check-every", type=int, default=200)
     ap.add_argument("--type", default="f16", choices=["f16", "f32"], help="the GGUF type to install")
     ap.add_argument("--no-install", action="store_true", help="leave the repo's files alone")
     ap.add_argument("--skip-eval", action="store_true")
+    ap.add_argument("--export-only", action="store_true",
+                    help="skip training: reuse OUT/hf and OUT/training_log.json from an earlier run")
     args = ap.parse_args()
 
     t_start = time.time()
     torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(True)  # the decays underflow; denormal arithmetic is ~100x slower on CPU
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     out = args.out
@@ -373,56 +432,16 @@ def main() -> int:
     print(f"tokenizer: {n_tokens} tokens ({args.bpe_size} BPE), embedding rows {vocab}", flush=True)
     enc = Encoder(tok)
 
-    # 2. model
-    cfg = make_config(args, vocab, tok.im_end_id, tok.pad_id)
-    model = Qwen3_5ForCausalLM(cfg)
-    model.train()
-    params = sum(p.numel() for p in model.parameters())
-    print(f"model: {params / 1e6:.2f}M params, layers {cfg.layer_types}", flush=True)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
-
-    # 3. train
-    batches = Batches(enc, args.seed + 1, args.batch)
-    checks_items = tf_items(enc, 7001)
-    log: dict = {"config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                            "params": params, "vocab_rows": vocab, "tokens": n_tokens,
-                            "layer_types": cfg.layer_types},
-                 "losses": [], "checks": []}
-    t0 = time.time()
-    ema = None
-    for step in range(args.steps):
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, args)
-        ids, w = batches.next(tok.pad_id)
-        logits = model(input_ids=ids).logits
-        loss = weighted_loss(logits, ids, w)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        lv = float(loss)
-        ema = lv if ema is None else 0.95 * ema + 0.05 * lv
-        if step % 10 == 0 or step == args.steps - 1:
-            log["losses"].append({"step": step, "loss": lv, "ema": ema, "lr": lr_at(step, args), "grad_norm": float(gn),
-                                  "elapsed_s": time.time() - t0})
-        if step % 50 == 0:
-            el = time.time() - t0
-            print(f"step {step:5d} loss {lv:.4f} ema {ema:.4f} lr {lr_at(step, args):.2e} gn {float(gn):.2f} "
-                  f"T {ids.shape[1]} tok/s {batches.tokens / max(el, 1e-9):.0f} elapsed {el / 60:.1f} min", flush=True)
-        if (step + 1) % args.check_every == 0 or step == args.steps - 1:
-            acc = tf_accuracy(model, checks_items, tok.pad_id)
-            log["checks"].append({"step": step + 1, **acc, "elapsed_s": time.time() - t0})
-            print(f"  check @ {step + 1}: " + ", ".join(f"{k} {v:.3f}" for k, v in acc.items()), flush=True)
-    train_s = time.time() - t0
-    log["train_wall_s"] = train_s
-    log["train_tokens"] = batches.tokens
-    log["train_samples"] = batches.samples
-    log["final_loss_ema"] = ema
-    print(f"trained {args.steps} steps in {train_s / 60:.1f} min ({batches.samples} samples, {batches.tokens} tokens)",
-          flush=True)
+    if args.export_only:
+        model = Qwen3_5ForCausalLM.from_pretrained(hf, dtype=torch.float32)
+        log = json.loads((out / "training_log.json").read_text())
+        batches = Batches(enc, args.seed + 1, args.batch)
+        for _ in range(-(-log["train_samples"] // (args.batch * batches.pool_batches))):
+            batches._refill()  # the same conversations, for the overlap check
+    else:
+        model, log, batches = train(args, enc, tok, vocab, out)
+        model.save_pretrained(hf)
+        (out / "training_log.json").write_text(json.dumps(log, indent=1))
 
     # 4. disjointness of the held-out sets from everything trained on
     import evaluate as E
@@ -431,13 +450,17 @@ def main() -> int:
     overlap_single = sum(1 for t in single if C.conversation_key([t]) in batches.keys)
     overlap_recall = sum(1 for turns, _ in recall if C.conversation_key(turns) in batches.keys)
     prefix_recall = sum(1 for turns, sc in recall if C.conversation_key(turns[: sc[0] + 1]) in batches.keys)
-    log["overlap"] = {"single": overlap_single, "recall": overlap_recall, "recall_prefix": prefix_recall}
+    t_single, t_recall = E.eval_sets(E.TEST_SINGLE_SEED, E.TEST_PER_KIND, E.TEST_RECALL_SEED, E.TEST_RECALL_COUNT)
+    overlap_single += sum(1 for t in t_single if C.conversation_key([t]) in batches.keys)
+    overlap_recall += sum(1 for turns, _ in t_recall if C.conversation_key(turns) in batches.keys)
+    prefix_recall += sum(1 for turns, sc in t_recall if C.conversation_key(turns[: sc[0] + 1]) in batches.keys)
+    log["overlap"] = {"single": overlap_single, "recall": overlap_recall, "recall_prefix": prefix_recall,
+                      "checked": "evaluate.py's sets and the test sets against every trained conversation prefix"}
     print(f"held-out overlap with training conversations: {log['overlap']}", flush=True)
 
     # 5. export
     model.eval()
     model.config.use_cache = True
-    model.save_pretrained(hf)
     save_hf_tokenizer(raw_tok, hf, template)
     from deltaserve.model.convert import convert
 

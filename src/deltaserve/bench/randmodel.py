@@ -109,34 +109,36 @@ def quantize_with_llama_cpp(src: Path, out: Path, ftype: str = "Q4_K_M", threads
 
 def random_weights(shape: str, dtype=torch.bfloat16, device="cpu", seed: int = 0, layers: int | None = None):
     """Random weights of `shape` built directly in memory (no file, no tokenizer): for speed runs."""
-    from ..engine.linear import DenseLinear
+    from ..engine.linear import DenseLinear, StackedLinear
     from ..model.weights import AttentionWeights, DeltaNetWeights, Embedding, LayerWeights, Weights
 
     c = shape_config(shape, layers=layers)
+    shapes = expected_shapes(c)
 
-    def t(name, shp, linear=False):
-        x = _tensor(name, shp, c, seed).to(device)
-        return DenseLinear(x.to(dtype)) if linear else x.float()
+    def vec(name):
+        return _tensor(name, shapes[name], c, seed).to(device).float()
+
+    def lin(name):
+        return DenseLinear(_tensor(name, shapes[name], c, seed).to(device).to(dtype))
+
+    def stacked(p, *names):
+        return StackedLinear([lin(p + n) for n in names])
 
     layer_list = []
     for i in range(c.num_layers):
         p = f"blk.{i}."
-        sh = expected_shapes(c)
         if c.is_attention(i):
-            mixer = AttentionWeights(*(t(p + n, sh[p + n], True) for n in
-                                       ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight")),
-                                     t(p + "attn_q_norm.weight", sh[p + "attn_q_norm.weight"]),
-                                     t(p + "attn_k_norm.weight", sh[p + "attn_k_norm.weight"]))
+            mixer = AttentionWeights(stacked(p, "attn_q.weight", "attn_k.weight", "attn_v.weight"),
+                                     lin(p + "attn_output.weight"), vec(p + "attn_q_norm.weight"),
+                                     vec(p + "attn_k_norm.weight"))
         else:
-            mixer = DeltaNetWeights(*(t(p + n, sh[p + n], True) for n in
-                                      ("attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight",
-                                       "ssm_out.weight")),
-                                    *(t(p + n, sh[p + n]) for n in
-                                      ("ssm_conv1d.weight", "ssm_dt.bias", "ssm_a", "ssm_norm.weight")))
-        layer_list.append(LayerWeights(t(p + "attn_norm.weight", (c.hidden_size,)),
-                                       t(p + "post_attention_norm.weight", (c.hidden_size,)), mixer,
-                                       *(t(p + n, sh[p + n], True) for n in
-                                         ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"))))
-    embed = Embedding(_tensor("token_embd.weight", (c.vocab_size, c.hidden_size), c, seed).to(device).to(dtype))
-    head = embed.as_linear() if c.tie_word_embeddings else t("output.weight", (c.vocab_size, c.hidden_size), True)
-    return c, Weights(embed, layer_list, t("output_norm.weight", (c.hidden_size,)), head, c.tie_word_embeddings)
+            mixer = DeltaNetWeights(stacked(p, "attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight",
+                                            "ssm_alpha.weight"), lin(p + "ssm_out.weight"),
+                                    vec(p + "ssm_conv1d.weight"), vec(p + "ssm_dt.bias"), vec(p + "ssm_a"),
+                                    vec(p + "ssm_norm.weight"))
+        layer_list.append(LayerWeights(vec(p + "attn_norm.weight"), vec(p + "post_attention_norm.weight"), mixer,
+                                       stacked(p, "ffn_gate.weight", "ffn_up.weight"), lin(p + "ffn_down.weight")))
+    embed = Embedding(_tensor("token_embd.weight", shapes["token_embd.weight"], c, seed).to(device).to(dtype))
+    head = embed.as_linear() if c.tie_word_embeddings else \
+        DenseLinear(_tensor("output.weight", (c.vocab_size, c.hidden_size), c, seed).to(device).to(dtype))
+    return c, Weights(embed, layer_list, vec("output_norm.weight"), head, c.tie_word_embeddings)

@@ -56,7 +56,7 @@ class Forward:
             else:
                 h = L.deltanet_mixer(h, lw.mixer, c, state.conv[i], state.ssm[i], chunked)
             x = x + h
-            x = x + L.mlp(L.rms_norm(x, lw.post_norm, eps), lw.gate, lw.up, lw.down)
+            x = x + L.mlp(L.rms_norm(x, lw.post_norm, eps), lw.gate_up, lw.down)
         state.length = start + t
         if not all_logits:
             x = x[-1:]
@@ -102,7 +102,7 @@ class Forward:
                     st.conv[i].copy_(conv[j])
                     st.ssm[i].copy_(ssm[j])
             x = x + h
-            x = x + L.mlp(L.rms_norm(x, lw.post_norm, eps), lw.gate, lw.up, lw.down)
+            x = x + L.mlp(L.rms_norm(x, lw.post_norm, eps), lw.gate_up, lw.down)
         for st in states:
             st.length += 1
         return w.lm_head(L.rms_norm(x, w.final_norm, eps)).float()

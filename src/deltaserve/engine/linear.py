@@ -125,3 +125,49 @@ class Int8Linear(Linear):
 
     def dense(self) -> torch.Tensor:
         return self.dequant(torch.float32)
+
+
+class StackedLinear(Linear):
+    """Several projections of the same input as one call: outputs concatenated along the last dim.
+    The parts are fused into one weight when they are of one kind; otherwise each is called in turn."""
+
+    def __init__(self, parts: list[Linear]):
+        self.sizes = tuple(p.out_features for p in parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(self.sizes)
+        if any(p.in_features != self.in_features for p in parts):
+            raise ValueError("stacked projections must share their input size")
+        if all(isinstance(p, Int8Linear) for p in parts):
+            self.fused: Linear | None = Int8Linear(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
+            self.parts: list[Linear] = []
+        elif all(isinstance(p, DenseLinear) for p in parts) and len({p.weight.dtype for p in parts}) == 1:
+            self.fused = DenseLinear(torch.cat([p.weight for p in parts]))
+            self.parts = []
+        else:
+            self.fused, self.parts = None, list(parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused(x)
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.split(y, self.sizes, dim=-1)
+
+    @property
+    def nbytes(self) -> int:
+        return self.fused.nbytes if self.fused is not None else sum(p.nbytes for p in self.parts)
+
+    @property
+    def kind(self) -> str:
+        return self.fused.kind if self.fused is not None else "+".join(p.kind for p in self.parts)
+
+    def to(self, device: torch.device | str) -> "StackedLinear":
+        out = StackedLinear.__new__(StackedLinear)
+        out.sizes, out.in_features, out.out_features = self.sizes, self.in_features, self.out_features
+        out.fused = self.fused.to(device) if self.fused is not None else None
+        out.parts = [p.to(device) for p in self.parts]
+        return out
+
+    def dense(self) -> torch.Tensor:
+        return self.fused.dense() if self.fused is not None else torch.cat([p.dense() for p in self.parts])

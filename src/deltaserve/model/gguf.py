@@ -53,6 +53,24 @@ class GGUFFile:
     version: int
     metadata: dict[str, Any]
     tensors: dict[str, RawTensor]
+    buf: Any = None        # the mapping the tensors view
+    data_start: int = 0
+
+    def release(self, name: str) -> None:
+        """Give back the pages of a tensor already converted (they are not read again): keeps the load's
+        peak resident memory near the converted weights, not the file plus the weights."""
+        t = self.tensors.get(name)
+        if t is None or self.buf is None or not hasattr(self.buf, "madvise"):
+            return
+        start = t.data.__array_interface__["data"][0] - np.frombuffer(self.buf, np.uint8, 1).__array_interface__["data"][0]
+        page = mmap.PAGESIZE
+        lo = -(-start // page) * page
+        hi = (start + t.nbytes) // page * page
+        if hi > lo:
+            try:
+                self.buf.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+            except (OSError, ValueError):
+                pass
 
     @property
     def arch(self) -> str | None:
@@ -169,7 +187,7 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
             raise ModelFormatError(f"truncated GGUF: tensor {name} ends at byte {end}, the file has {size} bytes")
         shape = tuple(int(d) for d in reversed(dims))
         tensors[name] = RawTensor(name, qtype, shape, whole[begin:end])
-    return GGUFFile(path, version, metadata, tensors)
+    return GGUFFile(path, version, metadata, tensors, buf, start)
 
 
 def is_gguf(path: str | os.PathLike) -> bool:

@@ -68,8 +68,35 @@ class GGUFSource:
         t = self.f.tensors[name]
         return quant.dequantize(t.data, t.qtype, t.shape)
 
+    CHUNK_ELEMENTS = 1 << 23  # convert big tensors this many elements at a time (bounds the f32 transient)
+
     def linear(self, name: str) -> Linear:
-        return make_linear(self.dense(name), self.type_name(name), self.mode)
+        t = self.f.tensors[name]
+        rows, cols = t.shape
+        step = max(1, self.CHUNK_ELEMENTS // cols)
+        if rows <= step:
+            out = make_linear(self.dense(name), t.qtype.name, self.mode)
+        else:
+            row_bytes = t.nbytes // rows
+            out = None
+            for r in range(0, rows, step):
+                r1 = min(rows, r + step)
+                part = make_linear(quant.dequantize(t.data[r * row_bytes:r1 * row_bytes], t.qtype, (r1 - r, cols)),
+                                   t.qtype.name, self.mode)
+                if out is None:  # the whole table, filled chunk by chunk (no concatenation copy)
+                    out = Int8Linear(torch.empty((rows, cols), dtype=torch.int8), torch.empty(rows)) \
+                        if isinstance(part, Int8Linear) else \
+                        DenseLinear(torch.empty((rows, cols), dtype=part.weight.dtype))
+                if isinstance(out, Int8Linear):
+                    out.q[r:r1], out.scale[r:r1] = part.q, part.scale
+                else:
+                    out.weight[r:r1] = part.weight
+                del part
+                _trim_heap()
+            if isinstance(out, Int8Linear):
+                out.scale_bf16 = out.scale.to(torch.bfloat16)
+        self.f.release(name)
+        return out
 
     def embedding(self, name: str) -> Embedding:
         table = self.linear(name)
@@ -245,6 +272,16 @@ _HASH_LOCK = threading.Lock()
 HASH_COUNT = {"computed": 0}  # how many times a file was actually hashed (tests check it is once)
 
 
+def _trim_heap() -> None:
+    """Hand freed heap memory back to the OS (glibc keeps it otherwise): the load's transients are gone."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def model_sha256(path: Path) -> str:
     key = file_identity(path)
     with _HASH_LOCK:
@@ -326,6 +363,8 @@ def load_host(path: str | os.PathLike, weights: str | None = None) -> HostModel:
     summary = _summaries(src)
     host = HostModel(p, fmt, config, weights, tokenizer, summary, time.perf_counter() - t0, file_bytes, metadata)
     host.weight_mode = mode
+    del src
+    _trim_heap()
     return host
 
 

@@ -13,7 +13,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from ..engine.linear import DenseLinear, Int8Linear, Linear
+from ..engine.linear import DenseLinear, Int8Linear, Linear, StackedLinear
 from ..errors import ModelFormatError
 from .config import HybridConfig
 
@@ -50,9 +50,7 @@ class Embedding:
 
 @dataclass
 class AttentionWeights:
-    q: Linear
-    k: Linear
-    v: Linear
+    qkv: StackedLinear     # attn_q (query | gate per head), attn_k, attn_v
     o: Linear
     q_norm: torch.Tensor
     k_norm: torch.Tensor
@@ -60,10 +58,7 @@ class AttentionWeights:
 
 @dataclass
 class DeltaNetWeights:
-    qkv: Linear
-    z: Linear
-    b: Linear
-    a: Linear
+    in_proj: StackedLinear  # attn_qkv, attn_gate (z), ssm_beta (b), ssm_alpha (a)
     out: Linear
     conv: torch.Tensor     # [conv_dim, K]
     dt_bias: torch.Tensor  # [nv]
@@ -76,8 +71,7 @@ class LayerWeights:
     attn_norm: torch.Tensor
     post_norm: torch.Tensor
     mixer: AttentionWeights | DeltaNetWeights
-    gate: Linear
-    up: Linear
+    gate_up: StackedLinear  # ffn_gate, ffn_up
     down: Linear
 
 
@@ -101,7 +95,7 @@ class Weights:
         for lw in self.layers:
             m = lw.mixer
             mixer = type(m)(**{k: mv(v) for k, v in vars(m).items()})
-            layers.append(LayerWeights(mv(lw.attn_norm), mv(lw.post_norm), mixer, mv(lw.gate), mv(lw.up), mv(lw.down)))
+            layers.append(LayerWeights(mv(lw.attn_norm), mv(lw.post_norm), mixer, mv(lw.gate_up), mv(lw.down)))
         embed = self.embed.to(device)
         head = embed.as_linear() if self.tied else mv(self.lm_head)
         return Weights(embed, layers, mv(self.final_norm), head, self.tied)
@@ -123,6 +117,9 @@ class Weights:
                 add(obj)
             elif isinstance(obj, Embedding):
                 visit(obj.table)
+            elif isinstance(obj, StackedLinear):
+                for part in ([obj.fused] if obj.fused is not None else obj.parts):
+                    visit(part)
             elif isinstance(obj, Linear):
                 for v in vars(obj).values():
                     if isinstance(v, torch.Tensor):
@@ -131,7 +128,7 @@ class Weights:
         visit(self.final_norm)
         visit(self.lm_head)
         for lw in self.layers:
-            for v in (lw.attn_norm, lw.post_norm, lw.gate, lw.up, lw.down, *vars(lw.mixer).values()):
+            for v in (lw.attn_norm, lw.post_norm, lw.gate_up, lw.down, *vars(lw.mixer).values()):
                 visit(v)
         return total
 
@@ -209,22 +206,22 @@ def build_weights(c: HybridConfig, src: TensorSource, where: str,
     layers = []
     for i in range(c.num_layers):
         p = f"blk.{i}."
+        def stacked(*names: str) -> StackedLinear:
+            return StackedLinear([src.linear(p + n) for n in names])
+
         if c.is_attention(i):
             mixer: AttentionWeights | DeltaNetWeights = AttentionWeights(
-                q=src.linear(p + "attn_q.weight"), k=src.linear(p + "attn_k.weight"),
-                v=src.linear(p + "attn_v.weight"), o=src.linear(p + "attn_output.weight"),
+                qkv=stacked("attn_q.weight", "attn_k.weight", "attn_v.weight"), o=src.linear(p + "attn_output.weight"),
                 q_norm=src.dense(p + "attn_q_norm.weight"), k_norm=src.dense(p + "attn_k_norm.weight"))
         else:
             mixer = DeltaNetWeights(
-                qkv=src.linear(p + "attn_qkv.weight"), z=src.linear(p + "attn_gate.weight"),
-                b=src.linear(p + "ssm_beta.weight"), a=src.linear(p + "ssm_alpha.weight"),
+                in_proj=stacked("attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight"),
                 out=src.linear(p + "ssm_out.weight"), conv=src.dense(p + "ssm_conv1d.weight"),
                 dt_bias=src.dense(p + "ssm_dt.bias"), a_neg=src.dense(p + "ssm_a"),
                 norm=src.dense(p + "ssm_norm.weight"))
         layers.append(LayerWeights(
             attn_norm=src.dense(p + "attn_norm.weight"), post_norm=src.dense(p + "post_attention_norm.weight"),
-            mixer=mixer, gate=src.linear(p + "ffn_gate.weight"), up=src.linear(p + "ffn_up.weight"),
-            down=src.linear(p + "ffn_down.weight")))
+            mixer=mixer, gate_up=stacked("ffn_gate.weight", "ffn_up.weight"), down=src.linear(p + "ffn_down.weight")))
         if progress:
             progress(i + 1, c.num_layers)
     embed = src.embedding("token_embd.weight")
