@@ -1,0 +1,341 @@
+"""deltaserve side by side with llama.cpp (llama-cpp-python, llama-server) and transformers, in one run,
+on the same model files, with the same thread count. Medians over repeats; ratios reported.
+
+Measures: prefill pp512 and decode (tg) per engine and file; the fraction of the memory-bandwidth bound
+deltaserve's decode reaches; a 12-turn chat's TTFT per turn and a regenerate against llama-server; peak
+resident memory of `deltaserve run` against the file size; aggregate decode of 8 concurrent conversations.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import torch
+
+from .run import CACHE, model_file
+
+PP = 512
+
+
+def median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def read_bandwidth(threads: int, gib: float = 1.0) -> float:
+    """Bytes/s a reduction over a large tensor reads (what a memory-bound decode can hope for)."""
+    torch.set_num_threads(threads)
+    x = torch.ones(int(gib * (1 << 30)) // 4)
+    x.sum()
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    return x.numel() * 4 / min(times)
+
+
+# -- deltaserve --------------------------------------------------------------------------------------
+
+def deltaserve_pp_tg(path: Path, threads: int, repeats: int, tg_tokens: int = 32) -> dict:
+    import deltaserve
+    from deltaserve.engine.forward import Forward
+
+    torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    m = deltaserve.load(path, cache=False)
+    load_s = time.perf_counter() - t0
+    f = Forward(m.config, m.host.weights)
+    ids = torch.randint(0, 200000, (PP,), generator=torch.Generator().manual_seed(0)).tolist()
+    f.prefill(f.new_state(PP), ids[:64])
+    pp = []
+    for _ in range(repeats):
+        st = f.new_state(PP + tg_tokens + 8)
+        t = time.perf_counter()
+        logits = f.prefill(st, ids)
+        pp.append(PP / (time.perf_counter() - t))
+    tg = []
+    for _ in range(repeats):
+        st = f.new_state(64 + tg_tokens + 8)
+        logits = f.prefill(st, ids[:64])
+        tok = int(logits.argmax())
+        f.decode(st, tok)
+        t = time.perf_counter()
+        for _ in range(tg_tokens):
+            tok = int(f.decode(st, tok).argmax())
+        tg.append(tg_tokens / (time.perf_counter() - t))
+    decode_bytes = sum(lw.gate_up.nbytes + lw.down.nbytes + (lw.mixer.qkv.nbytes + lw.mixer.o.nbytes
+                       if hasattr(lw.mixer, "qkv") else lw.mixer.in_proj.nbytes + lw.mixer.out.nbytes)
+                       for lw in m.host.weights.layers) + m.host.weights.lm_head.nbytes
+    return {"pp512": median(pp), "tg": median(tg), "pp_runs": pp, "tg_runs": tg, "load_s": load_s,
+            "decode_bytes_per_token": decode_bytes, "weights_bytes": m.host.weights.nbytes}
+
+
+def deltaserve_aggregate(path: Path, threads: int, conversations: int = 8, tokens: int = 32) -> dict:
+    """Decode throughput of `conversations` sessions at once (batched across sessions) against one."""
+    import threading
+
+    import deltaserve
+    from deltaserve.engine.backend import CPUBackend
+
+    torch.set_num_threads(threads)
+    m = deltaserve.load(path)
+    prompts = [[1000 + 7 * i + j for j in range(40)] for i in range(conversations)]
+
+    def run(n: int) -> float:
+        backend = CPUBackend(m.host)
+        backend.enable_batching()
+        sessions = [m.session(backend=backend, quiet=True) for _ in range(n)]
+        for s, p in zip(sessions, prompts):
+            s.generate(p, max_tokens=1)  # prefilled, so the timed part is decode
+        barrier = threading.Barrier(n + 1)
+        done = []
+
+        def go(s, p):
+            barrier.wait()
+            turn = s.generate(p + [5], max_tokens=tokens, stop=[])
+            done.append(turn.generated)
+
+        th = [threading.Thread(target=go, args=(s, p)) for s, p in zip(sessions, prompts)]
+        [t.start() for t in th]
+        barrier.wait()
+        t0 = time.perf_counter()
+        [t.join() for t in th]
+        return sum(done) / (time.perf_counter() - t0)
+
+    one, many = run(1), run(conversations)
+    return {"one_tok_s": one, "many_tok_s": many, "conversations": conversations, "ratio": many / one}
+
+
+def deltaserve_peak_rss(path: Path, threads: int) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "deltaserve.cli", "run", str(path), "-p", "hello " * 200, "-n", "32",
+                           "--threads", str(threads), "--device", "cpu"], capture_output=True, text=True)
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    size = path.stat().st_size
+    return {"peak_rss": peak, "file_bytes": size, "ratio": peak / size, "ok": proc.returncode == 0}
+
+
+# -- llama.cpp ---------------------------------------------------------------------------------------
+
+def llama_pp_tg(path: Path, threads: int, repeats: int, tg_tokens: int = 32) -> dict:
+    import llama_cpp
+
+    m = llama_cpp.Llama(str(path), n_ctx=1024, n_batch=PP, n_ubatch=PP, n_threads=threads, n_threads_batch=threads,
+                        verbose=False)
+    ids = torch.randint(0, 200000, (PP,), generator=torch.Generator().manual_seed(0)).tolist()
+    m.reset()
+    m.eval(ids[:64])
+    pp, tg = [], []
+    for _ in range(repeats):
+        m.reset()
+        t = time.perf_counter()
+        m.eval(ids)
+        pp.append(PP / (time.perf_counter() - t))
+    for _ in range(repeats):
+        m.reset()
+        m.eval(ids[:64])
+        t = time.perf_counter()
+        for i in range(tg_tokens):
+            m.eval([ids[64 + i]])
+        tg.append(tg_tokens / (time.perf_counter() - t))
+    del m
+    return {"pp512": median(pp), "tg": median(tg), "pp_runs": pp, "tg_runs": tg}
+
+
+def llama_server_binary() -> Path:
+    """llama.cpp's own llama-server, built once from the vendored source in llama-cpp-python's sdist."""
+    from importlib import metadata
+
+    version = metadata.version("llama-cpp-python")
+    build = CACHE / f"llama.cpp-{version}"
+    binary = build / "build" / "bin" / "llama-server"
+    if binary.exists():
+        return binary
+    src = build / "src"
+    if not src.exists():
+        dl = CACHE / "sdist"
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                        f"llama-cpp-python=={version}", "-d", str(dl)], check=True, capture_output=True)
+        with tarfile.open(next(dl.glob("llama_cpp_python-*.tar.gz"))) as tf:
+            tf.extractall(build / "sdist")
+        shutil.move(str(next((build / "sdist").glob("llama_cpp_python-*")) / "vendor" / "llama.cpp"), src)
+    subprocess.run(["cmake", "-S", str(src), "-B", str(build / "build"), "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
+                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DCMAKE_BUILD_TYPE=Release"],
+                   check=True, capture_output=True)
+    subprocess.run(["cmake", "--build", str(build / "build"), "--target", "llama-server", "-j", str(os.cpu_count())],
+                   check=True, capture_output=True)
+    return binary
+
+
+# -- transformers --------------------------------------------------------------------------------------
+
+def transformers_pp_tg(path: Path, threads: int, repeats: int, tg_tokens: int = 16) -> dict:
+    import deltaserve
+    from transformers import AutoModelForCausalLM
+
+    from .export_hf import export_hf
+
+    torch.set_num_threads(threads)
+    hf_dir = CACHE / (path.stem + "-hf-bf16")
+    if not (hf_dir / "config.json").exists():
+        export_hf(deltaserve.load(path, weights="exact", cache=False).host, hf_dir, torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16).eval()
+    ids = torch.randint(0, 200000, (1, PP), generator=torch.Generator().manual_seed(0))
+    pp, tg = [], []
+    with torch.inference_mode():
+        model(ids[:, :64])
+        for _ in range(repeats):
+            t = time.perf_counter()
+            model(ids, logits_to_keep=1)
+            pp.append(PP / (time.perf_counter() - t))
+        for _ in range(repeats):
+            t = time.perf_counter()
+            model.generate(ids[:, :64], max_new_tokens=tg_tokens, min_new_tokens=tg_tokens, do_sample=False)
+            total = time.perf_counter() - t
+            t = time.perf_counter()
+            model(ids[:, :64], logits_to_keep=1)
+            prefill = time.perf_counter() - t
+            tg.append(tg_tokens / max(total - prefill, 1e-9))
+    return {"pp512": median(pp), "tg": median(tg), "pp_runs": pp, "tg_runs": tg}
+
+
+# -- chat: turn TTFT against llama-server ---------------------------------------------------------------
+
+def _user_text(k: int) -> str:
+    import random
+
+    from .session_turns import WORDS
+
+    rng = random.Random(1000 + k)
+    return " ".join(rng.choice(WORDS) for _ in range(70)).capitalize() + "?"
+
+
+def _stream_ttft(url: str, messages: list[dict], max_tokens: int) -> tuple[float, str, dict]:
+    import httpx
+
+    body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "chat_template_kwargs": {"enable_thinking": False}}
+    t0 = time.perf_counter()
+    first, text, usage = None, "", {}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            ev = json.loads(line[5:])
+            if ev.get("usage"):
+                usage = ev["usage"]
+            for ch in ev.get("choices", []):
+                piece = (ch.get("delta") or {}).get("content") or (ch.get("delta") or {}).get("reasoning_content")
+                if piece:
+                    first = first or time.perf_counter() - t0
+                    text += (ch.get("delta") or {}).get("content") or ""
+    return (first if first is not None else time.perf_counter() - t0), text, usage
+
+
+def _wait_up(url: str, proc, seconds: float = 300) -> None:
+    import httpx
+
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited ({proc.returncode})")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError("the server did not come up")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def chat_measure(engine: str, path: Path, threads: int, turns: int = 12, max_tokens: int = 16) -> dict:
+    """TTFT per turn of one conversation, then a regenerate of the last turn."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    if engine == "deltaserve":
+        cmd = [sys.executable, "-m", "deltaserve.cli", "serve", str(path), "--port", str(port), "--slots", "1",
+               "--threads", str(threads), "--device", "cpu", "--ctx", "8192"]
+    else:
+        cmd = [str(llama_server_binary()), "-m", str(path), "--port", str(port), "-t", str(threads), "-tb",
+               str(threads), "-c", "8192", "-np", "1", "--jinja", "--no-warmup"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_up(url, proc)
+        messages: list[dict] = []
+        rows = []
+        for k in range(1, turns + 1):
+            messages.append({"role": "user", "content": _user_text(k)})
+            ttft, text, usage = _stream_ttft(url, messages, max_tokens)
+            rows.append({"turn": k, "ttft_s": ttft, "prompt_tokens": usage.get("prompt_tokens"),
+                         "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens")})
+            messages.append({"role": "assistant", "content": text})
+        messages.pop()
+        regen, _, usage = _stream_ttft(url, messages, max_tokens)
+        return {"turns": rows, "regenerate_ttft_s": regen,
+                "regenerate_cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens")}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+# -- the run ---------------------------------------------------------------------------------------------
+
+def main(a) -> None:
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    threads, repeats = a.threads, a.repeats
+    results: dict = {"command": a.command_line, "threads": threads, "repeats": repeats,
+                     "cpu": _cpu_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M")}
+    kinds = ["q8_0", "Q4_K_M"]
+    files = {k: model_file("0.8B", k) for k in kinds}
+    results["files"] = {k: {"path": str(p), "bytes": p.stat().st_size} for k, p in files.items()}
+    results["read_bandwidth"] = read_bandwidth(threads)
+    if a.what in ("speed", "all"):
+        speed = {}
+        for k, p in files.items():
+            print(f"[bench] {k}: llama.cpp", file=sys.stderr)
+            speed.setdefault(k, {})["llama.cpp"] = llama_pp_tg(p, threads, repeats)
+            print(f"[bench] {k}: deltaserve", file=sys.stderr)
+            speed[k]["deltaserve"] = deltaserve_pp_tg(p, threads, repeats)
+        print("[bench] transformers (bf16, the same weights)", file=sys.stderr)
+        speed["bf16"] = {"transformers": transformers_pp_tg(files["q8_0"], threads, repeats)}
+        results["speed"] = speed
+        results["peak_rss"] = {k: deltaserve_peak_rss(p, threads) for k, p in files.items()}
+        results["aggregate"] = deltaserve_aggregate(files["q8_0"], threads)
+    if a.what in ("chat", "all"):
+        print("[bench] chat: llama-server, then deltaserve", file=sys.stderr)
+        results["chat"] = {"llama-server": chat_measure("llama-server", files["q8_0"], threads),
+                           "deltaserve": chat_measure("deltaserve", files["q8_0"], threads)}
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    from .report import write_report
+
+    print(write_report(results, out))
+
+
+def _cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
