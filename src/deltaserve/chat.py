@@ -7,6 +7,7 @@ Multi-line input: end a line with a backslash to continue, or wrap a block in tr
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 from .errors import DeltaserveError
@@ -161,7 +162,7 @@ def main(a) -> int:
     thinking = _thinking(a)
     repl = ChatREPL(model, session, _sampling_kwargs(a), a.max_tokens, a.system, bool(thinking))
     try:
-        import readline  # noqa: F401 - line editing and history for input()
+        importlib.import_module("readline")  # line editing and history for input()
     except ImportError:
         pass
     repl.loop()

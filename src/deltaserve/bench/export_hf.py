@@ -10,14 +10,12 @@ from pathlib import Path
 import torch
 
 from ..model.config import HybridConfig
+from ..model.convert import reorder_value_heads
 from ..model.loader import _HF_LAYER_MAP
 
 
 def tiled_to_grouped(t: torch.Tensor, dim: int, num_key_heads: int, per_key: int, block: int) -> torch.Tensor:
-    shape = list(t.shape)
-    dim = dim % t.dim()
-    split = shape[:dim] + [per_key, num_key_heads, block] + shape[dim + 1:]
-    return t.reshape(split).transpose(dim, dim + 1).contiguous().reshape(shape)
+    return reorder_value_heads(t, dim, num_key_heads, per_key, block, "grouped")
 
 
 def _grouped(name: str, t: torch.Tensor, c: HybridConfig) -> torch.Tensor:

@@ -12,11 +12,10 @@ import os
 from pathlib import Path
 
 import gguf
-import numpy as np
 import torch
 
 from ..model.config import HybridConfig
-from ..model.convert import _encode, _storage_type, write_metadata
+from ..model.convert import add_tensor, finish, write_metadata
 from ..model.weights import expected_shapes
 from .shapes import shape_config
 
@@ -74,20 +73,8 @@ def write_random_gguf(shape: str, out: str | os.PathLike, out_type: str = "bf16"
     if not c.tie_word_embeddings:
         shapes["output.weight"] = (c.vocab_size, c.hidden_size)
     for name, tshape in shapes.items():
-        t = _tensor(name, tshape, c, seed)
-        qtype = _storage_type(name, t, want)
-        data = _encode(t, qtype)
-        del t
-        if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-            w.add_tensor(name, data)
-        else:
-            w.add_tensor(name, np.ascontiguousarray(data), raw_shape=data.shape, raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    os.replace(tmp, out)
-    return out
+        add_tensor(w, name, _tensor(name, tshape, c, seed), want)
+    return finish(w, tmp, out)
 
 
 def quantize_with_llama_cpp(src: Path, out: Path, ftype: str = "Q4_K_M", threads: int = 2) -> Path:

@@ -39,12 +39,19 @@ _V_REORDER = {
 }
 
 
-def grouped_to_tiled(t: torch.Tensor, dim: int, num_key_heads: int, per_key: int, block: int) -> torch.Tensor:
-    """Reorder value-head blocks along `dim` from grouped (key head major) to tiled (key head minor)."""
+def reorder_value_heads(t: torch.Tensor, dim: int, num_key_heads: int, per_key: int, block: int,
+                        to: str = "tiled") -> torch.Tensor:
+    """Reorder value-head blocks (of `block` rows or columns) along `dim`: from grouped (key head major) to
+    tiled (key head minor), or back with to="grouped"."""
     shape = list(t.shape)
     dim = dim % t.dim()
-    split = shape[:dim] + [num_key_heads, per_key, block] + shape[dim + 1:]
+    outer = [num_key_heads, per_key] if to == "tiled" else [per_key, num_key_heads]
+    split = shape[:dim] + outer + [block] + shape[dim + 1:]
     return t.reshape(split).transpose(dim, dim + 1).contiguous().reshape(shape)
+
+
+def grouped_to_tiled(t: torch.Tensor, dim: int, num_key_heads: int, per_key: int, block: int) -> torch.Tensor:
+    return reorder_value_heads(t, dim, num_key_heads, per_key, block, "tiled")
 
 
 def tiled_layout(name: str, t: torch.Tensor, c: HybridConfig) -> torch.Tensor:
@@ -164,14 +171,25 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "
         names.remove("output.weight")  # tied: llama.cpp reuses token_embd
     for name in names:
         t = tiled_layout(name, src.dense(name), c)
-        qtype = _storage_type(name, t, want)
-        data = _encode(t, qtype)
-        if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-            w.add_tensor(name, data)
-        else:
-            w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+        qtype = add_tensor(w, name, t, want)
         if progress:
             progress(f"{name} {qtype.name} {tuple(t.shape)}")
+    return finish(w, tmp, out)
+
+
+def add_tensor(w: gguf.GGUFWriter, name: str, t: torch.Tensor, want: gguf.GGMLQuantizationType):
+    """Encode `t` in the storage type its name and shape call for (see `_storage_type`) and add it."""
+    qtype = _storage_type(name, t, want)
+    data = _encode(t, qtype)
+    if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+        w.add_tensor(name, data)
+    else:
+        w.add_tensor(name, np.ascontiguousarray(data), raw_shape=data.shape, raw_dtype=qtype)
+    return qtype
+
+
+def finish(w: gguf.GGUFWriter, tmp: Path, out: Path) -> Path:
+    """Write everything added to the writer, then move the finished file into place."""
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -307,6 +307,16 @@ def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
+def bpe_model(vocab: dict[str, int] | None = None, merges: list[tuple[str, str]] | None = None,
+              ignore_merges: bool = False) -> models.BPE:
+    """A byte-level BPE model the Qwen way: no unknown token, no prefixes or suffixes, no byte fallback."""
+    kwargs = dict(dropout=None, unk_token=None, continuing_subword_prefix="", end_of_word_suffix="",
+                  fuse_unk=False, byte_fallback=False, ignore_merges=ignore_merges)
+    if vocab is None:
+        return models.BPE(**kwargs)
+    return models.BPE(vocab=vocab, merges=merges or [], **kwargs)
+
+
 class Tokenizer:
     """A Qwen3.5-style byte-level BPE tokenizer with its chat template.
 
@@ -553,17 +563,7 @@ class Tokenizer:
                 raise ModelFormatError(f"GGUF tokenizer: expected merge {n} to be 'left right', found {merge!r}")
             pairs.append((parts[0], parts[1]))
         try:
-            bpe = models.BPE(
-                vocab=vocab,
-                merges=pairs,
-                dropout=None,
-                unk_token=None,
-                continuing_subword_prefix="",
-                end_of_word_suffix="",
-                fuse_unk=False,
-                byte_fallback=False,
-                ignore_merges=ignore_merges,
-            )
+            bpe = bpe_model(vocab, pairs, ignore_merges)
         except Exception as e:
             raise ModelFormatError(f"GGUF tokenizer: expected merges of tokens in the vocabulary, found: {_one_line(str(e))}") from None
         backend = _Backend(bpe)

@@ -14,9 +14,9 @@ import base64
 from pathlib import Path
 
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 
-from .tokenizer import QWEN35_PRETOKENIZE_REGEX, bytes_to_unicode
+from .tokenizer import QWEN35_PRETOKENIZE_REGEX, bpe_model, bytes_to_unicode
 
 # Qwen3.5's added tokens, in id order from 248,044, with their `special` flag.
 QWEN35_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
@@ -65,23 +65,6 @@ def qwen35_layout(tok: tokenizers.Tokenizer) -> None:
     )
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
-
-
-def bpe_model(
-    vocab: dict[str, int] | None = None, merges: list[tuple[str, str]] | None = None, ignore_merges: bool = False
-) -> models.BPE:
-    kwargs = dict(
-        dropout=None,
-        unk_token=None,
-        continuing_subword_prefix="",
-        end_of_word_suffix="",
-        fuse_unk=False,
-        byte_fallback=False,
-        ignore_merges=ignore_merges,
-    )
-    if vocab is None:
-        return models.BPE(**kwargs)
-    return models.BPE(vocab=vocab, merges=merges or [], **kwargs)
 
 
 def add_qwen35_tokens(tok: tokenizers.Tokenizer, first_id: int) -> None:
