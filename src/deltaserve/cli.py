@@ -142,12 +142,12 @@ def cmd_inspect(a) -> int:
     tok = host.tokenizer
     print(f"tokenizer: {tok.vocab_size} tokens, stop ids {sorted(tok.stop_ids)}, "
           f"chat template: {'from the file' if tok.chat_template else 'built-in ChatML'}")
-    print(f"weights in memory: {host.weights.nbytes / (1 << 20):.1f} MiB")
+    print(f"weights in memory: {host.weights.nbytes / (1 << 20):.1f} MiB ({host.weight_mode} mode)")
     print(f"KV cache: {c.kv_bytes_per_position() / 1024:.1f} KiB per position (f32); "
           f"recurrent + conv state: {c.recurrent_state_bytes() / (1 << 20):.2f} MiB")
-    print("tensors:")
+    print(f"tensors ({len(host.tensor_summary)}, {sum(t.nbytes for t in host.tensor_summary) / (1 << 20):.1f} MiB stored):")
     for t in host.tensor_summary:
-        print(f"  {t.name:40s} {t.type:8s} {t.shape}")
+        print(f"  {t.name:40s} {t.type:8s} {str(t.shape):16s} {t.nbytes / 1024:10.1f} KiB")
     if a.ctx:
         try:
             p = capacity.plan(c, a.ctx, cpu_memory(), weights=host.weights.nbytes)

@@ -64,6 +64,9 @@ class GGUFSource:
     def type_name(self, name: str) -> str:
         return self.f.tensors[name].qtype.name
 
+    def stored_bytes(self, name: str) -> int:
+        return self.f.tensors[name].nbytes
+
     def dense(self, name: str) -> torch.Tensor:
         t = self.f.tensors[name]
         return quant.dequantize(t.data, t.qtype, t.shape)
@@ -209,6 +212,10 @@ class HFSource:
         h, hf_name, _ = self._where[name]
         return str(h.get_slice(hf_name).get_dtype())
 
+    def stored_bytes(self, name: str) -> int:
+        sizes = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I8": 1, "U8": 1}
+        return int(np.prod(self.shape(name))) * sizes.get(self.type_name(name).upper(), 4)
+
     def dense(self, name: str) -> torch.Tensor:
         h, hf_name, how = self._where[name]
         try:
@@ -303,7 +310,7 @@ def _summaries(src) -> list[TensorSummary]:
     out = []
     for name in sorted(src.names(), key=_tensor_sort_key):
         shape = tuple(src.shape(name))
-        out.append(TensorSummary(name, src.type_name(name), shape, 0))
+        out.append(TensorSummary(name, src.type_name(name), shape, src.stored_bytes(name)))
     return out
 
 
