@@ -99,7 +99,7 @@ SLOTS: tuple[Slot, ...] = (
           "Tell me my name.", "What am I called?")),
     Slot("colour", lambda rng: rng.choice(COLOURS),
          ("My favourite colour is {v}.", "My favorite color is {v}.", "I love the colour {v}.",
-          "{V} is my favourite colour.", "My favourite color is {v}.", "The colour I like best is {v}."),
+          "My favourite color is {v}.", "The colour I like best is {v}.", "I like {v} best."),
          ("What is my favourite colour?", "What's my favorite color?", "Which colour do I like best?",
           "Do you remember my favourite colour?", "What colour do I love?", "What is my favorite color?")),
     Slot("locker", lambda rng: str(rng.randint(1000, 9999)),
@@ -142,7 +142,7 @@ def fact_ack(slot: Slot, value: str) -> str:
 ADD_PHRASES = ("What is {a} + {b}?", "What's {a} + {b}?", "What is {a} plus {b}?", "Add {a} and {b}.",
                "{a} + {b} = ?", "Compute {a} + {b}.", "How much is {a} plus {b}?", "Calculate {a} + {b}.",
                "What do you get when you add {a} and {b}?", "Sum {a} and {b}.", "{a} plus {b}?")
-ADD_MAX = 30  # both operands in 0..ADD_MAX
+ADD_MAX = 20  # both operands in 0..ADD_MAX
 
 REPEAT_PHRASES = ("Repeat: {w}", "Repeat after me: {w}", "Say: {w}", "Copy these words: {w}", "Please repeat: {w}",
                   "Repeat these words: {w}", "Echo: {w}")
@@ -255,7 +255,7 @@ class Maker:
 
         def make():
             v = value if value is not None else slot.value(rng)
-            text = rng.choice(slot.statements).format(v=v, V=v.capitalize())
+            text = rng.choice(slot.statements).format(v=v)
             text = noisy(rng, text)
             return Turn("fact", text, fact_ack(slot, v), slot.key, {"value": v}), text
 
@@ -353,7 +353,7 @@ def messages_of(turns: list[Turn]) -> list[dict]:
 
 
 _OTHER_KINDS = ("add", "repeat", "reverse", "greet", "thanks", "help", "other", "filler")
-_OTHER_WEIGHTS = (5, 3, 3, 1.5, 1, 0.7, 3, 1.5)
+_OTHER_WEIGHTS = (6, 4, 5, 1, 0.7, 0.5, 2, 1.2)
 
 
 def _filler_turn(mk: Maker) -> Turn:

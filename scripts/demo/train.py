@@ -38,11 +38,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 import tokenizers  # noqa: E402
-from tokenizers import pre_tokenizers, trainers  # noqa: E402
+from tokenizers import Regex, pre_tokenizers, trainers  # noqa: E402
 
 import corpus as C  # noqa: E402
 from deltaserve.model.convert import balanced_sections  # noqa: E402
-from deltaserve.model.tokenizer import Tokenizer  # noqa: E402
+from deltaserve.model.tokenizer import QWEN35_PRETOKENIZE_REGEX, Tokenizer  # noqa: E402
 from tests.fixtures.tokenizers import _add_qwen35_tokens, _bpe, _qwen35_layout, save_hf_tokenizer  # noqa: E402
 
 TEMPLATE = ROOT / "tests" / "data" / "qwen3_5_chat_template.jinja"
@@ -63,21 +63,30 @@ def tokenizer_texts(seed: int, n: int) -> list[str]:
         for t in turns:
             texts += [t.user, t.answer]
     texts += ["user\n", "assistant\n", "system\n", "\n\n"] * 200
-    # every value the model copies, with and without a leading space, so that a word the user wrote
-    # (" storm") and the same word opening an answer ("storm") are each one token
-    words = sorted(set(C.WORDS + C.COLOURS))
-    texts += [f"{w}. {w}." for w in words] * 300
-    names = sorted(set(C.NAMES + C.PETS + C.CITIES))
-    texts += [f"{w}. {w}." for w in names] * 30
+    # the words the model repeats and reverses, often enough to be one token each
+    texts += [f"{w} " for w in sorted(set(C.WORDS + C.COLOURS))] * 100
     return texts
 
 
 def train_tokenizer(seed: int, bpe_size: int) -> tokenizers.Tokenizer:
+    """A Qwen3.5-layout byte-level BPE whose merges never join a space to what follows it.
+
+    The BPE is learned with spaces split off (Qwen split, then whitespace isolated), then given the
+    plain Qwen3.5 pipeline. The Qwen split keeps " pen" as one pre-token, but with no merge joining
+    "Ġ" to a letter it encodes as "Ġ" + "pen": a word the user typed mid-sentence and the same word
+    opening an answer are the same token, so repeating, reversing and recalling are exact copies.
+    """
     tok = tokenizers.Tokenizer(_bpe())
     _qwen35_layout(tok)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN35_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.Split(Regex(r"\s+"), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     trainer = trainers.BpeTrainer(vocab_size=bpe_size, min_frequency=2, show_progress=False, special_tokens=[],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(tokenizer_texts(seed, 20_000), trainer=trainer)
+    _qwen35_layout(tok)
     _add_qwen35_tokens(tok, tok.get_vocab_size(with_added_tokens=False))
     return tok
 

@@ -20,6 +20,7 @@ class Model:
         self.host = host
         self.device = device
         self._cpu_forward: Forward | None = None
+        self._accelerators: dict[str, Backend] = {}  # uploaded once per device, shared by sessions
 
     @property
     def config(self):
@@ -48,7 +49,11 @@ class Model:
         return f.prefill(state, ids, all_logits=True)
 
     def backend(self, device: str | None = None) -> tuple[Backend, str | None]:
-        return select_backend(self.host, device or self.device)
+        """The backend for `device`; an accelerator's (weights uploaded) is made once and shared."""
+        backend, notice = select_backend(self.host, device or self.device)
+        if backend.accelerator:
+            backend = self._accelerators.setdefault(backend.name, backend)
+        return backend, notice
 
     def session(self, context: int | None = None, device: str | None = None, backend: Backend | None = None,
                 guard=None, quiet: bool = False, one_call: bool = False, plan_memory=None,

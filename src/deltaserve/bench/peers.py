@@ -168,7 +168,8 @@ def llama_server_binary() -> Path:
             tf.extractall(build / "sdist")
         shutil.move(str(next((build / "sdist").glob("llama_cpp_python-*")) / "vendor" / "llama.cpp"), src)
     subprocess.run(["cmake", "-S", str(src), "-B", str(build / "build"), "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
-                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DCMAKE_BUILD_TYPE=Release"],
+                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DCMAKE_BUILD_TYPE=Release",
+                    "-DBUILD_SHARED_LIBS=OFF"],
                    check=True, capture_output=True)
     subprocess.run(["cmake", "--build", str(build / "build"), "--target", "llama-server", "-j", str(os.cpu_count())],
                    check=True, capture_output=True)
