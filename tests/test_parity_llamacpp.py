@@ -66,3 +66,15 @@ def test_llama_cpp_reads_our_tokenizer_metadata_the_same_way():
     text = "Hello there! What is 12 + 30? <|im_start|>user\nhi<|im_end|>"
     theirs = llama(str(path)).tokenize(text.encode(), add_bos=False, special=True)
     assert model.tokenizer.encode(text) == theirs
+
+
+@pytest.mark.parametrize("kind,tol", [("f16", 5e-3), ("bf16", 3e-2)])
+def test_our_16_bit_conversions_load_in_llama_cpp_and_agree_with_us(kind, tol):
+    """llama.cpp rounds activations to the weights' 16-bit type; we compute in f32: a mean bound."""
+    path = fx.gguf_path("hybrid", kind)
+    model = deltaserve.load(path, weights="exact")  # the file's 16-bit values, computed in f32
+    ids = prompt(model.tokenizer.vocab_size, 120, 9)
+    ours = model.logits(ids)
+    theirs = llama_logits(path, ids)[:, : ours.shape[1]]
+    assert (ours - theirs).abs().mean().item() < tol
+    assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item() >= 0.9

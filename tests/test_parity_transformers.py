@@ -128,3 +128,18 @@ def test_a_batched_decode_of_several_sequences_equals_decoding_each_alone(name):
         for j in range(len(batch)):
             assert (rows[j] - alone[j][step]).abs().max().item() <= 1e-4
     assert [s.length for s in batch] == [len(p) + 3 for p in prompts]
+
+
+def test_a_sharded_hf_directory_loads_like_the_single_file(tmp_path):
+    import shutil
+
+    src = fx.hf_dir("deep")
+    model = oracle("deep")
+    out = tmp_path / "sharded"
+    model.save_pretrained(out, max_shard_size="100KB")
+    for f in src.iterdir():
+        if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):
+            shutil.copy(f, out / f.name)
+    assert len(list(out.glob("*.safetensors"))) > 1 and (out / "model.safetensors.index.json").exists()
+    ids = prompt("deep", 65)
+    assert_matches(deltaserve.load(out, cache=False).logits(ids), reference_logits("deep", 65))
