@@ -102,15 +102,15 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
     pad = (-t) % chunk
     n = (t + pad) // chunk
 
-    def blocks(x):  # [T, H, ...] -> [H, n, chunk, ...]
+    def blocks(x):  # [T, H, ...] -> [n, H, chunk, ...]: chunk-major, so each chunk's slice is contiguous
         x = x.float()
         if pad:
             x = torch.cat([x, x.new_zeros((pad, *x.shape[1:]))])
-        x = x.transpose(0, 1)
-        return x.reshape(h, n, chunk, *x.shape[2:])
+        x = x.reshape(n, chunk, h, *x.shape[2:]).transpose(1, 2)
+        return x.contiguous()
 
     qb, kb, vb = blocks(q), blocks(k), blocks(v)
-    gb, bb = blocks(g), blocks(beta)  # [H, n, C]
+    gb, bb = blocks(g), blocks(beta)  # [n, H, C]
 
     log_decay = gb.cumsum(-1)  # G_i within each chunk
     causal_incl = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
@@ -129,16 +129,17 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
     q_decayed = qb * torch.exp(log_decay)[..., None]
     total = log_decay[..., -1:]  # G_C
     k_to_end = kb * torch.exp(total - log_decay)[..., None]
-    chunk_decay = torch.exp(total)[..., None]  # [H, n, 1, 1]
+    chunk_decay = torch.exp(total)[..., None]  # [n, H, 1, 1]
+    k_to_end_t = k_to_end.transpose(-1, -2).contiguous()
 
-    out = torch.empty(h, n, chunk, dv, dtype=torch.float32, device=q.device)
+    out = torch.empty(n, h, chunk, dv, dtype=torch.float32, device=q.device)
     s = state
     for i in range(n):
-        d = u[:, i] - w[:, i] @ s
-        out[:, i] = q_decayed[:, i] @ s + qk[:, i] @ d
-        s = s * chunk_decay[:, i] + k_to_end[:, i].transpose(-1, -2) @ d
+        d = torch.baddbmm(u[i], w[i], s, alpha=-1.0)               # u - w S
+        torch.baddbmm(torch.bmm(qk[i], d), q_decayed[i], s, out=out[i])
+        s = torch.baddbmm(s * chunk_decay[i], k_to_end_t[i], d)
     state.copy_(s)
-    return out.reshape(h, n * chunk, dv)[:, :t].transpose(0, 1)
+    return out.transpose(1, 2).reshape(n * chunk, h, dv)[:t]
 
 
 def _deltanet_heads(qkv: torch.Tensor, cfg):
@@ -225,31 +226,31 @@ def _attention_qkv(x: torch.Tensor, w, cfg, rope):
 
 def _attend(q, k, v, k_cache, v_cache, start: int, query_rows: int) -> torch.Tensor:
     """Write k, v [T, nkv, hd] at positions start.. of one sequence's cache; causal attention of q [T, nh, hd]
-    over the cache. Returns [T, nh * hd]."""
+    over the cache, `query_rows` queries at a time. Returns [T, nh * hd].
+
+    Query heads are grouped by the KV head they read (GQA) and run as batched matmuls against that head's
+    keys, without expanding the cache (2-3x faster here than SDPA, which expands it)."""
     t, nh, hd = q.shape
     nkv = k.shape[1]
+    g = nh // nkv
     end = start + t
     k_cache[:, start:end] = k.transpose(0, 1).to(k_cache.dtype)
     v_cache[:, start:end] = v.transpose(0, 1).to(v_cache.dtype)
-    keys = k_cache[:, :end].float()
-    values = v_cache[:, :end].float()
-    qh = q.transpose(0, 1)  # [nh, T, hd]
     scale = 1.0 / math.sqrt(hd)
-    if t == 1:  # one query: two small bmm per KV head group (SDPA's dispatch costs more than the work)
-        qg = q.reshape(nkv, nh // nkv, hd)
-        p = torch.softmax(torch.bmm(qg, keys.transpose(1, 2)) * scale, dim=-1)
-        o = torch.bmm(p, values).reshape(1, nh, hd).transpose(0, 1)
-    else:
-        pieces = []
-        kpos = torch.arange(0, end, device=q.device)
-        for r0 in range(0, t, query_rows):
-            r1 = min(t, r0 + query_rows)
-            qpos = torch.arange(start + r0, start + r1, device=q.device)
-            mask = kpos[None, :] <= qpos[:, None]
-            pieces.append(F.scaled_dot_product_attention(qh[:, r0:r1], keys, values, attn_mask=mask,
-                                                         scale=scale, enable_gqa=nh != nkv))
-        o = torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]
-    return o.transpose(0, 1).reshape(t, nh * hd)
+    out = torch.empty(t, nh * hd, dtype=torch.float32, device=q.device)
+    for r0 in range(0, t, query_rows):
+        r1 = min(t, r0 + query_rows)
+        n, last = r1 - r0, start + r1  # these queries see keys 0 .. last-1
+        keys = k_cache[:, :last].float()
+        values = v_cache[:, :last].float()
+        qg = q[r0:r1].reshape(n, nkv, g, hd).permute(1, 2, 0, 3).reshape(nkv, g * n, hd)
+        scores = torch.bmm(qg, keys.transpose(1, 2)).mul_(scale).view(nkv, g, n, last)
+        if n > 1:  # causal within the new rows: query i sees the new keys up to itself
+            future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu_(1)
+            scores[..., last - n:].masked_fill_(future, float("-inf"))
+        p = torch.softmax(scores, dim=-1).view(nkv, g * n, last)
+        out[r0:r1] = torch.bmm(p, values).view(nkv, g, n, hd).permute(2, 0, 1, 3).reshape(n, nh * hd)
+    return out
 
 
 def attention_mixer(x: torch.Tensor, w, cfg, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
