@@ -15,10 +15,13 @@ from .state import DecodeState
 class Forward:
     """The forward of one host model on one device. Stateless itself: all sequence state is in a DecodeState."""
 
-    def __init__(self, config: HybridConfig, weights: Weights, device: torch.device | str = "cpu"):
+    def __init__(self, config: HybridConfig, weights: Weights, device: torch.device | str = "cpu",
+                 attention_dtype: torch.dtype | None = None):
         self.config = config
         self.weights = weights
         self.device = torch.device(device)
+        # prefill attention matmuls: f32 when any weight is f32 (the exact path), else bf16 like the linears
+        self.attention_dtype = attention_dtype or (torch.float32 if weights.has_f32_linears() else torch.bfloat16)
         self.query_rows = 512    # attention queries per score matrix (a prefill-plan knob)
         self.prefill_rows = 2048  # tokens per forward call of a long prefill (a prefill-plan knob)
 
@@ -52,7 +55,8 @@ class Forward:
             h = L.rms_norm(x, lw.attn_norm, eps)
             if isinstance(lw.mixer, AttentionWeights):
                 k_cache, v_cache = state.kv[i]
-                h = L.attention_mixer(h, lw.mixer, c, k_cache, v_cache, start, rope, self.query_rows)
+                h = L.attention_mixer(h, lw.mixer, c, k_cache, v_cache, start, rope, self.query_rows,
+                                      self.attention_dtype)
             else:
                 h = L.deltanet_mixer(h, lw.mixer, c, state.conv[i], state.ssm[i], chunked)
             x = x + h

@@ -100,6 +100,12 @@ class Weights:
         head = embed.as_linear() if self.tied else mv(self.lm_head)
         return Weights(embed, layers, mv(self.final_norm), head, self.tied)
 
+    def has_f32_linears(self) -> bool:
+        """True when the layers' projections are f32 (the exact path): computations then stay f32."""
+        lin = self.layers[0].gate_up if self.layers else self.lm_head
+        part = lin.fused if isinstance(lin, StackedLinear) and lin.fused is not None else lin
+        return isinstance(part, DenseLinear) and part.weight.dtype == torch.float32
+
     @property
     def nbytes(self) -> int:
         seen: set[int] = set()
