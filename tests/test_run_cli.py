@@ -51,6 +51,36 @@ def test_run_with_the_chat_template_matches_transformers_on_the_rendered_prompt(
     assert proc.stdout == want + "\n"
 
 
+def test_several_prompts_with_chat_are_one_conversation_whose_later_turns_prefill_only_what_was_added(
+        hybrid_gguf, hybrid_oracle):
+    model = deltaserve.load(hybrid_gguf)
+    tok = model.tokenizer
+    users = ["Say something.", "And then?", "Once more."]
+    history, want = [], []
+    for u in users:  # transformers' greedy answer to each turn, the history carrying its own answers
+        history.append({"role": "user", "content": u})
+        ids = tok.encode(tok.apply_chat_template(history, add_generation_prompt=True, enable_thinking=False))
+        want.append(transformers_greedy(hybrid_oracle, tok, ids, 12))
+        history.append({"role": "assistant", "content": want[-1]})
+    proc = run_cli("run", str(hybrid_gguf), "--chat", "--think", "off", "-n", "12",
+                   *[x for u in users for x in ("-p", u)])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "".join(f"> {u}\n{w}\n" for u, w in zip(users, want))
+    stats = [line for line in proc.stderr.splitlines() if line.startswith("[stats] turn")]
+    assert len(stats) == 3 and "reused 0," in stats[0]
+    for line in stats[1:]:
+        reused = int(line.split("reused ")[1].split(",")[0])
+        prefilled = int(line.split("prefilled ")[1].split(",")[0])
+        prompt = int(line.split("prompt ")[1].split(" ")[0])
+        assert reused > 0 and reused + prefilled == prompt
+
+
+def test_several_prompts_without_chat_are_refused_in_one_line():
+    proc = run_cli("run", "-p", "a", "-p", "b")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "2 prompts given" in proc.stderr and "--chat" in proc.stderr
+
+
 def test_every_verb_has_help():
     for verb in ("run", "chat", "serve", "convert", "inspect", "bench"):
         proc = run_cli(verb, "--help")

@@ -78,9 +78,14 @@ def _guard(a):
 # ---------------------------------------------------------------------------------------------
 
 def cmd_run(a) -> int:
+    prompts = a.prompt or []
+    if len(prompts) > 1 and not a.chat:
+        raise DeltaserveError(f"{len(prompts)} prompts given: several -p are the turns of one conversation and need --chat")
     model, load_s = _load(a)
+    if len(prompts) > 1:
+        return _run_turns(a, model, prompts, load_s)
     tok = model.tokenizer
-    text = a.prompt
+    text = prompts[0] if prompts else None
     if text is None:
         if sys.stdin.isatty():
             raise DeltaserveError("no prompt: pass -p TEXT (or pipe text on stdin)")
@@ -110,6 +115,37 @@ def cmd_run(a) -> int:
     print(f"[stats] prompt {turn.prompt_tokens} tokens, prefill {turn.prefill_tok_s:.1f} tok/s, "
           f"decode {turn.decode_tok_s:.1f} tok/s ({turn.generated} tokens, {turn.finish_reason}{capped}), "
           f"TTFT {turn.timings.ttft_s * 1000:.0f} ms, load {load_s:.2f} s, backend {turn.backend}", file=sys.stderr)
+    return 0
+
+
+def _run_turns(a, model, prompts: list[str], load_s: float) -> int:
+    """Several -p: the user turns of one conversation on one resident session, each reply streamed,
+    each turn's reuse said on stderr (a later turn prefills only what the history added)."""
+    backend, notice = model.backend(a.device)
+    if notice:
+        print(notice, file=sys.stderr)
+    session = model.session(context=a.ctx, backend=backend, guard=_guard(a) if backend.accelerator else None)
+    messages = [{"role": "system", "content": a.system}] if a.system else []
+    out = sys.stdout
+
+    def on_token(_tid, piece):
+        if piece:
+            out.write(piece)
+            out.flush()
+
+    for k, text in enumerate(prompts, 1):
+        messages.append({"role": "user", "content": text})
+        out.write(f"> {text}\n")
+        out.flush()
+        turn = session.chat(messages, max_tokens=a.max_tokens, enable_thinking=_thinking(a), on_token=on_token,
+                            **_sampling_kwargs(a))
+        out.write("\n")
+        out.flush()
+        messages.append({"role": "assistant", "content": turn.text})
+        print(f"[stats] turn {k}: prompt {turn.prompt_tokens} tokens, reused {turn.reused}, prefilled {turn.prefilled}, "
+              f"TTFT {turn.timings.ttft_s * 1000:.0f} ms, decode {turn.decode_tok_s:.1f} tok/s ({turn.generated} tokens, "
+              f"{turn.finish_reason})" + (f", load {load_s:.2f} s" if k == 1 else "") + f", backend {turn.backend}",
+              file=sys.stderr)
     return 0
 
 
@@ -168,7 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="one prompt, streamed, then a stats line",
                        description="Run one prompt on a one-call session and stream the answer.")
     _add_model(r)
-    r.add_argument("-p", "--prompt", default=None, help="the prompt text (default: read stdin)")
+    r.add_argument("-p", "--prompt", action="append", default=None,
+                   help="the prompt text (default: read stdin); with --chat, give -p again for each later user "
+                        "turn of one conversation on one resident session")
     r.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     r.add_argument("--system", default=None, help="a system message (with --chat)")
     r.add_argument("--think", choices=["on", "off", "auto"], default="auto", help="thinking in the chat template")
