@@ -353,7 +353,7 @@ def messages_of(turns: list[Turn]) -> list[dict]:
 
 
 _OTHER_KINDS = ("add", "repeat", "reverse", "greet", "thanks", "help", "other", "filler")
-_OTHER_WEIGHTS = (6, 4, 5, 1, 0.7, 0.5, 2, 1.2)
+_OTHER_WEIGHTS = (7, 4, 4, 1, 0.7, 0.5, 2, 1.2)
 
 
 def _filler_turn(mk: Maker) -> Turn:

@@ -140,19 +140,89 @@ class Encoder:
 # Training data stream
 
 
-def train_conversation(rng: random.Random) -> list[C.Turn]:
-    if rng.random() < 0.3:
-        gap = rng.choice((1, 2, 3, 3, 4, 5))
-        turns, scored = C.recall_conversation(rng, "train", min_gap=gap)
-        return turns[: scored[0] + 1] if rng.random() < 0.8 else turns
-    return C.training_conversation(rng)
+# single-turn samples: cheap, and dense in the skills that need learning
+SINGLE_KINDS = ("add", "repeat", "reverse", "fact", "unknown", "greet", "thanks", "help", "other")
+SINGLE_WEIGHTS = (4.0, 2.0, 2.0, 0.5, 0.3, 0.3, 0.2, 0.2, 0.6)
+PHASES = (0.08, 0.22)  # curriculum boundaries, as fractions of the steps
+
+
+def _single(rng: random.Random, kinds, weights) -> list[C.Turn]:
+    kind = rng.choices(kinds, weights=weights)[0]
+    mk = C.Maker(rng, "train")
+    return [mk.unknown(rng.choice(C.SLOTS)) if kind == "unknown" else mk.single(kind)]
+
+
+def _recall(rng: random.Random, gaps) -> list[C.Turn]:
+    turns, scored = C.recall_conversation(rng, "train", min_gap=rng.choice(gaps))
+    return turns[: scored[0] + 1] if rng.random() < 0.8 else turns
+
+
+# the skills between the facts of a dense conversation, and how often each comes up
+DENSE_SKILLS = ("add", "repeat", "reverse", "greet", "thanks", "help", "other", "filler")
+DENSE_WEIGHTS = (4.0, 2.0, 2.0, 0.4, 0.4, 0.2, 0.8, 0.5)
+
+
+def dense_conversation(rng: random.Random) -> list[C.Turn]:
+    """5-10 turns: facts stated, asked for again 1-9 turns later (several times), with skills and
+    "never told" questions in between. The loss is on every answer, so one sample carries several
+    recalls at several distances instead of one."""
+    mk = C.Maker(rng, "train")
+    n = rng.randint(5, 10)
+    slots = list(C.SLOTS)
+    rng.shuffle(slots)
+    known: dict[str, str] = {}
+    turns: list[C.Turn] = []
+    for i in range(n):
+        last = i == n - 1
+        r = rng.random()
+        free = [s for s in slots if s.key not in known]
+        if known and r < (0.6 if last else 0.35):
+            key = rng.choice(sorted(known))
+            turns.append(mk.recall(C.SLOT_BY_KEY[key], known[key]))
+        elif free and r < (0.7 if last else 0.68):
+            t = mk.fact(free[0])
+            known[free[0].key] = t.meta["value"]
+            turns.append(t)
+        elif free and r < 0.76:
+            turns.append(mk.unknown(rng.choice(free)))
+        else:
+            turns.append(mk.single(rng.choices(DENSE_SKILLS, weights=DENSE_WEIGHTS)[0]))
+    return turns
+
+
+def train_conversation(rng: random.Random, progress: float) -> list[C.Turn]:
+    """One training conversation, by a curriculum. Mixed from the start, the copying skills form
+    slowly; alone they form in a hundred or two steps. So: first copying alone (repeat, reverse, a
+    fact asked right after it was stated), then adding joins, then the full mix: single turns, the
+    corpus's 1-6 turn conversations and dense 5-10 turn conversations with several recalls each."""
+    r = rng.random()
+    if progress < PHASES[0]:
+        if r < 0.7:
+            return _single(rng, ("repeat", "reverse"), (1, 1))
+        return _recall(rng, (1,))
+    if progress < PHASES[1]:
+        if r < 0.35:
+            return _single(rng, ("add",), (1,))
+        if r < 0.5:
+            return _single(rng, ("repeat", "reverse"), (1, 1))
+        if r < 0.8:
+            return _recall(rng, (1, 2, 3))
+        return _single(rng, SINGLE_KINDS, SINGLE_WEIGHTS)
+    if r < 0.3:
+        return _single(rng, SINGLE_KINDS, SINGLE_WEIGHTS)
+    if r < 0.4:
+        return C.training_conversation(rng)
+    return dense_conversation(rng)
 
 
 class Batches:
     """Deterministic batches: draw `pool` samples, sort by length, cut into batches, shuffle them."""
 
-    def __init__(self, enc: Encoder, seed: int, batch: int, pool_batches: int = 32, p_auto: float = 0.1):
+    def __init__(self, enc: Encoder, seed: int, batch: int, total_steps: int, pool_batches: int = 32,
+                 p_auto: float = 0.1):
         self.enc, self.rng, self.batch, self.pool_batches, self.p_auto = enc, random.Random(seed), batch, pool_batches, p_auto
+        self.total_steps = total_steps
+        self.refills = 0
         self.queue: list[list[tuple]] = []
         self.keys: set[tuple] = set()
         self.tokens = 0
@@ -160,8 +230,10 @@ class Batches:
 
     def _refill(self) -> None:
         pool = []
+        progress = self.refills * self.pool_batches / max(1, self.total_steps)
+        self.refills += 1
         for _ in range(self.batch * self.pool_batches):
-            turns = train_conversation(self.rng)
+            turns = train_conversation(self.rng, progress)
             thinking = None if self.rng.random() < self.p_auto else False
             for k in range(1, len(turns) + 1):
                 self.keys.add(C.conversation_key(turns[:k]))
@@ -200,12 +272,13 @@ def weighted_loss(logits: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> t
 
 
 def tf_items(enc: Encoder, seed: int):
+    """Teacher-forced check items: 12 single turns of each kind, 60 recalls 3+ turns after the fact."""
     single = C.single_turn_eval(seed, 12)
     recall = C.recall_eval(seed + 1, 60)
     items = []
     for t in single:
         ids, _, n = enc.sample([t], False, aux=False)
-        items.append(("single", ids, n))
+        items.append((t.kind, ids, n))
     for turns, scored in recall:
         ids, _, n = enc.sample(turns[: scored[0] + 1], False, aux=False)
         items.append(("recall", ids, n))
@@ -345,7 +418,7 @@ def train(args, enc: Encoder, tok: Tokenizer, vocab: int, out: Path):
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
 
-    batches = Batches(enc, args.seed + 1, args.batch)
+    batches = Batches(enc, args.seed + 1, args.batch, args.steps)
     checks_items = tf_items(enc, 7001)
     log: dict = {"config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                             "params": params, "vocab_rows": vocab, "tokens": tok.vocab_size,
@@ -374,6 +447,8 @@ def train(args, enc: Encoder, tok: Tokenizer, vocab: int, out: Path):
                   f"T {ids.shape[1]} tok/s {batches.tokens / max(el, 1e-9):.0f} elapsed {el / 60:.1f} min", flush=True)
         if (step + 1) % args.check_every == 0 or step == args.steps - 1:
             acc = tf_accuracy(model, checks_items, tok.pad_id)
+            singles = [v for k, v in acc.items() if k != "recall"]
+            acc["single"] = sum(singles) / len(singles)
             log["checks"].append({"step": step + 1, **acc, "elapsed_s": time.time() - t0})
             print(f"  check @ {step + 1}: " + ", ".join(f"{k} {v:.3f}" for k, v in acc.items()), flush=True)
     train_s = time.time() - t0
@@ -391,10 +466,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--steps", type=int, default=1800)
+    ap.add_argument("--steps", type=int, default=1600)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--warmup", type=int, default=150)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--min-lr-frac", type=float, default=0.05)
     ap.add_argument("--weight-decay", type=float, default=0.05)
     ap.add_argument("--hidden", type=int, default=256)
@@ -444,7 +519,7 @@ def main() -> int:
     if args.export_only:
         model = Qwen3_5ForCausalLM.from_pretrained(hf, dtype=torch.float32)
         log = json.loads((out / "training_log.json").read_text())
-        batches = Batches(enc, args.seed + 1, args.batch)
+        batches = Batches(enc, args.seed + 1, args.batch, args.steps)
         for _ in range(-(-log["train_samples"] // (args.batch * batches.pool_batches))):
             batches._refill()  # the same conversations, for the overlap check
     else:
