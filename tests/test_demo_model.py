@@ -1,6 +1,7 @@
 """The embedded demo model (src/deltaserve/data/demo-qwen35.gguf) really answers, through deltaserve.
 
-Held-out items come from scripts/demo/corpus.py with seeds of their own (disjoint from training by
+Held-out items are evaluate.py's sets (the ones training_log.json reports: 245 single turns, 120
+conversations), from scripts/demo/corpus.py with seeds of their own (disjoint from training by
 construction: the training generator never emits a reserved message, and train.py checks these very
 sets against every trained conversation). Answers are greedy, scored by exact match after stripping
 whitespace and one final period.
@@ -50,8 +51,8 @@ def test_the_demo_model_is_the_default_model_a_hybrid_of_both_layer_kinds_under_
 
 
 def test_the_demo_model_answers_at_least_90_percent_of_held_out_single_turn_tasks_exactly(demo):
-    items = C.single_turn_eval(E.TEST_SINGLE_SEED, E.TEST_PER_KIND)
-    assert len(items) == 7 * E.TEST_PER_KIND and len({t.kind for t in items}) == 7
+    items = C.single_turn_eval(E.SINGLE_SEED, E.SINGLE_PER_KIND)
+    assert len(items) == 7 * E.SINGLE_PER_KIND and len({t.kind for t in items}) == 7
     by_kind, failures = E.run_single(demo, items)
     flat = [x for v in by_kind.values() for x in v]
     accuracy = sum(flat) / len(flat)
@@ -59,7 +60,7 @@ def test_the_demo_model_answers_at_least_90_percent_of_held_out_single_turn_task
 
 
 def test_the_demo_model_recalls_a_fact_asked_three_or_more_turns_later_at_least_90_percent_of_the_time(demo):
-    convs = C.recall_eval(E.TEST_RECALL_SEED, E.TEST_RECALL_COUNT)
+    convs = C.recall_eval(E.RECALL_SEED, E.RECALL_COUNT)
     for turns, scored in convs:
         fact = next(k for k, t in enumerate(turns) if t.kind == "fact" and t.slot == turns[scored[0]].slot)
         assert scored[0] - fact >= 3

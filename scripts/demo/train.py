@@ -176,14 +176,14 @@ def dense_conversation(rng: random.Random) -> list[C.Turn]:
         last = i == n - 1
         r = rng.random()
         free = [s for s in slots if s.key not in known]
-        if known and r < (0.6 if last else 0.35):
+        if known and r < (0.65 if last else 0.45):
             key = rng.choice(sorted(known))
             turns.append(mk.recall(C.SLOT_BY_KEY[key], known[key]))
-        elif free and r < (0.7 if last else 0.68):
+        elif free and r < (0.72 if last else 0.72):
             t = mk.fact(free[0])
             known[free[0].key] = t.meta["value"]
             turns.append(t)
-        elif free and r < 0.76:
+        elif free and r < 0.78:
             turns.append(mk.unknown(rng.choice(free)))
         else:
             turns.append(mk.single(rng.choices(DENSE_SKILLS, weights=DENSE_WEIGHTS)[0]))
@@ -208,9 +208,9 @@ def train_conversation(rng: random.Random, progress: float) -> list[C.Turn]:
         if r < 0.8:
             return _recall(rng, (1, 2, 3))
         return _single(rng, SINGLE_KINDS, SINGLE_WEIGHTS)
-    if r < 0.3:
+    if r < 0.25:
         return _single(rng, SINGLE_KINDS, SINGLE_WEIGHTS)
-    if r < 0.4:
+    if r < 0.3:
         return C.training_conversation(rng)
     return dense_conversation(rng)
 
@@ -466,7 +466,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--steps", type=int, default=1600)
+    ap.add_argument("--steps", type=int, default=2100)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=100)
@@ -482,9 +482,9 @@ def main() -> int:
     ap.add_argument("--lin-heads", type=int, default=4)
     ap.add_argument("--lin-head-dim", type=int, default=64)
     ap.add_argument("--bpe-size", type=int, default=1200)
-    ap.add_argument("--threads", type=int, default=1,
+    ap.add_argument("--threads", type=int, default=2,
                     help="torch CPU threads (1: batched triangular solves stall with 2 threads on a busy 2-core box)")
-    ap.add_argument("--check-every", type=int, default=200)
+    ap.add_argument("--check-every", type=int, default=250)
     ap.add_argument("--type", default="f16", choices=["f16", "f32"], help="the GGUF type to install")
     ap.add_argument("--no-install", action="store_true", help="leave the repo's files alone")
     ap.add_argument("--skip-eval", action="store_true")
