@@ -20,3 +20,15 @@ def test_a_gguf_exported_back_to_hf_gives_transformers_our_logits(tmp_path):
     with torch.no_grad():
         theirs = model(torch.tensor([ids])).logits[0]
     assert (theirs - ours.logits(ids)).abs().max().item() < 2e-3
+
+
+def test_the_peak_memory_measure_counts_the_run_process_alone_not_the_larger_benchmark_that_forked_it():
+    from deltaserve.bench.peers import deltaserve_peak_rss
+    from deltaserve.demo import DEMO_FILE
+
+    ballast = torch.ones(3 * 2**30 // 4 // 2)  # 1.5 GiB touched in this (parent) process
+    r = deltaserve_peak_rss(DEMO_FILE, 1)
+    assert r["ok"] and r["file_bytes"] == DEMO_FILE.stat().st_size
+    # a deltaserve process on the 8 MB demo: torch and the tokenizer, well under the parent's ballast
+    assert 50 * 2**20 < r["peak_rss"] < 1 * 2**30, r
+    del ballast
