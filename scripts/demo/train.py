@@ -179,7 +179,7 @@ def dense_conversation(rng: random.Random) -> list[C.Turn]:
         if known and r < (0.65 if last else 0.45):
             key = rng.choice(sorted(known))
             turns.append(mk.recall(C.SLOT_BY_KEY[key], known[key]))
-        elif free and r < (0.72 if last else 0.72):
+        elif free and r < 0.72:
             t = mk.fact(free[0])
             known[free[0].key] = t.meta["value"]
             turns.append(t)
@@ -483,7 +483,8 @@ def main() -> int:
     ap.add_argument("--lin-head-dim", type=int, default=64)
     ap.add_argument("--bpe-size", type=int, default=1200)
     ap.add_argument("--threads", type=int, default=2,
-                    help="torch CPU threads (1: batched triangular solves stall with 2 threads on a busy 2-core box)")
+                    help="torch CPU threads (default 2; use 1 when the box is busy: batched triangular solves stall "
+                         "with 2 threads on a loaded 2-core machine)")
     ap.add_argument("--check-every", type=int, default=250)
     ap.add_argument("--type", default="f16", choices=["f16", "f32"], help="the GGUF type to install")
     ap.add_argument("--no-install", action="store_true", help="leave the repo's files alone")

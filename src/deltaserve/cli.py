@@ -77,6 +77,21 @@ def _guard(a):
 # run
 # ---------------------------------------------------------------------------------------------
 
+def _stream(_tid, piece: str) -> None:
+    """on_token for the CLI: each decoded piece to stdout as it comes."""
+    if piece:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+
+def _route(a, model):
+    """The backend `--device` asks for (its notice printed) and, on an accelerator, the parity guard."""
+    backend, notice = model.backend(a.device)
+    if notice:
+        print(notice, file=sys.stderr)
+    return backend, _guard(a) if backend.accelerator else None
+
+
 def cmd_run(a) -> int:
     prompts = a.prompt or []
     if len(prompts) > 1 and not a.chat:
@@ -94,23 +109,12 @@ def cmd_run(a) -> int:
         messages = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": text}]
         text = tok.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=_thinking(a))
     ids = tok.encode(text)
-    backend, notice = model.backend(a.device)
-    if notice:
-        print(notice, file=sys.stderr)
+    backend, guard = _route(a, model)
     context = min(a.ctx or model.config.context_length, model.config.context_length)
     positions = len(ids) + min(a.max_tokens, max(context - len(ids), 0))
-    session = model.session(context=a.ctx, backend=backend, one_call=True, plan_positions=positions,
-                            guard=_guard(a) if backend.accelerator else None)
-    out = sys.stdout
-
-    def on_token(_tid, piece):
-        if piece:
-            out.write(piece)
-            out.flush()
-
-    turn = session.generate(ids, max_tokens=a.max_tokens, on_token=on_token, **_sampling_kwargs(a))
-    out.write("\n")
-    out.flush()
+    session = model.session(context=a.ctx, backend=backend, one_call=True, plan_positions=positions, guard=guard)
+    turn = session.generate(ids, max_tokens=a.max_tokens, on_token=_stream, **_sampling_kwargs(a))
+    print(flush=True)
     capped = " (cut by the context)" if turn.context_capped else ""
     print(f"[stats] prompt {turn.prompt_tokens} tokens, prefill {turn.prefill_tok_s:.1f} tok/s, "
           f"decode {turn.decode_tok_s:.1f} tok/s ({turn.generated} tokens, {turn.finish_reason}{capped}), "
@@ -121,26 +125,15 @@ def cmd_run(a) -> int:
 def _run_turns(a, model, prompts: list[str], load_s: float) -> int:
     """Several -p: the user turns of one conversation on one resident session, each reply streamed,
     each turn's reuse said on stderr (a later turn prefills only what the history added)."""
-    backend, notice = model.backend(a.device)
-    if notice:
-        print(notice, file=sys.stderr)
-    session = model.session(context=a.ctx, backend=backend, guard=_guard(a) if backend.accelerator else None)
+    backend, guard = _route(a, model)
+    session = model.session(context=a.ctx, backend=backend, guard=guard)
     messages = [{"role": "system", "content": a.system}] if a.system else []
-    out = sys.stdout
-
-    def on_token(_tid, piece):
-        if piece:
-            out.write(piece)
-            out.flush()
-
     for k, text in enumerate(prompts, 1):
         messages.append({"role": "user", "content": text})
-        out.write(f"> {text}\n")
-        out.flush()
-        turn = session.chat(messages, max_tokens=a.max_tokens, enable_thinking=_thinking(a), on_token=on_token,
+        print(f"> {text}", flush=True)
+        turn = session.chat(messages, max_tokens=a.max_tokens, enable_thinking=_thinking(a), on_token=_stream,
                             **_sampling_kwargs(a))
-        out.write("\n")
-        out.flush()
+        print(flush=True)
         messages.append({"role": "assistant", "content": turn.text})
         print(f"[stats] turn {k}: prompt {turn.prompt_tokens} tokens, reused {turn.reused}, prefilled {turn.prefilled}, "
               f"TTFT {turn.timings.ttft_s * 1000:.0f} ms, decode {turn.decode_tok_s:.1f} tok/s ({turn.generated} tokens, "
@@ -202,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     r = sub.add_parser("run", help="one prompt, streamed, then a stats line",
-                       description="Run one prompt on a one-call session and stream the answer.")
+                       description="Run one prompt on a one-call session and stream the answer (with --chat and "
+                                   "several -p: the turns of one conversation on one resident session).")
     _add_model(r)
     r.add_argument("-p", "--prompt", action="append", default=None,
                    help="the prompt text (default: read stdin); with --chat, give -p again for each later user "
