@@ -99,6 +99,7 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
     """
     t, h, dk = k.shape
     dv = v.shape[-1]
+    chunk = min(chunk, t)  # a short span is one chunk of its own length (no padding to 64)
     pad = (-t) % chunk
     n = (t + pad) // chunk
 

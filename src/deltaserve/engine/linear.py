@@ -11,10 +11,13 @@ Two kinds behind it:
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
-DECODE_ROWS = 16  # up to this many input rows take the weight-only int8 kernel
+DECODE_ROWS = 4  # up to this many input rows take the weight-only int8 kernel; more: int8 x int8
+ACTIVATIONS = os.environ.get("DELTASERVE_ACTIVATIONS", "int8")  # of the many-row path: "int8" | "bf16"
 
 
 class Linear:
@@ -91,6 +94,7 @@ class Int8Linear(Linear):
         self.scale = scale.float().contiguous()
         self.scale_bf16 = self.scale.to(torch.bfloat16)
         self.out_features, self.in_features = q.shape
+        self.int8_activations = True  # many-row inputs quantized to int8 per row (else: bf16 GEMM)
 
     @classmethod
     def from_float(cls, w: torch.Tensor) -> "Int8Linear":
@@ -98,12 +102,15 @@ class Int8Linear(Linear):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+        x2 = x.reshape(-1, shape[-1])
         if x2.shape[0] <= DECODE_ROWS:
-            y = torch.ops.aten._weight_int8pack_mm(x2, self.q, self.scale_bf16)
+            y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), self.q, self.scale_bf16).float()
+        elif self.int8_activations and ACTIVATIONS == "int8":
+            xq, xs = quantize_rows_int8(x2)
+            y = torch.mul(torch._int_mm(xq, self.q.t()), self.scale).mul_(xs[:, None])  # int32 -> f32 in one pass
         else:
-            y = F.linear(x2, self.dequant(torch.bfloat16))
-        return y.float().reshape(*shape[:-1], self.out_features)
+            y = F.linear(x2.to(torch.bfloat16), self.dequant(torch.bfloat16)).float()
+        return y.reshape(*shape[:-1], self.out_features)
 
     def dequant(self, dtype=torch.float32) -> torch.Tensor:
         scale = self.scale_bf16 if dtype == torch.bfloat16 else self.scale.to(dtype)
@@ -122,7 +129,9 @@ class Int8Linear(Linear):
         return "int8"
 
     def to(self, device: torch.device | str) -> "Int8Linear":
-        return Int8Linear(self.q.to(device), self.scale.to(device))
+        out = Int8Linear(self.q.to(device), self.scale.to(device))
+        out.int8_activations = self.int8_activations
+        return out
 
     def dense(self) -> torch.Tensor:
         return self.dequant(torch.float32)
