@@ -231,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model-name", default=None, help="the model id reported by /v1/models")
     s.add_argument("--think", choices=["on", "off", "auto"], default="auto",
                    help="thinking when a request does not say (default: the template's own default)")
+    s.add_argument("--compute-thread", choices=["on", "off", "auto"], default="auto",
+                   help="run every forward on one thread (auto: for model files of 64 MiB and more, where "
+                        "a forward is long against a thread hand-off)")
     _add_runtime(s)
     s.set_defaults(func=lambda a: __import__("deltaserve.server.app", fromlist=["main"]).main(a))
 

@@ -190,7 +190,9 @@ class Session:
 
     def _move_to_cpu(self, reason: str, allocate: bool = True) -> None:
         self._say_fallback(reason)
+        compute = self.backend.compute_for_cpu
         self.backend = CPUBackend(self.host)
+        self.backend.use_compute_thread(compute)
         self.backend.start()
         self.say(f"Backend: {self.backend.describe()} [after the fallback]")
         self.held = []

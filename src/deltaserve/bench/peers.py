@@ -84,21 +84,23 @@ def deltaserve_aggregate(path: Path, threads: int, conversations: int = 8, token
 
     import deltaserve
     from deltaserve.engine.backend import CPUBackend
+    from deltaserve.engine.compute import ComputeThread, serial_here
 
-    torch.set_num_threads(threads)
-    m = deltaserve.load(path)
+    compute = ComputeThread()  # as the server runs them: every forward on one thread
+    m = compute.run(deltaserve.load, path, threads=threads)
     prompts = [[1000 + 7 * i + j for j in range(40)] for i in range(conversations)]
 
     def run(n: int) -> float:
         backend = CPUBackend(m.host)
+        backend.use_compute_thread(compute)
         backend.enable_batching()
         sessions = [m.session(backend=backend, quiet=True) for _ in range(n)]
-        for s, p in zip(sessions, prompts):
-            s.generate(p, max_tokens=1)  # prefilled, so the timed part is decode
         barrier = threading.Barrier(n + 1)
         done = []
 
         def go(s, p):
+            serial_here()  # this thread's own torch ops (sampling) open no OpenMP team (see engine/compute.py)
+            s.generate(p, max_tokens=1)  # prefilled, so the timed part is decode
             barrier.wait()
             turn = s.generate(p + [5], max_tokens=tokens, stop=[])
             done.append(turn.generated)

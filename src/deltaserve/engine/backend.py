@@ -66,6 +66,8 @@ class Backend:
         self.host = host
         self.forward: Forward | None = None
         self.batcher = None  # a DecodeBatcher when sessions sharing this backend batch their decode steps
+        self.compute = None  # a ComputeThread that runs this backend's CPU work, when threads share it
+        self.compute_for_cpu = None  # the one a CPU fallback of this backend's sessions takes
 
     def enable_batching(self) -> None:
         """Gather the decode steps of the sessions sharing this backend into batched forwards."""
@@ -73,7 +75,17 @@ class Backend:
 
         self.start()
         if self.batcher is None:
-            self.batcher = DecodeBatcher(self.forward)
+            self.batcher = DecodeBatcher(self.forward, self._on_compute)
+
+    def use_compute_thread(self, compute) -> None:
+        """Run the forwards and state work of every session on this backend on `compute` (see compute.py);
+        an accelerator's work stays on the calling thread (its device context is per thread)."""
+        self.compute_for_cpu = compute
+        if not self.accelerator:
+            self.compute = compute
+
+    def _on_compute(self, fn, *args):
+        return self.compute.run(fn, *args) if self.compute is not None else fn(*args)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -99,25 +111,25 @@ class Backend:
 
     # -- state ------------------------------------------------------------------------------------
     def new_state(self, capacity: int) -> DecodeState:
-        return self.forward.new_state(capacity)
+        return self._on_compute(self.forward.new_state, capacity)
 
     def reset(self, state: DecodeState) -> None:
-        state.reset()
+        self._on_compute(state.reset)
 
     def save(self, state: DecodeState, into: Checkpoint | None) -> Checkpoint:
-        return state.checkpoint(into)
+        return self._on_compute(state.checkpoint, into)
 
     def restore(self, state: DecodeState, ck: Checkpoint, valid_prefix: int) -> None:
-        state.restore(ck, valid_prefix)
+        self._on_compute(state.restore, ck, valid_prefix)
 
     # -- forward ----------------------------------------------------------------------------------
     def prefill(self, state: DecodeState, tokens, all_logits: bool = False) -> torch.Tensor:
-        return self.forward.prefill(state, tokens, all_logits)
+        return self._on_compute(self.forward.prefill, state, tokens, all_logits)
 
     def decode(self, state: DecodeState, token: int) -> torch.Tensor:
         if self.batcher is not None:
             return self.batcher.decode(state, token)
-        return self.forward.decode(state, token)
+        return self._on_compute(self.forward.decode, state, token)
 
 
 class CPUBackend(Backend):

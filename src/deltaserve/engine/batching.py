@@ -26,8 +26,9 @@ class _Step:
 
 
 class DecodeBatcher:
-    def __init__(self, forward, window_s: float = 0.002, max_batch: int = 64):
+    def __init__(self, forward, run=None, window_s: float = 0.002, max_batch: int = 64):
         self.forward = forward
+        self.run = run or (lambda fn, *args: fn(*args))  # where a batch's forward runs (a compute thread)
         self.window_s = window_s
         self.max_batch = max_batch
         self._cv = threading.Condition()
@@ -73,9 +74,9 @@ class DecodeBatcher:
     def _run(self, batch: list[_Step]) -> None:
         try:
             if len(batch) == 1:
-                rows = self.forward.decode(batch[0].state, batch[0].token)[None]
+                rows = self.run(self.forward.decode, batch[0].state, batch[0].token)[None]
             else:
-                rows = self.forward.decode_batch([s.state for s in batch], [s.token for s in batch])
+                rows = self.run(self.forward.decode_batch, [s.state for s in batch], [s.token for s in batch])
             for s, row in zip(batch, rows):
                 s.logits = row
         except BaseException as e:  # every step of the batch fails with the batch

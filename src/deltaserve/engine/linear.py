@@ -18,6 +18,8 @@ import torch.nn.functional as F
 
 DECODE_ROWS = 4  # up to this many input rows take the weight-only int8 kernel; more: int8 x int8
 ACTIVATIONS = os.environ.get("DELTASERVE_ACTIVATIONS", "int8")  # of the many-row path: "int8" | "bf16"
+BF16_GEMM_ROWS = 64  # the bf16 path (dequantize, GEMM) only above this many rows: oneDNN's small-M bf16 GEMM
+#                      is slow here (16 ms for 8 x 1024 x 8224), the weight-only kernel is not
 
 
 class Linear:
@@ -103,7 +105,8 @@ class Int8Linear(Linear):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if x2.shape[0] <= DECODE_ROWS:
+        rows = x2.shape[0]
+        if rows <= DECODE_ROWS or (rows <= BF16_GEMM_ROWS and not (self.int8_activations and ACTIVATIONS == "int8")):
             y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), self.q, self.scale_bf16).float()
         elif self.int8_activations and ACTIVATIONS == "int8":
             xq, xs = quantize_rows_int8(x2)
