@@ -9,6 +9,7 @@ import torch
 from ..model.config import HybridConfig
 from ..model.weights import AttentionWeights, Weights
 from . import layers as L
+from .compute import keep_freed_memory
 from .state import DecodeState
 
 
@@ -20,6 +21,8 @@ class Forward:
         self.config = config
         self.weights = weights
         self.device = torch.device(device)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # temporaries reused, not faulted in again on every product (see compute.py)
         # prefill attention matmuls: f32 when any weight is f32 (the exact path), else bf16 like the linears
         self.attention_dtype = attention_dtype or (torch.float32 if weights.has_f32_linears() else torch.bfloat16)
         self.query_rows = 512    # attention queries per score matrix (a prefill-plan knob)

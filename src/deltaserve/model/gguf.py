@@ -56,16 +56,18 @@ class GGUFFile:
     buf: Any = None        # the mapping the tensors view
     data_start: int = 0
 
-    def release(self, name: str) -> None:
-        """Give back the pages of a tensor already converted (they are not read again): keeps the load's
-        peak resident memory near the converted weights, not the file plus the weights."""
+    def release(self, name: str, lo_byte: int = 0, hi_byte: int | None = None) -> None:
+        """Give back the pages of a tensor (or of its bytes lo_byte..hi_byte) already converted (they are not
+        read again): keeps the load's peak resident memory near the converted weights, not the file plus
+        the weights."""
         t = self.tensors.get(name)
         if t is None or self.buf is None or not hasattr(self.buf, "madvise"):
             return
+        hi_byte = t.nbytes if hi_byte is None else min(hi_byte, t.nbytes)
         start = t.data.__array_interface__["data"][0] - np.frombuffer(self.buf, np.uint8, 1).__array_interface__["data"][0]
         page = mmap.PAGESIZE
-        lo = -(-start // page) * page
-        hi = (start + t.nbytes) // page * page
+        lo = -(-(start + lo_byte) // page) * page
+        hi = (start + hi_byte) // page * page
         if hi > lo:
             try:
                 self.buf.madvise(mmap.MADV_DONTNEED, lo, hi - lo)

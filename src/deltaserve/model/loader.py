@@ -71,7 +71,7 @@ class GGUFSource:
         t = self.f.tensors[name]
         return quant.dequantize(t.data, t.qtype, t.shape)
 
-    CHUNK_ELEMENTS = 1 << 23  # convert big tensors this many elements at a time (bounds the f32 transient)
+    CHUNK_ELEMENTS = 1 << 21  # convert big tensors this many elements at a time (bounds the f32 transient)
 
     def linear(self, name: str) -> Linear:
         t = self.f.tensors[name]
@@ -79,6 +79,7 @@ class GGUFSource:
         step = max(1, self.CHUNK_ELEMENTS // cols)
         if rows <= step:
             out = make_linear(self.dense(name), t.qtype.name, self.mode)
+            _trim_heap()  # the f32 transient's pages back now, not left as holes under the next tensors
         else:
             row_bytes = t.nbytes // rows
             out = None
@@ -95,6 +96,7 @@ class GGUFSource:
                 else:
                     out.weight[r:r1] = part.weight
                 del part
+                self.f.release(name, r * row_bytes, r1 * row_bytes)  # this chunk's file pages, now converted
                 _trim_heap()
             if isinstance(out, Int8Linear):
                 out.scale_bf16 = out.scale.to(torch.bfloat16)
