@@ -32,3 +32,34 @@ def test_the_peak_memory_measure_counts_the_run_process_alone_not_the_larger_ben
     # a deltaserve process on the 8 MB demo: torch and the tokenizer, well under the parent's ballast
     assert 50 * 2**20 < r["peak_rss"] < 1 * 2**30, r
     del ballast
+
+
+def test_repeated_chat_runs_report_the_median_of_each_turn_and_of_the_regenerate():
+    from deltaserve.bench.peers import chat_medians
+
+    def run(ttfts, regen):
+        return {"turns": [{"turn": i + 1, "ttft_s": t, "prompt_tokens": 10 * (i + 1), "cached_tokens": 0}
+                          for i, t in enumerate(ttfts)], "regenerate_ttft_s": regen, "regenerate_cached": 7}
+
+    runs = [run([0.9, 0.4], 0.2), run([0.1, 0.5], 0.1), run([0.5, 0.3], 0.9)]
+    m = chat_medians(runs)
+    assert [t["ttft_s"] for t in m["turns"]] == [0.5, 0.4]
+    assert m["regenerate_ttft_s"] == 0.2 and m["runs"] == runs
+    assert [t["prompt_tokens"] for t in m["turns"]] == [10, 20]
+
+
+def test_the_report_names_how_many_conversations_each_chat_median_is_over(tmp_path):
+    from deltaserve.bench.peers import chat_medians
+    from deltaserve.bench.report import write_report
+
+    def run(t):
+        return {"turns": [{"turn": 1, "ttft_s": t, "prompt_tokens": 10, "cached_tokens": 0}],
+                "regenerate_ttft_s": t / 2, "regenerate_cached": 3}
+
+    r = {"command": "deltaserve bench chat", "threads": 2, "repeats": 3, "cpu": "x", "torch": "2", "date": "d",
+         "files": {}, "read_bandwidth": 1e10,
+         "chat": {"deltaserve": chat_medians([run(0.2), run(0.3), run(0.4)]),
+                  "llama-server": chat_medians([run(0.6), run(0.6), run(0.8)])}}
+    text = write_report(r, tmp_path)
+    assert "median of 3 conversations per engine" in text
+    assert "| 1 | 10 | 300 | 600 | 0.50 |" in text

@@ -319,6 +319,14 @@ def chat_measure(engine: str, path: Path, threads: int, turns: int = 12, max_tok
             proc.kill()
 
 
+def chat_medians(runs: list[dict]) -> dict:
+    """Per-turn median TTFT (and median regenerate) of repeated conversations; the runs kept alongside."""
+    turns = [dict(row, ttft_s=median([r["turns"][i]["ttft_s"] for r in runs]))
+             for i, row in enumerate(runs[0]["turns"])]
+    return {"turns": turns, "regenerate_ttft_s": median([r["regenerate_ttft_s"] for r in runs]),
+            "regenerate_cached": runs[0]["regenerate_cached"], "runs": runs}
+
+
 # -- the run ---------------------------------------------------------------------------------------------
 
 def main(a) -> None:
@@ -344,9 +352,12 @@ def main(a) -> None:
         results["peak_rss"] = {k: deltaserve_peak_rss(p, threads) for k, p in files.items()}
         results["aggregate"] = deltaserve_aggregate(files["q8_0"], threads)
     if a.what in ("chat", "all"):
-        print("[bench] chat: llama-server, then deltaserve", file=sys.stderr)
-        results["chat"] = {"llama-server": chat_measure("llama-server", files["q8_0"], threads),
-                           "deltaserve": chat_measure("deltaserve", files["q8_0"], threads)}
+        print(f"[bench] chat: llama-server and deltaserve in turn, {repeats} conversations each", file=sys.stderr)
+        runs: dict[str, list] = {"llama-server": [], "deltaserve": []}
+        for _ in range(repeats):  # interleaved, so a noisy minute does not fall on one engine only
+            for engine in runs:
+                runs[engine].append(chat_measure(engine, files["q8_0"], threads))
+        results["chat"] = {engine: chat_medians(rs) for engine, rs in runs.items()}
     (out / "results.json").write_text(json.dumps(results, indent=1))
     from .report import write_report
 

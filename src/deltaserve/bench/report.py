@@ -43,7 +43,9 @@ def write_report(r: dict, out: Path) -> str:
                   f"{a['one_tok_s']:.1f} tok/s for one ({a['ratio']:.2f}x).", ""]
     if "chat" in r:
         ch = r["chat"]
-        lines += ["## A 12-turn chat: time to first token per turn (ms)", "",
+        n = len(ch["deltaserve"].get("runs", [])) or 1
+        lines += [f"## A 12-turn chat: time to first token per turn (ms, median of {n} conversation"
+                  f"{'s' if n > 1 else ''} per engine, run in turn)", "",
                   "| turn | prompt tokens (deltaserve) | deltaserve | llama-server | ratio |", "|---|---|---|---|---|"]
         for d, l in zip(ch["deltaserve"]["turns"], ch["llama-server"]["turns"]):
             lines.append(f"| {d['turn']} | {d['prompt_tokens']} | {d['ttft_s'] * 1000:.0f} | {l['ttft_s'] * 1000:.0f} | "

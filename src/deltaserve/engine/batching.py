@@ -2,8 +2,11 @@
 slots) are gathered into one forward over all of them, so each weight is read once per step for all.
 
 Each session runs its turn in its own thread. A session in its decode loop is "active"; its decode step
-waits until every active session has a step pending (or a short window has passed: a session may be busy
-prefilling or sampling), then one thread runs the whole batch and hands each its logits.
+waits until every active session has a step pending (or a window of 50 ms has passed: a session between
+two steps may be slow to hand out its token), then one thread runs the whole batch and hands each its
+logits. A session prefilling is not active and holds nobody up. The window is long because eight threads
+sampling and streaming take more than a few ms to come back: with 2 ms, batches of 8 conversations averaged
+4.1 rows (38 tok/s in all on the Q8_0 0.8B shape), with 50 ms 7.5 rows (56 tok/s).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ class _Step:
 
 
 class DecodeBatcher:
-    def __init__(self, forward, run=None, window_s: float = 0.002, max_batch: int = 64):
+    def __init__(self, forward, run=None, window_s: float = 0.05, max_batch: int = 64):
         self.forward = forward
         self.run = run or (lambda fn, *args: fn(*args))  # where a batch's forward runs (a compute thread)
         self.window_s = window_s
