@@ -63,3 +63,15 @@ def test_the_report_names_how_many_conversations_each_chat_median_is_over(tmp_pa
     text = write_report(r, tmp_path)
     assert "median of 3 conversations per engine" in text
     assert "| 1 | 10 | 300 | 600 | 0.50 |" in text
+
+
+def test_an_engine_measure_runs_in_a_process_of_its_own_and_returns_its_numbers(hybrid_gguf):
+    from deltaserve.bench.peers import in_fresh_process
+
+    r = in_fresh_process("deltaserve_pp_tg", hybrid_gguf, 1, 1)
+    assert r["pp512"] > 0 and r["tg"] > 0 and len(r["pp_runs"]) == 1
+    try:
+        in_fresh_process("deltaserve_pp_tg", hybrid_gguf.with_name("missing.gguf"), 1, 1)
+        raise AssertionError("a failing measure must raise")
+    except RuntimeError as e:
+        assert "deltaserve_pp_tg failed" in str(e)

@@ -44,6 +44,27 @@ def read_bandwidth(threads: int, gib: float = 1.0) -> float:
 
 # -- deltaserve --------------------------------------------------------------------------------------
 
+_FRESH_RUNNER = """
+import json, sys
+from pathlib import Path
+from deltaserve.bench import peers
+args = json.loads(sys.argv[1])
+print("[result] " + json.dumps(getattr(peers, args["fn"])(Path(args["path"]), *args["args"])))
+"""
+
+
+def in_fresh_process(fn: str, path: Path, *args) -> dict:
+    """peers.<fn>(path, *args) in a process of its own, as a user runs an engine: the measures do not share
+    the benchmark's threads (each thread that ran torch or llama.cpp work before would keep an OpenMP team,
+    and with more team threads than CPUs libgomp parks them between regions: see engine/compute.py)."""
+    payload = json.dumps({"fn": fn, "path": str(path), "args": list(args)})
+    proc = subprocess.run([sys.executable, "-c", _FRESH_RUNNER, payload], capture_output=True, text=True)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("[result] ")), None)
+    if proc.returncode != 0 or line is None:
+        raise RuntimeError(f"{fn} failed (exit {proc.returncode}): {proc.stderr[-800:]}")
+    return json.loads(line[len("[result] "):])
+
+
 def deltaserve_pp_tg(path: Path, threads: int, repeats: int, tg_tokens: int = 32) -> dict:
     import deltaserve
     from deltaserve.engine.forward import Forward
@@ -343,14 +364,14 @@ def main(a) -> None:
         speed = {}
         for k, p in files.items():
             print(f"[bench] {k}: llama.cpp", file=sys.stderr)
-            speed.setdefault(k, {})["llama.cpp"] = llama_pp_tg(p, threads, repeats)
+            speed.setdefault(k, {})["llama.cpp"] = in_fresh_process("llama_pp_tg", p, threads, repeats)
             print(f"[bench] {k}: deltaserve", file=sys.stderr)
-            speed[k]["deltaserve"] = deltaserve_pp_tg(p, threads, repeats)
+            speed[k]["deltaserve"] = in_fresh_process("deltaserve_pp_tg", p, threads, repeats)
         print("[bench] transformers (bf16, the same weights)", file=sys.stderr)
-        speed["bf16"] = {"transformers": transformers_pp_tg(files["q8_0"], threads, repeats)}
+        speed["bf16"] = {"transformers": in_fresh_process("transformers_pp_tg", files["q8_0"], threads, repeats)}
         results["speed"] = speed
         results["peak_rss"] = {k: deltaserve_peak_rss(p, threads) for k, p in files.items()}
-        results["aggregate"] = deltaserve_aggregate(files["q8_0"], threads)
+        results["aggregate"] = in_fresh_process("deltaserve_aggregate", files["q8_0"], threads)
     if a.what in ("chat", "all"):
         print(f"[bench] chat: llama-server and deltaserve in turn, {repeats} conversations each", file=sys.stderr)
         runs: dict[str, list] = {"llama-server": [], "deltaserve": []}
