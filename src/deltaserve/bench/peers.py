@@ -65,6 +65,11 @@ def in_fresh_process(fn: str, path: Path, *args) -> dict:
     return json.loads(line[len("[result] "):])
 
 
+def bench_ids(vocab: int) -> list[int]:
+    """The prompt every engine gets: PP token ids, the same for all (below 200000, or the vocabulary)."""
+    return torch.randint(0, min(200000, vocab), (PP,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
 def deltaserve_pp_tg(path: Path, threads: int, repeats: int, tg_tokens: int = 32) -> dict:
     import deltaserve
     from deltaserve.engine.forward import Forward
@@ -74,7 +79,7 @@ def deltaserve_pp_tg(path: Path, threads: int, repeats: int, tg_tokens: int = 32
     m = deltaserve.load(path, cache=False)
     load_s = time.perf_counter() - t0
     f = Forward(m.config, m.host.weights)
-    ids = torch.randint(0, 200000, (PP,), generator=torch.Generator().manual_seed(0)).tolist()
+    ids = bench_ids(m.config.vocab_size)
     f.prefill(f.new_state(PP), ids[:64])
     pp = []
     for _ in range(repeats):
@@ -172,7 +177,7 @@ def llama_pp_tg(path: Path, threads: int, repeats: int, tg_tokens: int = 32) -> 
 
     m = llama_cpp.Llama(str(path), n_ctx=1024, n_batch=PP, n_ubatch=PP, n_threads=threads, n_threads_batch=threads,
                         verbose=False)
-    ids = torch.randint(0, 200000, (PP,), generator=torch.Generator().manual_seed(0)).tolist()
+    ids = bench_ids(m.n_vocab())
     m.reset()
     m.eval(ids[:64])
     pp, tg = [], []
