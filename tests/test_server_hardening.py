@@ -214,3 +214,38 @@ def test_metrics_parse_and_add_up_to_what_was_sent(hybrid_gguf):
         assert value["deltaserve_cached_tokens_total"] == sent["cached"] > 0
     finally:
         s.stop()
+
+
+def test_a_server_with_a_compute_thread_answers_concurrent_requests_as_alone_and_says_so(hybrid_gguf, hybrid_model):
+    tok = hybrid_model.tokenizer
+    expected = {}
+    for k in range(6):
+        ids = tok.encode(tok.apply_chat_template(chat_body(k)["messages"], add_generation_prompt=True,
+                                                 enable_thinking=False))
+        expected[k] = hybrid_model.generate(ids, max_tokens=4).text
+    s = ServerProcess(hybrid_gguf, "--slots", "2", "--think", "off", "--compute-thread", "on")
+    try:
+        assert "forwards on one compute thread (--compute-thread on)" in s.stderr
+        got = {}
+
+        def one(i: int):
+            got[i] = httpx.post(s.url + "/v1/chat/completions", json=chat_body(i), timeout=120).json()
+
+        with ThreadPoolExecutor(6) as pool:
+            list(pool.map(one, range(6)))
+        assert {i: r["choices"][0]["message"]["content"] for i, r in got.items()} == expected
+        pieces = []
+        with httpx.stream("POST", s.url + "/v1/chat/completions", json=dict(chat_body(2), stream=True),
+                          timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    for ch in json.loads(line[6:]).get("choices", []):
+                        pieces.append((ch.get("delta") or {}).get("content") or "")
+        assert "".join(pieces) == expected[2]
+    finally:
+        s.stop()
+    plain = ServerProcess(hybrid_gguf, "--slots", "1")
+    try:
+        assert "forwards on the slots' own threads (--compute-thread auto: on for model files of 64 MiB" in plain.stderr
+    finally:
+        plain.stop()

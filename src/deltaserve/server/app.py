@@ -417,6 +417,9 @@ def main(a) -> int:
         f"({len(c.deltanet_layers)} Gated DeltaNet + {len(c.attention_layers)} attention), loaded in {load_s:.2f} s")
     say(f"backend {s0.backend.describe()}; declared context {c.context_length}, serving {server.context}")
     say(f"chat template {template}; thinking {'default of the template' if think is None else ('on' if think else 'off')}")
+    how = getattr(a, "compute_thread", "auto")
+    say(("forwards on one compute thread" if compute is not None else "forwards on the slots' own threads") +
+        f" (--compute-thread {how}{'' if how != 'auto' else ': on for model files of 64 MiB and more'})")
     say(f"{a.slots} slots, queue {a.queue}, max_tokens <= {a.max_tokens_limit}, body <= {a.max_body} bytes, "
         f"{'API key required' if a.api_key else 'no API key'}")
     say(f"listening on http://{a.host}:{a.port}/v1")
