@@ -148,13 +148,19 @@ def chat_body(i: int) -> dict:
     return {"messages": [{"role": "user", "content": f"request number {i % 25}"}], "max_tokens": 4, "temperature": 0}
 
 
-def test_a_bounded_load_run_completes_or_cleanly_refuses_every_request(server, hybrid_model):
-    tok = hybrid_model.tokenizer
-    expected = {}
-    for k in range(25):
+def expected_answers(model, n: int) -> dict[int, str]:
+    """What the model answers alone (greedy, in process) to chat_body(k), k < n."""
+    tok = model.tokenizer
+    out = {}
+    for k in range(n):
         ids = tok.encode(tok.apply_chat_template(chat_body(k)["messages"], add_generation_prompt=True,
                                                  enable_thinking=False))
-        expected[k] = hybrid_model.generate(ids, max_tokens=4).text
+        out[k] = model.generate(ids, max_tokens=4).text
+    return out
+
+
+def test_a_bounded_load_run_completes_or_cleanly_refuses_every_request(server, hybrid_model):
+    expected = expected_answers(hybrid_model, 25)
     warm = [send(server, "POST", "/v1/chat/completions", chat_body(i), AUTH) for i in range(4)]
     assert all(r.status_code == 200 for r in warm)
     rss_before = server.rss()
@@ -217,12 +223,7 @@ def test_metrics_parse_and_add_up_to_what_was_sent(hybrid_gguf):
 
 
 def test_a_server_with_a_compute_thread_answers_concurrent_requests_as_alone_and_says_so(hybrid_gguf, hybrid_model):
-    tok = hybrid_model.tokenizer
-    expected = {}
-    for k in range(6):
-        ids = tok.encode(tok.apply_chat_template(chat_body(k)["messages"], add_generation_prompt=True,
-                                                 enable_thinking=False))
-        expected[k] = hybrid_model.generate(ids, max_tokens=4).text
+    expected = expected_answers(hybrid_model, 6)
     s = ServerProcess(hybrid_gguf, "--slots", "2", "--think", "off", "--compute-thread", "on")
     try:
         assert "forwards on one compute thread (--compute-thread on)" in s.stderr
