@@ -103,11 +103,9 @@ class Forward:
                 h = L.attention_mixer_batch(h, lw.mixer, c, [st.kv[i] for st in states], starts, rope)
             else:
                 conv = torch.stack([st.conv[i] for st in states])
-                ssm = torch.stack([st.ssm[i] for st in states])
-                h = L.deltanet_mixer_batch(h, lw.mixer, c, conv, ssm)
+                h = L.deltanet_mixer_batch(h, lw.mixer, c, conv, [st.ssm[i] for st in states])
                 for j, st in enumerate(states):
                     st.conv[i].copy_(conv[j])
-                    st.ssm[i].copy_(ssm[j])
             x = x + h
             x = x + L.mlp(L.rms_norm(x, lw.post_norm, eps), lw.gate_up, lw.down)
         for st in states:

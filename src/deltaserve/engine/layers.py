@@ -179,14 +179,16 @@ def deltanet_mixer(x: torch.Tensor, w, cfg, conv_state: torch.Tensor, ssm_state:
     return _deltanet_out(o, z, w, cfg)
 
 
-def deltanet_mixer_batch(x: torch.Tensor, w, cfg, conv_states: torch.Tensor, ssm_states: torch.Tensor) -> torch.Tensor:
-    """One token each of B sequences. x: [B, hidden]; conv_states [B, K-1, C] and ssm_states [B, nv, dk, dv]
-    are the sequences' states stacked, updated in place."""
+def deltanet_mixer_batch(x: torch.Tensor, w, cfg, conv_states: torch.Tensor, ssm_states: list) -> torch.Tensor:
+    """One token each of B sequences. x: [B, hidden]; conv_states [B, K-1, C] is the sequences' conv states
+    stacked (small), updated in place; ssm_states holds each sequence's own recurrent state [nv, dk, dv],
+    updated in place one by one (stacking them would copy 1 MiB per sequence and layer, twice, per step)."""
     qkv, z, beta, g = _deltanet_project(x, w)
     window = torch.cat([conv_states, qkv.to(conv_states.dtype)[:, None, :]], dim=1)  # [B, K, C]
     conv_states.copy_(window[:, 1:])
     q, k, v = _deltanet_heads(F.silu((window * w.conv.t()).sum(1)), cfg)
-    return _deltanet_out(delta_rule_step(q, k, v, g, beta, ssm_states), z, w, cfg)
+    o = torch.stack([delta_rule_step(q[j], k[j], v[j], g[j], beta[j], s) for j, s in enumerate(ssm_states)])
+    return _deltanet_out(o, z, w, cfg)
 
 
 # ---------------------------------------------------------------------------------------------
