@@ -128,3 +128,12 @@ def test_on_a_trained_model_the_int8_prefill_stays_within_1_5x_llama_cpps_own_q8
     d_ours, d_theirs = (ours - want).abs().mean().item(), (theirs - want).abs().mean().item()
     assert d_ours <= 1.5 * d_theirs, (d_ours, d_theirs)
     assert torch.equal(ours.argmax(-1), want.argmax(-1))
+
+
+def test_each_product_size_takes_its_documented_path_on_the_cpu_and_an_accelerator_keeps_bf16_gemms():
+    lin = Int8Linear.from_float(torch.randn(64, 32))
+    assert [lin.path(r) for r in (1, 4, 5, 64, 512)] == ["weight-only", "weight-only", "int8", "int8", "int8"]
+    lin.int8_activations = False  # the down projection
+    assert [lin.path(r) for r in (1, 8, 64, 65, 512)] == ["weight-only"] * 3 + ["bf16", "bf16"]
+    device = Int8Linear(lin.q.to("meta"), lin.scale.to("meta"))  # stands for a CUDA copy: not the CPU
+    assert [device.path(r) for r in (1, 16, 17, 512)] == ["weight-only", "weight-only", "bf16", "bf16"]

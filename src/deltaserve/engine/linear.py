@@ -105,15 +105,25 @@ class Int8Linear(Linear):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        rows = x2.shape[0]
-        if rows <= DECODE_ROWS or (rows <= BF16_GEMM_ROWS and not (self.int8_activations and ACTIVATIONS == "int8")):
+        path = self.path(x2.shape[0])
+        if path == "weight-only":
             y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), self.q, self.scale_bf16).float()
-        elif self.int8_activations and ACTIVATIONS == "int8":
+        elif path == "int8":
             xq, xs = quantize_rows_int8(x2)
             y = torch.mul(torch._int_mm(xq, self.q.t()), self.scale).mul_(xs[:, None])  # int32 -> f32 in one pass
         else:
             y = F.linear(x2.to(torch.bfloat16), self.dequant(torch.bfloat16)).float()
         return y.reshape(*shape[:-1], self.out_features)
+
+    def path(self, rows: int) -> str:
+        """How a product of `rows` input rows runs: "weight-only" (bf16 activations, int8 weights read
+        directly), "int8" (int8 x int8) or "bf16" (the weight dequantized, a bf16 GEMM)."""
+        if self.q.device.type != "cpu":  # an accelerator: its bf16 GEMM is fast, and torch._int_mm on CUDA
+            return "weight-only" if rows <= 16 else "bf16"  # refuses 16 rows or fewer
+        int8 = self.int8_activations and ACTIVATIONS == "int8"
+        if rows <= DECODE_ROWS or (rows <= BF16_GEMM_ROWS and not int8):
+            return "weight-only"
+        return "int8" if int8 else "bf16"
 
     def dequant(self, dtype=torch.float32) -> torch.Tensor:
         scale = self.scale_bf16 if dtype == torch.bfloat16 else self.scale.to(dtype)
