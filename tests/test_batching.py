@@ -96,13 +96,13 @@ def test_an_error_inside_the_compute_thread_reaches_the_caller_and_the_thread_go
 def test_the_server_takes_a_compute_thread_for_large_model_files_unless_told(tmp_path, hybrid_gguf):
     from argparse import Namespace
 
-    from deltaserve.server.app import COMPUTE_THREAD_MIN_BYTES, use_compute_thread
+    from deltaserve.server.app import COMPUTE_THREAD_MIN_BYTES, wants_compute_thread
 
     big = tmp_path / "big.gguf"
     with open(big, "wb") as f:
         f.truncate(COMPUTE_THREAD_MIN_BYTES)  # sparse: the size is what counts
-    assert use_compute_thread(Namespace(model=str(big), compute_thread="auto"))
-    assert not use_compute_thread(Namespace(model=str(hybrid_gguf), compute_thread="auto"))
-    assert not use_compute_thread(Namespace(model=None, compute_thread="auto"))  # the demo model
-    assert use_compute_thread(Namespace(model=str(hybrid_gguf), compute_thread="on"))
-    assert not use_compute_thread(Namespace(model=str(big), compute_thread="off"))
+    assert wants_compute_thread(Namespace(model=str(big), compute_thread="auto"))
+    assert not wants_compute_thread(Namespace(model=str(hybrid_gguf), compute_thread="auto"))
+    assert not wants_compute_thread(Namespace(model=None, compute_thread="auto"))  # the demo model
+    assert wants_compute_thread(Namespace(model=str(hybrid_gguf), compute_thread="on"))
+    assert not wants_compute_thread(Namespace(model=str(big), compute_thread="off"))

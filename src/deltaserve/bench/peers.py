@@ -59,10 +59,15 @@ def in_fresh_process(fn: str, path: Path, *args) -> dict:
     and with more team threads than CPUs libgomp parks them between regions: see engine/compute.py)."""
     payload = json.dumps({"fn": fn, "path": str(path), "args": list(args)})
     proc = subprocess.run([sys.executable, "-c", _FRESH_RUNNER, payload], capture_output=True, text=True)
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("[result] ")), None)
-    if proc.returncode != 0 or line is None:
+    value = _tagged(proc.stdout, "[result] ")
+    if proc.returncode != 0 or value is None:
         raise RuntimeError(f"{fn} failed (exit {proc.returncode}): {proc.stderr[-800:]}")
-    return json.loads(line[len("[result] "):])
+    return json.loads(value)
+
+
+def _tagged(output: str, tag: str) -> str | None:
+    """What follows `tag` on the first line of `output` that starts with it (a child process's report)."""
+    return next((x[len(tag):] for x in output.splitlines() if x.startswith(tag)), None)
 
 
 def bench_ids(vocab: int) -> list[int]:
@@ -160,10 +165,10 @@ def deltaserve_peak_rss(path: Path, threads: int) -> dict:
     process between fork and exec.)"""
     proc = subprocess.run([sys.executable, "-c", _PEAK_RSS_RUNNER, "run", str(path), "-p", "hello " * 200, "-n", "32",
                            "--threads", str(threads), "--device", "cpu"], capture_output=True, text=True)
-    line = next((x for x in proc.stderr.splitlines() if x.startswith("[peak-rss] ")), None)
+    line = _tagged(proc.stderr, "[peak-rss] ")
     if line is None:
         raise RuntimeError(f"deltaserve run did not report its peak memory (exit {proc.returncode}): {proc.stderr[-500:]}")
-    value, unit = line.split()[1:3]
+    value, unit = line.split()[:2]
     assert unit == "kB", line
     peak = int(value) * 1024
     size = path.stat().st_size

@@ -66,8 +66,7 @@ class Backend:
         self.host = host
         self.forward: Forward | None = None
         self.batcher = None  # a DecodeBatcher when sessions sharing this backend batch their decode steps
-        self.compute = None  # a ComputeThread that runs this backend's CPU work, when threads share it
-        self.compute_for_cpu = None  # the one a CPU fallback of this backend's sessions takes
+        self.compute_for_cpu = None  # a ComputeThread for CPU work, when threads share the backend (compute.py)
 
     def enable_batching(self) -> None:
         """Gather the decode steps of the sessions sharing this backend into batched forwards."""
@@ -79,10 +78,14 @@ class Backend:
 
     def use_compute_thread(self, compute) -> None:
         """Run the forwards and state work of every session on this backend on `compute` (see compute.py);
-        an accelerator's work stays on the calling thread (its device context is per thread)."""
+        an accelerator's work stays on the calling thread (its device context is per thread), and a CPU
+        fallback of its sessions takes `compute`."""
         self.compute_for_cpu = compute
-        if not self.accelerator:
-            self.compute = compute
+
+    @property
+    def compute(self):
+        """The thread this backend's work runs on, or None for the calling thread."""
+        return None if self.accelerator else self.compute_for_cpu
 
     def _on_compute(self, fn, *args):
         return self.compute.run(fn, *args) if self.compute is not None else fn(*args)

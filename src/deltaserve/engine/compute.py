@@ -1,4 +1,5 @@
-"""One thread for a process's parallel CPU work, for the callers that run sessions on several threads (the server).
+"""CPU runtime settings: one thread for a process's parallel work, for the callers that run sessions on
+several threads (the server), and glibc told to keep freed blocks (`keep_freed_memory`).
 
 PyTorch's CPU build runs its parallel regions on libgomp, which gives every thread that opens a parallel
 region a team of worker threads of its own. Once the teams hold more threads than there are CPUs, libgomp

@@ -369,14 +369,13 @@ def create_app(server: Server) -> FastAPI:
 COMPUTE_THREAD_MIN_BYTES = 64 << 20
 
 
-def use_compute_thread(a) -> bool:
+def wants_compute_thread(a) -> bool:
     """--compute-thread: on, off, or auto. A compute thread pays where a forward is long against a thread
     hand-off (Q8_0 0.8B: turn TTFT 748 -> 617 ms, decode 47 -> 35 ms/token); with a tiny model under a
     flood of requests the hand-offs and a spinning OpenMP team cost more than they save (a 2 MB test model
     answered 38 of 300 flooding requests against 118). auto: on for model files of 64 MiB and more."""
-    choice = getattr(a, "compute_thread", "auto")
-    if choice != "auto":
-        return choice == "on"
+    if a.compute_thread != "auto":
+        return a.compute_thread == "on"
     if not a.model:
         return False  # the embedded demo model (8 MB)
     try:
@@ -397,7 +396,7 @@ def main(a) -> int:
     if a.slots < 1 or a.queue < 0:
         raise DeltaserveError(f"--slots must be at least 1 and --queue at least 0 (got {a.slots}, {a.queue})")
     named = a.model is not None
-    compute = ComputeThread() if use_compute_thread(a) else None
+    compute = ComputeThread() if wants_compute_thread(a) else None
     if compute is not None:  # the load and every forward on one thread (see engine/compute.py)
         model, load_s = compute.run(_load, a)
         serial_here()  # the event loop's own torch ops, if any, open no team
@@ -417,9 +416,9 @@ def main(a) -> int:
         f"({len(c.deltanet_layers)} Gated DeltaNet + {len(c.attention_layers)} attention), loaded in {load_s:.2f} s")
     say(f"backend {s0.backend.describe()}; declared context {c.context_length}, serving {server.context}")
     say(f"chat template {template}; thinking {'default of the template' if think is None else ('on' if think else 'off')}")
-    how = getattr(a, "compute_thread", "auto")
     say(("forwards on one compute thread" if compute is not None else "forwards on the slots' own threads") +
-        f" (--compute-thread {how}{'' if how != 'auto' else ': on for model files of 64 MiB and more'})")
+        f" (--compute-thread {a.compute_thread}"
+        f"{': on for model files of 64 MiB and more' if a.compute_thread == 'auto' else ''})")
     say(f"{a.slots} slots, queue {a.queue}, max_tokens <= {a.max_tokens_limit}, body <= {a.max_body} bytes, "
         f"{'API key required' if a.api_key else 'no API key'}")
     say(f"listening on http://{a.host}:{a.port}/v1")
