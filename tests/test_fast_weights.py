@@ -18,6 +18,7 @@ import deltaserve
 from deltaserve.engine.forward import Forward
 from deltaserve.demo import DEMO_FILE
 from deltaserve.engine import linear as linear_mod
+from deltaserve.engine import native
 from deltaserve.engine.linear import DenseLinear, Int8Linear
 from tests.fixtures import models as fx
 
@@ -77,9 +78,9 @@ def test_many_row_int8_products_treat_each_row_on_its_own_and_stay_near_the_floa
     g = torch.Generator().manual_seed(3)
     w = torch.randn(96, 256, generator=g)
     lin = Int8Linear.from_float(w)
-    x = torch.randn(12, 256, generator=g)
+    x = torch.randn(14, 256, generator=g)
     x[3] *= 40.0  # one loud row must not coarsen the others' quantization
-    assert x.shape[0] > linear_mod.DECODE_ROWS
+    assert lin.path(14) == lin.path(10) == "int8"
     y = lin(x)
     want = x @ lin.dense().t()
     rel = ((y - want).norm(dim=1) / want.norm(dim=1)).max().item()
@@ -130,8 +131,159 @@ def test_on_a_trained_model_the_int8_prefill_stays_within_1_5x_llama_cpps_own_q8
     assert torch.equal(ours.argmax(-1), want.argmax(-1))
 
 
-def test_each_product_size_takes_its_documented_path_on_the_cpu_and_an_accelerator_keeps_bf16_gemms():
+def test_on_a_trained_model_the_decode_steps_stay_within_1_5x_llama_cpps_own_q8_0_error():
+    import numpy as np
+
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is a test dependency (see README)")
+    q8 = demo_q8_0_by_llama_cpp()
+    ref = deltaserve.load(DEMO_FILE, weights="exact", cache=False)
+    fast = deltaserve.load(q8, cache=False)
+    ids = ref.tokenizer.encode("<|im_start|>user\nMy locker code is 4821. Reverse these words: red fox blue"
+                               "<|im_end|>\n<|im_start|>assistant\nblue fox red<|im_end|>\n")
+    want = ref.logits(ids)
+    llm = llama_cpp.Llama(str(q8), n_ctx=128, n_batch=1, logits_all=True, verbose=False, n_threads=2, seed=0)
+    llm.eval(ids)  # one token per batch: llama.cpp's decode products
+    theirs = torch.from_numpy(np.array(llm.scores[:len(ids)], dtype=np.float32))
+    ours = decode_all(fast, ids)  # one token per step: the decode route (the native kernel where it runs)
+    d_ours, d_theirs = (ours - want).abs().mean().item(), (theirs - want).abs().mean().item()
+    assert d_ours <= 1.5 * d_theirs, (d_ours, d_theirs)
+    assert (ours.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.95
+
+
+def test_the_native_kernel_matches_the_float_product_for_every_row_count_and_odd_sizes():
+    if not native.status()[0]:
+        pytest.skip(f"the native kernel does not run here: {native.status()[1]}")
+    g = torch.Generator().manual_seed(11)
+    for n, k in ((37, 96), (64, 160), (1031, 1024)):  # rows not a multiple of 4; inner sizes with a half chunk
+        lin = Int8Linear.from_float(torch.randn(n, k, generator=g))
+        for m in (1, 2, 3, 8):
+            x = torch.randn(m, k, generator=g)
+            x[0, 5] = 30.0  # an outlier only coarsens its own block of 32
+            y = native.linear_i8(x, lin.q, lin.scale)
+            blocks = x.double().view(m, k // 32, 32)
+            d = blocks.abs().amax(-1, keepdim=True) / 127
+            xq = (torch.round(blocks * (127 / blocks.abs().amax(-1, keepdim=True))) * d).view(m, k)
+            claimed = xq @ lin.dense().double().t()  # the arithmetic it claims: int8 per block of 32
+            assert y.shape == (m, n)
+            assert ((y - claimed).norm(dim=1) / claimed.norm(dim=1)).max().item() < 1e-5
+            want = x.double() @ lin.dense().double().t()
+            assert ((y - want).norm(dim=1) / want.norm(dim=1)).max().item() < 0.02
+            for i in range(m):  # each row on its own: the same as alone
+                assert torch.equal(native.linear_i8(x[i:i + 1], lin.q, lin.scale)[0], y[i])
+        strided = torch.randn(4, 2 * k, generator=g)[:, ::2]
+        assert torch.equal(native.linear_i8(strided, lin.q, lin.scale), native.linear_i8(strided.contiguous(), lin.q,
+                                                                                         lin.scale))
+        bf16 = torch.randn(2, k, generator=g).bfloat16()
+        assert torch.equal(native.linear_i8(bf16, lin.q, lin.scale), native.linear_i8(bf16.float(), lin.q, lin.scale))
+
+
+def random_blocks(kind: str, rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Random Q4_K / Q6_K blocks with finite scales: uint8 [rows, cols / 256 * block bytes]."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    size = native.BLOCK_TYPES[kind][1]
+    b = rng.integers(0, 256, (rows * cols // 256, size), dtype=np.uint8)
+    if kind == "Q4_K":
+        b[:, 0:2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)  # d
+        b[:, 2:4] = np.frombuffer(np.float16(0.004).tobytes(), np.uint8)  # dmin
+    else:
+        b[:, 208:210] = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)  # d
+    return torch.from_numpy(b.reshape(rows, -1))
+
+
+def test_the_native_kernel_reads_q4_k_and_q6_k_blocks_as_the_file_defines_them():
+    if not native.status()[0]:
+        pytest.skip(f"the native kernel does not run here: {native.status()[1]}")
+    from gguf import GGMLQuantizationType
+
+    from deltaserve.model import quant
+
+    g = torch.Generator().manual_seed(4)
+    for kind in ("Q4_K", "Q6_K"):
+        n, k = 67, 512
+        blocks = random_blocks(kind, n, k, seed=len(kind))
+        w = quant.dequantize(blocks.numpy(), GGMLQuantizationType[kind], (n, k)).double()  # the oracle's reading
+        for m in (1, 2, 8):
+            x = torch.randn(m, k, generator=g)
+            y = native.linear_blocks(x, kind, blocks, n)
+            blocks_x = x.double().view(m, k // 256, 256)  # the claimed arithmetic: int8 per 256 values
+            amax = blocks_x.abs().amax(-1, keepdim=True)
+            xq = (torch.round(blocks_x * (127 / amax)) * (amax / 127)).view(m, k)
+            claimed = xq @ w.t()
+            assert y.shape == (m, n)
+            assert ((y - claimed).norm(dim=1) / claimed.norm(dim=1)).max().item() < 1e-5, kind
+            want = x.double() @ w.t()
+            assert ((y - want).norm(dim=1) / want.norm(dim=1)).max().item() < 0.02, kind
+        assert native.linear_blocks(torch.randn(9, k), kind, blocks, n) is None  # more rows than it takes
+        assert native.linear_blocks(torch.randn(1, 96), kind, blocks[:, :1], n) is None  # not whole blocks
+
+
+@functools.lru_cache(maxsize=None)
+def demo_q4_k_m_by_llama_cpp():
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is a test dependency (see README)")
+    out = fx.fixtures_dir() / "demo-q4_k_m-by-llama.cpp.gguf"
+    if not out.exists():
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+        tmp = out.with_suffix(".part")
+        assert llama_cpp.llama_model_quantize(str(DEMO_FILE).encode(), str(tmp).encode(), params) == 0
+        tmp.replace(out)
+    return out
+
+
+def test_a_q4_k_m_file_decodes_from_its_own_blocks_within_1_5x_llama_cpps_own_error():
+    import numpy as np
+
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is a test dependency (see README)")
+    path = demo_q4_k_m_by_llama_cpp()
+    ref = deltaserve.load(DEMO_FILE, weights="exact", cache=False)
+    fast = deltaserve.load(path, cache=False)
+    w = fast.host.weights
+    assert w.lm_head.block_kind == "Q6_K" and w.layers[0].gate_up.fused.block_kind == "Q4_K"
+    if native.status()[0]:
+        assert w.lm_head.path(1) == "native"
+    ids = ref.tokenizer.encode("<|im_start|>user\nMy locker code is 4821. Reverse these words: red fox blue"
+                               "<|im_end|>\n<|im_start|>assistant\nblue fox red<|im_end|>\n")
+    want = ref.logits(ids)
+    llm = llama_cpp.Llama(str(path), n_ctx=128, n_batch=1, logits_all=True, verbose=False, n_threads=2, seed=0)
+    llm.eval(ids)
+    theirs = torch.from_numpy(np.array(llm.scores[:len(ids)], dtype=np.float32))
+    ours = decode_all(fast, ids)
+    d_ours, d_theirs = (ours - want).abs().mean().item(), (theirs - want).abs().mean().item()
+    assert d_ours <= 1.5 * d_theirs, (d_ours, d_theirs)
+    agree = lambda got: (got.argmax(-1) == want.argmax(-1)).float().mean().item()  # noqa: E731
+    assert agree(ours) >= agree(theirs) - 0.05
+
+
+def test_without_the_native_kernel_the_backend_says_why_and_decodes_on_torch(monkeypatch, tmp_path):
+    monkeypatch.setenv("DELTASERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # a compiler that fails
+    native.reset()
+    try:
+        ok, why = native.status()
+        if "lacks" not in why:
+            assert not ok and why.startswith("false failed on native.c"), why
+        lin = Int8Linear.from_float(torch.randn(8, 64))
+        assert lin.path(1) == "weight-only"
+        m = model("hybrid", "q8_0", "fast")
+        assert "torch's weight-only kernel (native kernel not used: " in m.session().notices[-1]
+        monkeypatch.setenv("DELTASERVE_NATIVE", "off")
+        native.reset()
+        assert native.status() == (False, "turned off by DELTASERVE_NATIVE")
+    finally:
+        native.reset()
+        monkeypatch.undo()
+    if native.status()[0]:
+        assert "on the native kernel (AVX512-VNNI" in model("hybrid", "q8_0", "fast").session().notices[-1]
+
+
+def test_each_product_size_takes_its_documented_path_on_the_cpu_and_an_accelerator_keeps_bf16_gemms(monkeypatch):
     lin = Int8Linear.from_float(torch.randn(64, 32))
+    if native.status()[0]:
+        assert [lin.path(r) for r in (1, 8, 9, 512)] == ["native", "native", "int8", "int8"]
+        assert Int8Linear.from_float(torch.randn(64, 48)).path(1) == "weight-only"  # inner size not a multiple of 32
+    monkeypatch.setattr(native, "takes", lambda k: False)  # where the native kernel does not run
     assert [lin.path(r) for r in (1, 4, 5, 64, 512)] == ["weight-only", "weight-only", "int8", "int8", "int8"]
     lin.int8_activations = False  # the down projection
     assert [lin.path(r) for r in (1, 8, 64, 65, 512)] == ["weight-only"] * 3 + ["bf16", "bf16"]

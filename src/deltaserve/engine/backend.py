@@ -14,6 +14,7 @@ import torch
 from ..errors import DeltaserveError
 from ..model.loader import HostModel
 from .forward import Forward
+from .linear import Int8Linear, int8_route
 from .state import Checkpoint, DecodeState
 
 
@@ -110,7 +111,9 @@ class Backend:
         return cpu_memory()
 
     def describe(self) -> str:
-        return f"CPU ({torch.get_num_threads()} threads)"
+        head = self.host.weights.lm_head
+        route = f"; {int8_route()}" if isinstance(head, Int8Linear) else ""
+        return f"CPU ({torch.get_num_threads()} threads{route})"
 
     # -- state ------------------------------------------------------------------------------------
     def new_state(self, capacity: int) -> DecodeState:

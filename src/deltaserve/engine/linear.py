@@ -4,9 +4,10 @@ Two kinds behind it:
 - `DenseLinear`: a full-precision weight (f32 for exact parity work, bf16 for speed); activations are cast
   to the weight's dtype for the product.
 - `Int8Linear`: int8 values with one f32 scale per output row (what quantized GGUF tensors become).
-  Decode-sized inputs (a few rows) go through torch's weight-only int8 kernel, which reads the int8
-  weights directly (bandwidth-bound); prefill-sized inputs dequantize the weight to bf16 on the fly
-  and run a bf16 GEMM (compute-bound, oneDNN). Activations enter both in bf16.
+  On the CPU, decode-sized inputs (up to 8 rows: one conversation's step, or a batch of them) go through
+  the native AVX512-VNNI kernel (`native.py`; activations int8 per block of 32), or torch's weight-only
+  kernel where that is not available; prefill-sized inputs run int8 x int8 (`torch._int_mm`) with the
+  activations quantized per row, except the MLP down projection, whose inputs keep bf16 (see `path`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ import os
 import torch
 import torch.nn.functional as F
 
+from . import native
+
+NATIVE_ROWS = 8  # up to this many input rows take the native kernel where it runs (beyond, int8 x int8 wins)
+BLOCK_ROWS = 1  # one row reads a Q4_K/Q6_K tensor's own blocks (fewer bytes); more rows: the int8 table (less unpacking)
 DECODE_ROWS = 4  # up to this many input rows take the weight-only int8 kernel; more: int8 x int8
 ACTIVATIONS = os.environ.get("DELTASERVE_ACTIVATIONS", "int8")  # of the many-row path: "int8" | "bf16"
 BF16_GEMM_ROWS = 64  # the bf16 path (dequantize, GEMM) only above this many rows: oneDNN's small-M bf16 GEMM
@@ -97,6 +102,14 @@ class Int8Linear(Linear):
         self.scale_bf16 = self.scale.to(torch.bfloat16)
         self.out_features, self.in_features = q.shape
         self.int8_activations = True  # many-row inputs quantized to int8 per row (else: bf16 GEMM)
+        self.block_kind: str | None = None  # "Q4_K" / "Q6_K": the file's own blocks are kept too, in
+        self.block_data: torch.Tensor | None = None  # uint8 [out, blocks per row * block bytes] (decode reads them)
+
+    def keep_blocks(self, kind: str, data: torch.Tensor) -> None:
+        """Keep the file's own quantized blocks of this table (rows of `data`) for the native decode kernel."""
+        if data.shape[0] != self.out_features or kind not in native.BLOCK_TYPES:
+            raise ValueError(f"blocks of {kind} for {data.shape[0]} rows do not fit a table of {self.out_features}")
+        self.block_kind, self.block_data = kind, data
 
     @classmethod
     def from_float(cls, w: torch.Tensor) -> "Int8Linear":
@@ -106,6 +119,15 @@ class Int8Linear(Linear):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         path = self.path(x2.shape[0])
+        if path == "native":
+            rows = x2.shape[0]
+            y = native.linear_blocks(x2, self.block_kind, self.block_data, self.out_features) \
+                if self.block_data is not None and rows <= BLOCK_ROWS else None
+            if y is None:
+                y = native.linear_i8(x2, self.q, self.scale)
+            if y is not None:
+                return y.reshape(*shape[:-1], self.out_features)
+            path = "weight-only"
         if path == "weight-only":
             y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), self.q, self.scale_bf16).float()
         elif path == "int8":
@@ -116,10 +138,13 @@ class Int8Linear(Linear):
         return y.reshape(*shape[:-1], self.out_features)
 
     def path(self, rows: int) -> str:
-        """How a product of `rows` input rows runs: "weight-only" (bf16 activations, int8 weights read
-        directly), "int8" (int8 x int8) or "bf16" (the weight dequantized, a bf16 GEMM)."""
+        """How a product of `rows` input rows runs: "native" (the AVX512-VNNI kernel, activations int8 per
+        block of 32), "weight-only" (torch's kernel: bf16 activations, int8 weights read directly), "int8"
+        (int8 x int8, activations int8 per row) or "bf16" (the weight dequantized, a bf16 GEMM)."""
         if self.q.device.type != "cpu":  # an accelerator: its bf16 GEMM is fast, and torch._int_mm on CUDA
             return "weight-only" if rows <= 16 else "bf16"  # refuses 16 rows or fewer
+        if rows <= NATIVE_ROWS and ACTIVATIONS == "int8" and native.takes(self.in_features):
+            return "native"  # per-block activation scales: also fine for the down projection's outliers
         int8 = self.int8_activations and ACTIVATIONS == "int8"
         if rows <= DECODE_ROWS or (rows <= BF16_GEMM_ROWS and not int8):
             return "weight-only"
@@ -144,10 +169,22 @@ class Int8Linear(Linear):
     def to(self, device: torch.device | str) -> "Int8Linear":
         out = Int8Linear(self.q.to(device), self.scale.to(device))
         out.int8_activations = self.int8_activations
+        if self.block_data is not None and out.q.device.type == "cpu":  # only the CPU kernel reads them
+            out.keep_blocks(self.block_kind, self.block_data)
         return out
 
     def dense(self) -> torch.Tensor:
         return self.dequant(torch.float32)
+
+
+def int8_route() -> str:
+    """What a CPU decode product of an int8 table runs on, said in the backend's description."""
+    if ACTIVATIONS != "int8":
+        return f"int8 tables with bf16 activations (DELTASERVE_ACTIVATIONS={ACTIVATIONS})"
+    ok, why = native.status()
+    if ok:
+        return f"int8 decode products on the native kernel ({why})"
+    return f"int8 decode products on torch's weight-only kernel (native kernel not used: {why})"
 
 
 class StackedLinear(Linear):
@@ -161,7 +198,11 @@ class StackedLinear(Linear):
         if any(p.in_features != self.in_features for p in parts):
             raise ValueError("stacked projections must share their input size")
         if all(isinstance(p, Int8Linear) for p in parts):
-            self.fused: Linear | None = Int8Linear(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
+            fused = Int8Linear(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
+            kinds = {p.block_kind for p in parts}
+            if len(kinds) == 1 and None not in kinds:  # blocks of one kind: one table of them too
+                fused.keep_blocks(kinds.pop(), torch.cat([p.block_data for p in parts]))
+            self.fused: Linear | None = fused
             self.parts: list[Linear] = []
         elif all(isinstance(p, DenseLinear) for p in parts) and len({p.weight.dtype for p in parts}) == 1:
             self.fused = DenseLinear(torch.cat([p.weight for p in parts]))

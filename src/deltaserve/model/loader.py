@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ..engine import native
 from ..engine.linear import DenseLinear, Int8Linear, Linear
 from ..errors import ModelFormatError
 from . import quant
@@ -100,6 +101,10 @@ class GGUFSource:
                 _trim_heap()
             if isinstance(out, Int8Linear):
                 out.scale_bf16 = out.scale.to(torch.bfloat16)
+        if isinstance(out, Int8Linear) and t.qtype.name in native.BLOCK_TYPES and cols % 256 == 0:
+            # the file's own blocks, for the native decode kernel: a view of the mapping, no copy (its pages
+            # come back from the page cache when decode reads them)
+            out.keep_blocks(t.qtype.name, torch.from_numpy(t.data.view(np.uint8).reshape(rows, -1)))
         self.f.release(name)
         return out
 
