@@ -256,6 +256,32 @@ def test_a_q4_k_m_file_decodes_from_its_own_blocks_within_1_5x_llama_cpps_own_er
     assert agree(ours) >= agree(theirs) - 0.05
 
 
+@pytest.mark.parametrize("source", ["hf", "gguf"])  # value heads grouped (HF) and tiled (GGUF) over key heads
+def test_the_native_deltanet_step_follows_the_torch_step_on_either_head_order(source, monkeypatch):
+    if not native.status()[0]:
+        pytest.skip(f"the native kernel does not run here: {native.status()[1]}")
+    from deltaserve.engine import layers
+
+    m = deltaserve.load(fx.hf_dir("hybrid") if source == "hf" else fx.gguf_path("hybrid", "f32"), cache=False)
+    assert m.config.linear_num_value_heads > m.config.linear_num_key_heads
+    ids = ids_for(m, n=24)
+    runs = {}
+    for on in (True, False):
+        monkeypatch.setattr(layers, "NATIVE_STEP", on)
+        f = Forward(m.config, m.host.weights)
+        one, pair = f.new_state(64), [f.new_state(64), f.new_state(64)]
+        rows = [f.decode(one, t) for t in ids]
+        batched = [f.decode_batch(pair, [t, ids[-1 - i]]) for i, t in enumerate(ids)]
+        runs[on] = (torch.stack(rows), torch.stack(batched), one, pair)
+    (rows, batched, one, pair), (rows0, batched0, one0, pair0) = runs[True], runs[False]
+    assert torch.allclose(rows, rows0, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(batched, batched0, atol=1e-4, rtol=1e-4)
+    for i in one.ssm:
+        for a, b in ((one, one0), (pair[1], pair0[1])):
+            assert torch.allclose(a.ssm[i], b.ssm[i], atol=1e-5, rtol=1e-4)
+            assert torch.allclose(a.conv[i], b.conv[i], atol=1e-5, rtol=1e-4)
+
+
 def test_without_the_native_kernel_the_backend_says_why_and_decodes_on_torch(monkeypatch, tmp_path):
     monkeypatch.setenv("DELTASERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # a compiler that fails

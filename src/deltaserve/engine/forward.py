@@ -102,10 +102,14 @@ class Forward:
             if isinstance(lw.mixer, AttentionWeights):
                 h = L.attention_mixer_batch(h, lw.mixer, c, [st.kv[i] for st in states], starts, rope)
             else:
-                conv = torch.stack([st.conv[i] for st in states])
-                h = L.deltanet_mixer_batch(h, lw.mixer, c, conv, [st.ssm[i] for st in states])
-                for j, st in enumerate(states):
-                    st.conv[i].copy_(conv[j])
+                mixed = L.deltanet_decode_native(h, lw.mixer, c, [(st.conv[i], st.ssm[i]) for st in states]) \
+                    if L.NATIVE_STEP else None
+                if mixed is None:
+                    conv = torch.stack([st.conv[i] for st in states])
+                    mixed = L.deltanet_mixer_batch(h, lw.mixer, c, conv, [st.ssm[i] for st in states])
+                    for j, st in enumerate(states):
+                        st.conv[i].copy_(conv[j])
+                h = mixed
             x = x + h
             x = x + L.mlp(L.rms_norm(x, lw.post_norm, eps), lw.gate_up, lw.down)
         for st in states:

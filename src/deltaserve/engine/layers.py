@@ -11,7 +11,10 @@ import math
 import torch
 import torch.nn.functional as F
 
+from . import native
+
 CHUNK = 64  # the chunk length of the chunked gated delta rule
+NATIVE_STEP = True  # one-token DeltaNet steps on the native kernel where it runs (tests compare both paths)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -170,6 +173,10 @@ def _deltanet_out(o: torch.Tensor, z: torch.Tensor, w, cfg) -> torch.Tensor:
 def deltanet_mixer(x: torch.Tensor, w, cfg, conv_state: torch.Tensor, ssm_state: torch.Tensor,
                    chunked: bool) -> torch.Tensor:
     """A Gated DeltaNet layer's mixer over T new tokens of one sequence. x: [T, hidden] (already normed)."""
+    if not chunked and x.shape[0] == 1 and NATIVE_STEP:
+        out = deltanet_decode_native(x, w, cfg, [(conv_state, ssm_state)])
+        if out is not None:
+            return out
     qkv, z, beta, g = _deltanet_project(x, w)
     q, k, v = _deltanet_heads(causal_conv(qkv, conv_state, w.conv), cfg)
     if chunked:
@@ -177,6 +184,17 @@ def deltanet_mixer(x: torch.Tensor, w, cfg, conv_state: torch.Tensor, ssm_state:
     else:
         o = torch.stack([delta_rule_step(q[i], k[i], v[i], g[i], beta[i], ssm_state) for i in range(x.shape[0])])
     return _deltanet_out(o, z, w, cfg)
+
+
+def deltanet_decode_native(x: torch.Tensor, w, cfg, states: list[tuple[torch.Tensor, torch.Tensor]]):
+    """One token each of B sequences through the native DeltaNet step (native.c), each sequence's
+    (conv, ssm) state updated in place; None, with nothing touched, where the native kernel cannot take it."""
+    if not native.deltanet_ready(w, states):
+        return None
+    qkv, z, b, a = w.in_proj.split(w.in_proj(x))
+    o = torch.stack([native.deltanet_step(qkv[j], z[j], b[j], a[j], w, cfg, conv, ssm)
+                     for j, (conv, ssm) in enumerate(states)])
+    return w.out(o)
 
 
 def deltanet_mixer_batch(x: torch.Tensor, w, cfg, conv_states: torch.Tensor, ssm_states: list) -> torch.Tensor:

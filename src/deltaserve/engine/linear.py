@@ -102,14 +102,21 @@ class Int8Linear(Linear):
         self.scale_bf16 = self.scale.to(torch.bfloat16)
         self.out_features, self.in_features = q.shape
         self.int8_activations = True  # many-row inputs quantized to int8 per row (else: bf16 GEMM)
-        self.block_kind: str | None = None  # "Q4_K" / "Q6_K": the file's own blocks are kept too, in
-        self.block_data: torch.Tensor | None = None  # uint8 [out, blocks per row * block bytes] (decode reads them)
+        # the file's own Q4_K/Q6_K blocks, kept too where the tensor had them (decode reads them: fewer bytes):
+        # (kind, uint8 [rows, blocks per row * block bytes]) segments whose rows add up to out_features
+        self.blocks: list[tuple[str, torch.Tensor]] = []
 
-    def keep_blocks(self, kind: str, data: torch.Tensor) -> None:
-        """Keep the file's own quantized blocks of this table (rows of `data`) for the native decode kernel."""
-        if data.shape[0] != self.out_features or kind not in native.BLOCK_TYPES:
-            raise ValueError(f"blocks of {kind} for {data.shape[0]} rows do not fit a table of {self.out_features}")
-        self.block_kind, self.block_data = kind, data
+    def keep_blocks(self, segments: list[tuple[str, torch.Tensor]]) -> None:
+        """Keep a tensor's quantized blocks, as segments of rows (several for a stack of mixed kinds)."""
+        if sum(d.shape[0] for _, d in segments) != self.out_features or any(k not in native.BLOCK_TYPES
+                                                                             for k, _ in segments):
+            raise ValueError(f"blocks of {[(k, d.shape[0]) for k, d in segments]} do not fit a table of "
+                             f"{self.out_features} rows")
+        self.blocks = list(segments)
+
+    @property
+    def block_kind(self) -> str | None:
+        return "+".join(k for k, _ in self.blocks) or None
 
     @classmethod
     def from_float(cls, w: torch.Tensor) -> "Int8Linear":
@@ -120,9 +127,7 @@ class Int8Linear(Linear):
         x2 = x.reshape(-1, shape[-1])
         path = self.path(x2.shape[0])
         if path == "native":
-            rows = x2.shape[0]
-            y = native.linear_blocks(x2, self.block_kind, self.block_data, self.out_features) \
-                if self.block_data is not None and rows <= BLOCK_ROWS else None
+            y = self._from_blocks(x2) if self.blocks and x2.shape[0] <= BLOCK_ROWS else None
             if y is None:
                 y = native.linear_i8(x2, self.q, self.scale)
             if y is not None:
@@ -136,6 +141,12 @@ class Int8Linear(Linear):
         else:
             y = F.linear(x2.to(torch.bfloat16), self.dequant(torch.bfloat16)).float()
         return y.reshape(*shape[:-1], self.out_features)
+
+    def _from_blocks(self, x: torch.Tensor) -> torch.Tensor | None:
+        parts = [native.linear_blocks(x, kind, data, data.shape[0]) for kind, data in self.blocks]
+        if any(p is None for p in parts):
+            return None
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def path(self, rows: int) -> str:
         """How a product of `rows` input rows runs: "native" (the AVX512-VNNI kernel, activations int8 per
@@ -160,7 +171,7 @@ class Int8Linear(Linear):
 
     @property
     def nbytes(self) -> int:
-        return self.q.numel() + self.scale.numel() * 6
+        return self.q.numel() + self.scale.numel() * 6 + sum(d.numel() for _, d in self.blocks)
 
     @property
     def kind(self) -> str:
@@ -169,8 +180,8 @@ class Int8Linear(Linear):
     def to(self, device: torch.device | str) -> "Int8Linear":
         out = Int8Linear(self.q.to(device), self.scale.to(device))
         out.int8_activations = self.int8_activations
-        if self.block_data is not None and out.q.device.type == "cpu":  # only the CPU kernel reads them
-            out.keep_blocks(self.block_kind, self.block_data)
+        if self.blocks and out.q.device.type == "cpu":  # only the CPU kernel reads them
+            out.keep_blocks(self.blocks)
         return out
 
     def dense(self) -> torch.Tensor:
@@ -199,9 +210,14 @@ class StackedLinear(Linear):
             raise ValueError("stacked projections must share their input size")
         if all(isinstance(p, Int8Linear) for p in parts):
             fused = Int8Linear(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
-            kinds = {p.block_kind for p in parts}
-            if len(kinds) == 1 and None not in kinds:  # blocks of one kind: one table of them too
-                fused.keep_blocks(kinds.pop(), torch.cat([p.block_data for p in parts]))
+            if all(p.blocks for p in parts):  # the parts' blocks too, adjacent ones of one kind as one table
+                segments: list[tuple[str, list[torch.Tensor]]] = []
+                for kind, data in (seg for p in parts for seg in p.blocks):
+                    if segments and segments[-1][0] == kind:
+                        segments[-1][1].append(data)
+                    else:
+                        segments.append((kind, [data]))
+                fused.keep_blocks([(k, d[0] if len(d) == 1 else torch.cat(d)) for k, d in segments])
             self.fused: Linear | None = fused
             self.parts: list[Linear] = []
         elif all(isinstance(p, DenseLinear) for p in parts) and len({p.weight.dtype for p in parts}) == 1:

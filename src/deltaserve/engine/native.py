@@ -29,7 +29,7 @@ import torch
 SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 NEEDS = ("avx512f", "avx512bw", "avx512_vnni")
-ABI = 2
+ABI = 3
 
 _lock = threading.Lock()
 _state: dict = {}
@@ -68,7 +68,8 @@ def _build(cc: str) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         part = Path(tmp) / out.name
-        r = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(part)], capture_output=True, text=True, timeout=120)
+        r = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(part), "-lm"], capture_output=True, text=True,
+                           timeout=120)
         if r.returncode != 0:
             first = (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[0]
             raise RuntimeError(f"{Path(cc).name} failed on native.c: {first}")
@@ -97,6 +98,8 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     lib.ds_linear_i8.restype = I
     lib.ds_linear_kq.argtypes = [I, P, I, I, L, P, I, P, L, I]
     lib.ds_linear_kq.restype = I
+    lib.ds_deltanet_step.argtypes = [P] * 11 + [I] * 6 + [ctypes.c_float, I]
+    lib.ds_deltanet_step.restype = I
     return lib, "AVX512-VNNI, int8 activations per block of 32"
 
 
@@ -159,3 +162,30 @@ def linear_i8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Te
                         torch.get_num_threads()) != 0:
         return None
     return y
+
+
+
+def deltanet_ready(w, states: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    """Whether `deltanet_step` takes this layer's weights and these (conv, ssm) states: checked before any
+    state is touched, so a batch never runs half on one path."""
+    if library() is None:
+        return False
+    tensors = [w.conv, w.a_neg, w.dt_bias, w.norm, *(t for pair in states for t in pair)]
+    return all(t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu" for t in tensors)
+
+
+def deltanet_step(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, w, cfg,
+                  conv_state: torch.Tensor, ssm_state: torch.Tensor) -> torch.Tensor:
+    """One token of a DeltaNet mixer between its projections (see native.c), updating conv_state [Kc-1, C]
+    and ssm_state [nv, dk, dv] in place; returns the normed, gated output [nv * dv]. The caller checked
+    `deltanet_ready`; qkv, z, b, a are f32 vectors (rows of the projection's output)."""
+    nk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    nv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    qkv, z, b, a = (t.float().contiguous() for t in (qkv, z, b, a))
+    out = torch.empty(nv * dv)
+    tensors = (qkv, z, b, a, w.conv, w.a_neg, w.dt_bias, w.norm, conv_state, ssm_state, out)
+    if library().ds_deltanet_step(*(t.data_ptr() for t in tensors), nk, dk, nv, dv, w.conv.shape[1],
+                                  int(cfg.value_head_order == "tiled"), float(cfg.rms_norm_eps),
+                                  torch.get_num_threads()) != 0:
+        raise MemoryError("the native DeltaNet step could not allocate its scratch")
+    return out

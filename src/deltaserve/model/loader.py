@@ -104,7 +104,7 @@ class GGUFSource:
         if isinstance(out, Int8Linear) and t.qtype.name in native.BLOCK_TYPES and cols % 256 == 0:
             # the file's own blocks, for the native decode kernel: a view of the mapping, no copy (its pages
             # come back from the page cache when decode reads them)
-            out.keep_blocks(t.qtype.name, torch.from_numpy(t.data.view(np.uint8).reshape(rows, -1)))
+            out.keep_blocks([(t.qtype.name, torch.from_numpy(t.data.view(np.uint8).reshape(rows, -1)))])
         self.f.release(name)
         return out
 

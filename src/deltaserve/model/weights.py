@@ -130,6 +130,8 @@ class Weights:
                 for v in vars(obj).values():
                     if isinstance(v, torch.Tensor):
                         add(v)
+                for _, blocks in getattr(obj, "blocks", ()):  # a quantized file's own blocks, kept for decode
+                    add(blocks)
         visit(self.embed)
         visit(self.final_norm)
         visit(self.lm_head)
