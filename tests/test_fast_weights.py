@@ -257,7 +257,7 @@ def test_a_q4_k_m_file_decodes_from_its_own_blocks_within_1_5x_llama_cpps_own_er
 
 
 @pytest.mark.parametrize("source", ["hf", "gguf"])  # value heads grouped (HF) and tiled (GGUF) over key heads
-def test_the_native_deltanet_step_follows_the_torch_step_on_either_head_order(source, monkeypatch):
+def test_the_native_deltanet_step_and_conv_follow_the_torch_versions_on_either_head_order(source, monkeypatch):
     if not native.status()[0]:
         pytest.skip(f"the native kernel does not run here: {native.status()[1]}")
     from deltaserve.engine import layers
@@ -272,8 +272,15 @@ def test_the_native_deltanet_step_follows_the_torch_step_on_either_head_order(so
         one, pair = f.new_state(64), [f.new_state(64), f.new_state(64)]
         rows = [f.decode(one, t) for t in ids]
         batched = [f.decode_batch(pair, [t, ids[-1 - i]]) for i, t in enumerate(ids)]
-        runs[on] = (torch.stack(rows), torch.stack(batched), one, pair)
-    (rows, batched, one, pair), (rows0, batched0, one0, pair0) = runs[True], runs[False]
+        prefilled = f.new_state(64)
+        f.prefill(prefilled, ids[:5])  # the prefill's conv (a span shorter than the conv's window, then longer)
+        span = f.prefill(prefilled, ids[5:], all_logits=True)
+        runs[on] = (torch.stack(rows), torch.stack(batched), one, pair, span, prefilled)
+    (rows, batched, one, pair, span, prefilled), (rows0, batched0, one0, pair0, span0, prefilled0) = runs[True], \
+        runs[False]
+    assert torch.allclose(span, span0, atol=1e-4, rtol=1e-4)
+    for i in prefilled.conv:
+        assert torch.allclose(prefilled.conv[i], prefilled0.conv[i], atol=1e-5, rtol=1e-4)
     assert torch.allclose(rows, rows0, atol=1e-4, rtol=1e-4)
     assert torch.allclose(batched, batched0, atol=1e-4, rtol=1e-4)
     for i in one.ssm:

@@ -102,9 +102,10 @@ def deltaserve_pp_tg(path: Path, threads: int, repeats: int, tg_tokens: int = 32
         for _ in range(tg_tokens):
             tok = int(f.decode(st, tok).argmax())
         tg.append(tg_tokens / (time.perf_counter() - t))
-    decode_bytes = sum(lw.gate_up.nbytes + lw.down.nbytes + (lw.mixer.qkv.nbytes + lw.mixer.o.nbytes
-                       if hasattr(lw.mixer, "qkv") else lw.mixer.in_proj.nbytes + lw.mixer.out.nbytes)
-                       for lw in m.host.weights.layers) + m.host.weights.lm_head.nbytes
+    decode_bytes = sum(lw.gate_up.decode_nbytes + lw.down.decode_nbytes +
+                       (lw.mixer.qkv.decode_nbytes + lw.mixer.o.decode_nbytes if hasattr(lw.mixer, "qkv")
+                        else lw.mixer.in_proj.decode_nbytes + lw.mixer.out.decode_nbytes)
+                       for lw in m.host.weights.layers) + m.host.weights.lm_head.decode_nbytes
     return {"pp512": median(pp), "tg": median(tg), "pp_runs": pp, "tg_runs": tg, "load_s": load_s,
             "decode_bytes_per_token": decode_bytes, "weights_bytes": m.host.weights.nbytes}
 
@@ -350,6 +351,15 @@ def chat_measure(engine: str, path: Path, threads: int, turns: int = 12, max_tok
             proc.kill()
 
 
+def merge_runs(parts: list[dict]) -> dict:
+    """One engine's pp/tg measures from several processes: every run kept, medians over all of them."""
+    out = dict(parts[0])
+    for key in ("pp_runs", "tg_runs"):
+        out[key] = [v for part in parts for v in part[key]]
+    out["pp512"], out["tg"] = median(out["pp_runs"]), median(out["tg_runs"])
+    return out
+
+
 def chat_medians(runs: list[dict]) -> dict:
     """Per-turn median TTFT (and median regenerate) of repeated conversations; the runs kept alongside."""
     turns = [dict(row, ttft_s=median([r["turns"][i]["ttft_s"] for r in runs]))
@@ -373,10 +383,12 @@ def main(a) -> None:
     if a.what in ("speed", "all"):
         speed = {}
         for k, p in files.items():
-            print(f"[bench] {k}: llama.cpp", file=sys.stderr)
-            speed.setdefault(k, {})["llama.cpp"] = in_fresh_process("llama_pp_tg", p, threads, repeats)
-            print(f"[bench] {k}: deltaserve", file=sys.stderr)
-            speed[k]["deltaserve"] = in_fresh_process("deltaserve_pp_tg", p, threads, repeats)
+            rounds: dict[str, list] = {"llama.cpp": [], "deltaserve": []}
+            for i in range(repeats):  # the engines in turn, each in a fresh process: a slow minute hits both
+                for engine, fn in (("llama.cpp", "llama_pp_tg"), ("deltaserve", "deltaserve_pp_tg")):
+                    print(f"[bench] {k}: {engine}, round {i + 1} of {repeats}", file=sys.stderr)
+                    rounds[engine].append(in_fresh_process(fn, p, threads, 2))
+            speed[k] = {engine: merge_runs(rs) for engine, rs in rounds.items()}
         print("[bench] transformers (bf16, the same weights)", file=sys.stderr)
         speed["bf16"] = {"transformers": in_fresh_process("transformers_pp_tg", files["q8_0"], threads, repeats)}
         results["speed"] = speed

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from . import native
 
 CHUNK = 64  # the chunk length of the chunked gated delta rule
-NATIVE_STEP = True  # one-token DeltaNet steps on the native kernel where it runs (tests compare both paths)
+NATIVE_STEP = True  # DeltaNet's one-token step and its prefill conv on the native kernel where it runs (tests
+#                     compare both paths)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -50,6 +51,10 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor)
     x: [T, C] new inputs; conv_state: [K-1, C] the previous K-1 inputs (updated in place);
     weight: [C, K]. Returns [T, C].
     """
+    if NATIVE_STEP:
+        out = native.causal_conv(x, conv_state, weight)
+        if out is not None:
+            return out
     t = x.shape[0]
     k = weight.shape[1]
     window = torch.cat([conv_state, x.to(conv_state.dtype)], dim=0)  # [K-1+T, C]

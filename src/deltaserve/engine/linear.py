@@ -44,6 +44,11 @@ class Linear:
     def kind(self) -> str:  # pragma: no cover - interface
         raise NotImplementedError
 
+    @property
+    def decode_nbytes(self) -> int:
+        """The weight bytes a one-row product reads (what bounds decode)."""
+        return self.nbytes
+
     def to(self, device: torch.device | str) -> "Linear":  # pragma: no cover - interface
         raise NotImplementedError
 
@@ -174,6 +179,12 @@ class Int8Linear(Linear):
         return self.q.numel() + self.scale.numel() * 6 + sum(d.numel() for _, d in self.blocks)
 
     @property
+    def decode_nbytes(self) -> int:
+        if self.blocks and BLOCK_ROWS >= 1 and self.path(1) == "native":
+            return sum(d.numel() for _, d in self.blocks)
+        return self.q.numel() + self.scale.numel() * 4
+
+    @property
     def kind(self) -> str:
         return "int8"
 
@@ -237,6 +248,10 @@ class StackedLinear(Linear):
     @property
     def nbytes(self) -> int:
         return self.fused.nbytes if self.fused is not None else sum(p.nbytes for p in self.parts)
+
+    @property
+    def decode_nbytes(self) -> int:
+        return self.fused.decode_nbytes if self.fused is not None else sum(p.decode_nbytes for p in self.parts)
 
     @property
     def kind(self) -> str:

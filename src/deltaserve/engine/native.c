@@ -23,7 +23,7 @@
 #define QB 32
 #define PREFETCH 8192
 
-int ds_abi_version(void) { return 3; }
+int ds_abi_version(void) { return 4; }
 
 /* One activation row: q (int8), lane scales dv (one per 4 elements: the scale of the element's block, so a
  * 64-byte chunk's 16 int32 lanes are scaled by one vector) and the correction 128 * sum(dv * q). */
@@ -277,7 +277,34 @@ int ds_linear_kq(int type, const float *x, int M, int K, long ldx, const uint8_t
  * (torch's version is ~40 small ops per layer; here the state is read twice and written once).
  * Value head h reads key head h / (nv / nk) ("grouped") or h % nk ("tiled").
  * ------------------------------------------------------------------------------------------------------- */
-static inline float silu(float v) { return v / (1.0f + expf(-v)); }
+
+/* e^x for 16 floats: x = n ln2 + r, |r| <= ln2/2, e^r by a degree-6 polynomial (the classic single-precision
+ * coefficients; relative error ~1e-7), times 2^n. glibc's scalar expf made SiLU the slowest step here. */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3f)), _mm512_set1_ps(-87.3f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* v[i] = silu(v[i]) = v / (1 + e^-v), in place, n values */
+static void silu_inplace(float *v, int n) {
+    for (int i = 0; i < n; i += 16) {
+        __mmask16 k = (__mmask16)(i + 16 <= n ? 0xFFFF : (1u << (n - i)) - 1);
+        __m512 x = _mm512_maskz_loadu_ps(k, v + i);
+        __m512 y = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+        _mm512_mask_storeu_ps(v + i, k, y);
+    }
+}
 
 int ds_deltanet_step(const float *qkv, const float *z, const float *b, const float *a, const float *conv_w,
                      const float *a_neg, const float *dt_bias, const float *norm_w, float *conv_state, float *S,
@@ -292,8 +319,9 @@ int ds_deltanet_step(const float *qkv, const float *z, const float *b, const flo
         for (int j = 0; j < Kc - 1; j++) acc += w[j] * conv_state[(size_t)j * C + c];
         for (int j = 0; j < Kc - 2; j++) conv_state[(size_t)j * C + c] = conv_state[(size_t)(j + 1) * C + c];
         conv_state[(size_t)(Kc - 2) * C + c] = qkv[c];
-        u[c] = silu(acc);
+        u[c] = acc;
     }
+    silu_inplace(u, C);
     float *q = u, *k = u + nk * dk, *v = u + 2 * nk * dk;
     for (int hh = 0; hh < 2 * nk; hh++) {  /* L2 norm of each q and k head */
         float *x = u + (size_t)hh * dk, ss = 0.0f;
@@ -332,9 +360,47 @@ int ds_deltanet_step(const float *qkv, const float *z, const float *b, const flo
         float ss = 0.0f;
         for (int j = 0; j < dv; j++) ss += o[j] * o[j];
         float r = 1.0f / sqrtf(ss / (float)dv + eps);
-        const float *zz = z + (size_t)h * dv;
-        for (int j = 0; j < dv; j++) out[(size_t)h * dv + j] = o[j] * r * norm_w[j] * silu(zz[j]);
+        float gate[dv];
+        for (int j = 0; j < dv; j++) gate[j] = z[(size_t)h * dv + j];
+        silu_inplace(gate, dv);
+        for (int j = 0; j < dv; j++) out[(size_t)h * dv + j] = o[j] * r * norm_w[j] * gate[j];
     }
     free(u);
+    return 0;
+}
+
+/* The depthwise causal conv of a DeltaNet layer over T new rows, then SiLU: out[t, c] = silu(sum_j
+ * w[c, j] * window[t + j, c]) with window = [conv_state; x] ([Kc-1+T, C]); conv_state becomes the window's
+ * last Kc-1 rows. One pass over x and out (torch's version is about six passes over [T, C]). */
+int ds_causal_conv(const float *x, float *conv_state, const float *w, float *out, int T, int C, int Kc,
+                   int nthreads) {
+    if (T <= 0 || C <= 0 || Kc < 2) return -1;
+    int H = Kc - 1;
+    float *wt = malloc((size_t)Kc * C * sizeof(float));
+    if (!wt) return -1;
+    for (int c = 0; c < C; c++)
+        for (int j = 0; j < Kc; j++) wt[(size_t)j * C + c] = w[(size_t)c * Kc + j];
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int t = 0; t < T; t++) {
+        float *o = out + (size_t)t * C;
+        for (int c = 0; c < C; c++) o[c] = 0.0f;
+        for (int j = 0; j < Kc; j++) {
+            int r = t + j;  /* row of the window */
+            const float *src = r < H ? conv_state + (size_t)r * C : x + (size_t)(r - H) * C;
+            const float *wj = wt + (size_t)j * C;
+            for (int c = 0; c < C; c++) o[c] += wj[c] * src[c];
+        }
+        silu_inplace(o, C);
+    }
+    /* the new state: the window's last H rows (some may still be old state rows when T < H) */
+    float *keep = malloc((size_t)H * C * sizeof(float));
+    if (!keep) { free(wt); return -1; }
+    for (int i = 0; i < H; i++) {
+        int r = T + i;
+        const float *src = r < H ? conv_state + (size_t)r * C : x + (size_t)(r - H) * C;
+        for (int c = 0; c < C; c++) keep[(size_t)i * C + c] = src[c];
+    }
+    for (size_t i = 0; i < (size_t)H * C; i++) conv_state[i] = keep[i];
+    free(keep); free(wt);
     return 0;
 }

@@ -29,7 +29,7 @@ import torch
 SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 NEEDS = ("avx512f", "avx512bw", "avx512_vnni")
-ABI = 3
+ABI = 4
 
 _lock = threading.Lock()
 _state: dict = {}
@@ -100,6 +100,8 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     lib.ds_linear_kq.restype = I
     lib.ds_deltanet_step.argtypes = [P] * 11 + [I] * 6 + [ctypes.c_float, I]
     lib.ds_deltanet_step.restype = I
+    lib.ds_causal_conv.argtypes = [P, P, P, P, I, I, I, I]
+    lib.ds_causal_conv.restype = I
     return lib, "AVX512-VNNI, int8 activations per block of 32"
 
 
@@ -188,4 +190,20 @@ def deltanet_step(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.
                                   int(cfg.value_head_order == "tiled"), float(cfg.rms_norm_eps),
                                   torch.get_num_threads()) != 0:
         raise MemoryError("the native DeltaNet step could not allocate its scratch")
+    return out
+
+
+def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """The causal conv + SiLU of layers.causal_conv over x [T, C] in one pass (conv_state [Kc-1, C] updated
+    in place); None, with nothing touched, where the native kernel cannot take it."""
+    lib = library()
+    if lib is None or any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu"
+                          for t in (conv_state, weight)) or x.device.type != "cpu":
+        return None
+    x = x.float().contiguous()
+    t, c = x.shape
+    out = torch.empty(t, c)
+    if lib.ds_causal_conv(x.data_ptr(), conv_state.data_ptr(), weight.data_ptr(), out.data_ptr(), t, c,
+                          weight.shape[1], torch.get_num_threads()) != 0:
+        raise MemoryError("the native causal conv could not allocate its scratch")
     return out
