@@ -177,6 +177,21 @@ def test_the_native_kernel_matches_the_float_product_for_every_row_count_and_odd
         assert torch.equal(native.linear_i8(bf16, lin.q, lin.scale), native.linear_i8(bf16.float(), lin.q, lin.scale))
 
 
+def test_the_native_row_quantization_and_product_epilogue_are_bit_for_bit_torchs():
+    if not native.status()[0]:
+        pytest.skip(f"the native kernel does not run here: {native.status()[1]}")
+    g = torch.Generator().manual_seed(8)
+    for m, k in ((512, 1024), (7, 100), (3, 17)):  # row lengths with and without a partial vector
+        x = torch.randn(m, 2 * k, generator=g)[:, :k] * 3  # rows with a stride
+        x[0] = 0.0  # an all-zero row keeps the smallest scale, as in torch
+        q, s = native.quantize_rows(x)
+        q0, s0 = linear_mod.quantize_rows_int8(x)
+        assert torch.equal(q, q0) and torch.equal(s, s0)
+        acc = torch.randint(-(1 << 20), 1 << 20, (m, 33), dtype=torch.int32, generator=g)
+        col, row = torch.rand(33, generator=g), torch.rand(m, generator=g)
+        assert torch.equal(native.scale_product(acc, col, row), torch.mul(acc, col).mul_(row[:, None]))
+
+
 def random_blocks(kind: str, rows: int, cols: int, seed: int) -> torch.Tensor:
     """Random Q4_K / Q6_K blocks with finite scales: uint8 [rows, cols / 256 * block bytes]."""
     import numpy as np

@@ -141,8 +141,11 @@ class Int8Linear(Linear):
         if path == "weight-only":
             y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), self.q, self.scale_bf16).float()
         elif path == "int8":
-            xq, xs = quantize_rows_int8(x2)
-            y = torch.mul(torch._int_mm(xq, self.q.t()), self.scale).mul_(xs[:, None])  # int32 -> f32 in one pass
+            xq, xs = native.quantize_rows(x2) or quantize_rows_int8(x2)
+            acc = torch._int_mm(xq, self.q.t())
+            y = native.scale_product(acc, self.scale, xs)
+            if y is None:
+                y = torch.mul(acc, self.scale).mul_(xs[:, None])  # int32 -> f32 in one pass
         else:
             y = F.linear(x2.to(torch.bfloat16), self.dequant(torch.bfloat16)).float()
         return y.reshape(*shape[:-1], self.out_features)

@@ -23,7 +23,7 @@
 #define QB 32
 #define PREFETCH 8192
 
-int ds_abi_version(void) { return 4; }
+int ds_abi_version(void) { return 5; }
 
 /* One activation row: q (int8), lane scales dv (one per 4 elements: the scale of the element's block, so a
  * 64-byte chunk's 16 int32 lanes are scaled by one vector) and the correction 128 * sum(dv * q). */
@@ -160,86 +160,116 @@ static inline void scales_q4k(const uint8_t *blk, __m128i *sc, __m128i *mn) {
     *mn = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)m[1], (int)m[0]));
 }
 
-static void row_q4k(const uint8_t *row, int K, const act_t *a, int M, float *out) {
-    float acc[MAXM] = {0};
-    __m512 vacc[MAXM];
-    for (int m = 0; m < M; m++) vacc[m] = _mm512_setzero_ps();
+/* R consecutive rows (R is a constant after inlining: 4 rows give the out-of-order core four independent
+ * accumulation chains; one row alone is bound by the latency of its own chain) times M activation rows:
+ * out[r * MAXM + m]. */
+static inline __attribute__((always_inline)) void rows_q4k(const uint8_t *row0, size_t row_bytes, const int R,
+                                                           int K, const act_t *a, int M, float *out) {
+    __m512 vacc[4][MAXM];
+    float acc[4][MAXM];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) { vacc[r][m] = _mm512_setzero_ps(); acc[r][m] = 0.0f; }
     const __m512i lo4 = _mm512_set1_epi8(0x0F);
     for (int b = 0; b < K / 256; b++) {
-        const uint8_t *blk = row + (size_t)b * 144;
-        for (int p = 0; p < 144; p += 64) _mm_prefetch((const char *)blk + PREFETCH + p, _MM_HINT_T0);
-        float d = f16(blk), dmin = f16(blk + 2);
-        __m128i sc, mn;
-        scales_q4k(blk, &sc, &mn);
-        __m512i sc512 = _mm512_castsi128_si512(sc);
-        __m512i dot[MAXM];
-        for (int m = 0; m < M; m++) dot[m] = _mm512_setzero_si512();
+        const uint8_t *blk[4];
+        __m512i sc512[4];
+        __m128i mn[4];
+        float d[4], dmin[4];
+        __m512i dot[4][MAXM];
+        for (int r = 0; r < R; r++) {
+            blk[r] = row0 + (size_t)r * row_bytes + (size_t)b * 144;
+            for (int p = 0; p < 144; p += 64) _mm_prefetch((const char *)blk[r] + PREFETCH + p, _MM_HINT_T0);
+            d[r] = f16(blk[r]);
+            dmin[r] = f16(blk[r] + 2);
+            __m128i sc;
+            scales_q4k(blk[r], &sc, &mn[r]);
+            sc512[r] = _mm512_castsi128_si512(sc);
+            for (int m = 0; m < M; m++) dot[r][m] = _mm512_setzero_si512();
+        }
         for (int j = 0; j < 4; j++) {
-            __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * j));
-            __m512i wq = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1), lo4);
             /* pairs 0..15: sub-block 2j, pairs 16..31: sub-block 2j+1 */
-            __m512i s = _mm512_permutexvar_epi16(_mm512_inserti64x4(_mm512_set1_epi16((short)(2 * j)),
-                                                                    _mm256_set1_epi16((short)(2 * j + 1)), 1), sc512);
-            for (int m = 0; m < M; m++)
-                dot[m] = _mm512_dpwssd_epi32(dot[m], _mm512_maddubs_epi16(wq, _mm512_loadu_si512(a[m].q + b * 256 + 64 * j)), s);
+            __m512i idx = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * j)), _mm256_set1_epi16((short)(2 * j + 1)), 1);
+            for (int r = 0; r < R; r++) {
+                __m256i raw = _mm256_loadu_si256((const __m256i *)(blk[r] + 16 + 32 * j));
+                __m512i wq = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1), lo4);
+                __m512i s = _mm512_permutexvar_epi16(idx, sc512[r]);
+                for (int m = 0; m < M; m++)
+                    dot[r][m] = _mm512_dpwssd_epi32(dot[r][m], _mm512_maddubs_epi16(wq, _mm512_loadu_si512(a[m].q + b * 256 + 64 * j)), s);
+            }
         }
         for (int m = 0; m < M; m++) {
             const int16_t *bs = a[m].s16 + b * 16;
             __m128i pairs = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)bs), _mm_loadu_si128((const __m128i *)(bs + 8)));
-            __m128i t = _mm_madd_epi16(pairs, mn);
-            t = _mm_add_epi32(t, _mm_srli_si128(t, 8));
-            t = _mm_add_epi32(t, _mm_srli_si128(t, 4));
-            int mins = _mm_cvtsi128_si32(t);
             float da = a[m].d[b];
-            vacc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]), _mm512_set1_ps(d * da), vacc[m]);
-            acc[m] -= dmin * da * (float)mins;
+            for (int r = 0; r < R; r++) {
+                __m128i t = _mm_madd_epi16(pairs, mn[r]);
+                t = _mm_add_epi32(t, _mm_srli_si128(t, 8));
+                t = _mm_add_epi32(t, _mm_srli_si128(t, 4));
+                vacc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][m]), _mm512_set1_ps(d[r] * da), vacc[r][m]);
+                acc[r][m] -= dmin[r] * da * (float)_mm_cvtsi128_si32(t);
+            }
         }
     }
-    for (int m = 0; m < M; m++) out[m] = acc[m] + _mm512_reduce_add_ps(vacc[m]);
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) out[r * MAXM + m] = acc[r][m] + _mm512_reduce_add_ps(vacc[r][m]);
 }
 
-static void row_q6k(const uint8_t *row, int K, const act_t *a, int M, float *out) {
-    float acc[MAXM] = {0};
-    __m512 vacc[MAXM];
-    for (int m = 0; m < M; m++) vacc[m] = _mm512_setzero_ps();
+static inline __attribute__((always_inline)) void rows_q6k(const uint8_t *row0, size_t row_bytes, const int R,
+                                                           int K, const act_t *a, int M, float *out) {
+    __m512 vacc[4][MAXM];
+    float acc[4][MAXM];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) { vacc[r][m] = _mm512_setzero_ps(); acc[r][m] = 0.0f; }
     const __m512i lo4 = _mm512_set1_epi8(0x0F), hi2 = _mm512_set1_epi8(0x30);
     /* int16 lanes: pair p of a 64-value chunk belongs to sub-block p / 8 */
     const __m512i idx = _mm512_set_epi16(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2,
                                          1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     for (int b = 0; b < K / 256; b++) {
-        const uint8_t *blk = row + (size_t)b * 210;
-        for (int p = 0; p < 210; p += 64) _mm_prefetch((const char *)blk + PREFETCH + p, _MM_HINT_T0);
-        float d = f16(blk + 208);
-        __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));  /* 16 scales */
-        __m512i sc512 = _mm512_castsi256_si512(sc16);
-        __m512i dot[MAXM];
-        for (int m = 0; m < M; m++) dot[m] = _mm512_setzero_si512();
+        const uint8_t *blk[4];
+        __m256i sc16[4];
+        float d[4];
+        __m512i dot[4][MAXM];
+        for (int r = 0; r < R; r++) {
+            blk[r] = row0 + (size_t)r * row_bytes + (size_t)b * 210;
+            for (int p = 0; p < 210; p += 64) _mm_prefetch((const char *)blk[r] + PREFETCH + p, _MM_HINT_T0);
+            d[r] = f16(blk[r] + 208);
+            sc16[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk[r] + 192)));  /* 16 scales */
+            for (int m = 0; m < M; m++) dot[r][m] = _mm512_setzero_si512();
+        }
         for (int h = 0; h < 2; h++) {
-            __m512i ql = _mm512_loadu_si512(blk + 64 * h);
-            __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-            __m512i qh2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
-            __m512i va = _mm512_or_si512(_mm512_and_si512(ql, lo4), _mm512_and_si512(_mm512_slli_epi16(qh2, 4), hi2));
-            __m512i vb = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), lo4), _mm512_and_si512(qh2, hi2));
-            /* va: values 0..63 of the half (sub-blocks 8h+0..3), vb: 64..127 (8h+4..7), 8 pairs each */
-            __m512i sa = _mm512_permutexvar_epi16(_mm512_add_epi16(idx, _mm512_set1_epi16((short)(8 * h))), sc512);
-            __m512i sb = _mm512_permutexvar_epi16(_mm512_add_epi16(idx, _mm512_set1_epi16((short)(8 * h + 4))), sc512);
+            __m512i ia = _mm512_add_epi16(idx, _mm512_set1_epi16((short)(8 * h)));
+            __m512i ib = _mm512_add_epi16(idx, _mm512_set1_epi16((short)(8 * h + 4)));
             int c = b * 256 + 128 * h;
-            for (int m = 0; m < M; m++) {
-                dot[m] = _mm512_dpwssd_epi32(dot[m], _mm512_maddubs_epi16(va, _mm512_loadu_si512(a[m].q + c)), sa);
-                dot[m] = _mm512_dpwssd_epi32(dot[m], _mm512_maddubs_epi16(vb, _mm512_loadu_si512(a[m].q + c + 64)), sb);
+            for (int r = 0; r < R; r++) {
+                __m512i ql = _mm512_loadu_si512(blk[r] + 64 * h);
+                __m256i qh = _mm256_loadu_si256((const __m256i *)(blk[r] + 128 + 32 * h));
+                __m512i qh2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+                __m512i va = _mm512_or_si512(_mm512_and_si512(ql, lo4), _mm512_and_si512(_mm512_slli_epi16(qh2, 4), hi2));
+                __m512i vb = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), lo4), _mm512_and_si512(qh2, hi2));
+                /* va: values 0..63 of the half (sub-blocks 8h+0..3), vb: 64..127 (8h+4..7), 8 pairs each */
+                __m512i sc512 = _mm512_castsi256_si512(sc16[r]);
+                __m512i sa = _mm512_permutexvar_epi16(ia, sc512), sb = _mm512_permutexvar_epi16(ib, sc512);
+                for (int m = 0; m < M; m++) {
+                    dot[r][m] = _mm512_dpwssd_epi32(dot[r][m], _mm512_maddubs_epi16(va, _mm512_loadu_si512(a[m].q + c)), sa);
+                    dot[r][m] = _mm512_dpwssd_epi32(dot[r][m], _mm512_maddubs_epi16(vb, _mm512_loadu_si512(a[m].q + c + 64)), sb);
+                }
             }
         }
         for (int m = 0; m < M; m++) {
-            __m256i t = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(a[m].s16 + b * 16)));
-            __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
-            u = _mm_add_epi32(u, _mm_srli_si128(u, 8));
-            u = _mm_add_epi32(u, _mm_srli_si128(u, 4));
-            float da = d * a[m].d[b];
-            vacc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]), _mm512_set1_ps(da), vacc[m]);
-            acc[m] -= da * (float)(32 * _mm_cvtsi128_si32(u));
+            __m256i sums = _mm256_loadu_si256((const __m256i *)(a[m].s16 + b * 16));
+            for (int r = 0; r < R; r++) {
+                __m256i t = _mm256_madd_epi16(sc16[r], sums);
+                __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+                u = _mm_add_epi32(u, _mm_srli_si128(u, 8));
+                u = _mm_add_epi32(u, _mm_srli_si128(u, 4));
+                float da = d[r] * a[m].d[b];
+                vacc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][m]), _mm512_set1_ps(da), vacc[r][m]);
+                acc[r][m] -= da * (float)(32 * _mm_cvtsi128_si32(u));
+            }
         }
     }
-    for (int m = 0; m < M; m++) out[m] = acc[m] + _mm512_reduce_add_ps(vacc[m]);
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) out[r * MAXM + m] = acc[r][m] + _mm512_reduce_add_ps(vacc[r][m]);
 }
 
 /* y[m, n] = sum_k v(n, k) x[m, k] for the blocks of a Q4_K (type 12) or Q6_K (type 14) tensor [N, K].
@@ -257,12 +287,19 @@ int ds_linear_kq(int type, const float *x, int M, int K, long ldx, const uint8_t
         a[m].q = q + (size_t)m * K; a[m].d = d + (size_t)m * K / 256; a[m].s16 = s16 + (size_t)m * K / 16;
         prepare(x + (size_t)m * ldx, K, (int8_t *)a[m].q, (float *)a[m].d, (int16_t *)a[m].s16);
     }
+    int R = M <= 2 ? 4 : 1, tiles = N / R;  /* four rows at a time where the accumulators fit in registers */
     #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int n = 0; n < N; n++) {
-        float out[MAXM];
-        if (type == Q4K) row_q4k(blocks + (size_t)n * row_bytes, K, a, M, out);
-        else row_q6k(blocks + (size_t)n * row_bytes, K, a, M, out);
-        for (int m = 0; m < M; m++) y[(size_t)m * ldy + n] = out[m];
+    for (int t = 0; t < tiles + (N - tiles * R); t++) {
+        int n = t < tiles ? t * R : tiles * R + (t - tiles), rows = t < tiles ? R : 1;
+        float out[4 * MAXM];
+        const uint8_t *row = blocks + (size_t)n * row_bytes;
+        if (rows == 4) {
+            if (type == Q4K) rows_q4k(row, row_bytes, 4, K, a, M, out); else rows_q6k(row, row_bytes, 4, K, a, M, out);
+        } else {
+            if (type == Q4K) rows_q4k(row, row_bytes, 1, K, a, M, out); else rows_q6k(row, row_bytes, 1, K, a, M, out);
+        }
+        for (int r = 0; r < rows; r++)
+            for (int m = 0; m < M; m++) y[(size_t)m * ldy + n + r] = out[r * MAXM + m];
     }
     free(q); free(d); free(s16);
     return 0;
@@ -402,5 +439,50 @@ int ds_causal_conv(const float *x, float *conv_state, const float *w, float *out
     }
     for (size_t i = 0; i < (size_t)H * C; i++) conv_state[i] = keep[i];
     free(keep); free(wt);
+    return 0;
+}
+
+/* Per-row symmetric int8 quantization of the activations of a many-row product (what linear.py's
+ * quantize_rows_int8 does in five passes over x, here in two): scale[m] = max(|x[m]| / 127, FLT_MIN),
+ * q = round-to-nearest-even(x / scale). Bit for bit the same as the torch version. */
+int ds_quantize_rows(const float *x, int M, int K, long ldx, int8_t *q, float *scale, int nthreads) {
+    if (M <= 0 || K <= 0) return -1;
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int m = 0; m < M; m++) {
+        const float *row = x + (size_t)m * ldx;
+        __m512 mx = _mm512_setzero_ps();
+        for (int k = 0; k < K; k += 16) {
+            __mmask16 kk = (__mmask16)(k + 16 <= K ? 0xFFFF : (1u << (K - k)) - 1);
+            mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_maskz_loadu_ps(kk, row + k)));
+        }
+        float s = _mm512_reduce_max_ps(mx) / 127.0f;
+        if (!(s >= 1.17549435e-38f)) s = 1.17549435e-38f;
+        scale[m] = s;
+        __m512 vs = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+        for (int k = 0; k < K; k += 16) {
+            __mmask16 kk = (__mmask16)(k + 16 <= K ? 0xFFFF : (1u << (K - k)) - 1);
+            __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_maskz_loadu_ps(kk, row + k), vs),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
+            _mm_mask_storeu_epi8(q + (size_t)m * K + k, kk, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
+        }
+    }
+    return 0;
+}
+
+/* y[m, n] = (float)acc[m, n] * col[n] * row[m]: the epilogue of an int8 x int8 product, in one pass
+ * (the same rounding order as torch.mul(acc, col).mul_(row[:, None])). */
+int ds_scale_product(const int32_t *acc, int M, int N, const float *col, const float *row, float *y, int nthreads) {
+    if (M <= 0 || N <= 0) return -1;
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int m = 0; m < M; m++) {
+        __m512 r = _mm512_set1_ps(row[m]);
+        for (int n = 0; n < N; n += 16) {
+            __mmask16 kk = (__mmask16)(n + 16 <= N ? 0xFFFF : (1u << (N - n)) - 1);
+            __m512 v = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(kk, acc + (size_t)m * N + n));
+            v = _mm512_mul_ps(_mm512_mul_ps(v, _mm512_maskz_loadu_ps(kk, col + n)), r);
+            _mm512_mask_storeu_ps(y + (size_t)m * N + n, kk, v);
+        }
+    }
     return 0;
 }
