@@ -230,6 +230,8 @@ def test_the_native_kernel_reads_q4_k_and_q6_k_blocks_as_the_file_defines_them()
             assert ((y - claimed).norm(dim=1) / claimed.norm(dim=1)).max().item() < 1e-5, kind
             want = x.double() @ w.t()
             assert ((y - want).norm(dim=1) / want.norm(dim=1)).max().item() < 0.02, kind
+            packed_kind, packed = native.for_products(kind, blocks)  # Q4_K: repacked once at load
+            assert torch.allclose(native.linear_blocks(x, packed_kind, packed, n), y, rtol=1e-5, atol=1e-5), packed_kind
         assert native.linear_blocks(torch.randn(9, k), kind, blocks, n) is None  # more rows than it takes
         assert native.linear_blocks(torch.randn(1, 96), kind, blocks[:, :1], n) is None  # not whole blocks
 

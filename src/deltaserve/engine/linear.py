@@ -117,11 +117,12 @@ class Int8Linear(Linear):
                                                                              for k, _ in segments):
             raise ValueError(f"blocks of {[(k, d.shape[0]) for k, d in segments]} do not fit a table of "
                              f"{self.out_features} rows")
-        self.blocks = list(segments)
+        self.blocks = [native.for_products(k, d) for k, d in segments]
 
     @property
     def block_kind(self) -> str | None:
-        return "+".join(k for k, _ in self.blocks) or None
+        """The file's block types of the kept segments (a repacked Q4_K still reads as Q4_K)."""
+        return "+".join(k.split("/")[0] for k, _ in self.blocks) or None
 
     @classmethod
     def from_float(cls, w: torch.Tensor) -> "Int8Linear":

@@ -23,7 +23,7 @@
 #define QB 32
 #define PREFETCH 8192
 
-int ds_abi_version(void) { return 5; }
+int ds_abi_version(void) { return 6; }
 
 /* One activation row: q (int8), lane scales dv (one per 4 elements: the scale of the element's block, so a
  * 64-byte chunk's 16 int32 lanes are scaled by one vector) and the correction 128 * sum(dv * q). */
@@ -272,12 +272,89 @@ static inline __attribute__((always_inline)) void rows_q6k(const uint8_t *row0, 
         for (int m = 0; m < M; m++) out[r * MAXM + m] = acc[r][m] + _mm512_reduce_add_ps(vacc[r][m]);
 }
 
+/* Q4_K blocks repacked once at load for the product below (152 bytes instead of 144: the block's two f16
+ * factors as f32, its 8 six-bit scales and 8 mins as bytes, then the 128 bytes of 4-bit values unchanged),
+ * so a product spends no work on the packed scale bits. */
+#define Q4KR 112
+#define Q4KR_BYTES 152
+
+int ds_repack_q4k(const uint8_t *src, long nblocks, uint8_t *dst) {
+    for (long i = 0; i < nblocks; i++) {
+        const uint8_t *b = src + i * 144;
+        uint8_t *o = dst + i * Q4KR_BYTES;
+        float d = f16(b), dmin = f16(b + 2);
+        __builtin_memcpy(o, &d, 4);
+        __builtin_memcpy(o + 4, &dmin, 4);
+        const uint8_t *q = b + 4;
+        for (int j = 0; j < 8; j++) {
+            int sc, mn;
+            if (j < 4) { sc = q[j] & 63; mn = q[j + 4] & 63; }
+            else { sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4); mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4); }
+            o[8 + j] = (uint8_t)sc;
+            o[16 + j] = (uint8_t)mn;
+        }
+        __builtin_memcpy(o + 24, b + 16, 128);
+    }
+    return 0;
+}
+
+static inline __attribute__((always_inline)) void rows_q4kr(const uint8_t *row0, size_t row_bytes, const int R,
+                                                            int K, const act_t *a, int M, float *out) {
+    __m512 vacc[4][MAXM];
+    __m128 macc[4][MAXM];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) { vacc[r][m] = _mm512_setzero_ps(); macc[r][m] = _mm_setzero_ps(); }
+    const __m512i lo4 = _mm512_set1_epi8(0x0F);
+    for (int b = 0; b < K / 256; b++) {
+        const uint8_t *blk[4];
+        __m512i sc512[4];
+        __m128i mn[4];
+        __m512i dot[4][MAXM];
+        for (int r = 0; r < R; r++) {
+            blk[r] = row0 + (size_t)r * row_bytes + (size_t)b * Q4KR_BYTES;
+            for (int p = 0; p < Q4KR_BYTES; p += 64) _mm_prefetch((const char *)blk[r] + PREFETCH + p, _MM_HINT_T0);
+            sc512[r] = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(blk[r] + 8))));
+            mn[r] = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(blk[r] + 16)));
+            for (int m = 0; m < M; m++) dot[r][m] = _mm512_setzero_si512();
+        }
+        for (int j = 0; j < 4; j++) {
+            __m512i idx = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * j)), _mm256_set1_epi16((short)(2 * j + 1)), 1);
+            for (int r = 0; r < R; r++) {
+                __m256i raw = _mm256_loadu_si256((const __m256i *)(blk[r] + 24 + 32 * j));
+                __m512i wq = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1), lo4);
+                __m512i s = _mm512_permutexvar_epi16(idx, sc512[r]);
+                for (int m = 0; m < M; m++)
+                    dot[r][m] = _mm512_dpwssd_epi32(dot[r][m], _mm512_maddubs_epi16(wq, _mm512_loadu_si512(a[m].q + b * 256 + 64 * j)), s);
+            }
+        }
+        for (int m = 0; m < M; m++) {
+            const int16_t *bs = a[m].s16 + b * 16;
+            __m128i pairs = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)bs), _mm_loadu_si128((const __m128i *)(bs + 8)));
+            float da = a[m].d[b];
+            for (int r = 0; r < R; r++) {
+                float d, dmin;
+                __builtin_memcpy(&d, blk[r], 4);
+                __builtin_memcpy(&dmin, blk[r] + 4, 4);
+                vacc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][m]), _mm512_set1_ps(d * da), vacc[r][m]);
+                macc[r][m] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(pairs, mn[r])), _mm_set1_ps(dmin * da), macc[r][m]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) {
+            __m128 t = macc[r][m];
+            t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+            t = _mm_add_ss(t, _mm_movehdup_ps(t));
+            out[r * MAXM + m] = _mm512_reduce_add_ps(vacc[r][m]) - _mm_cvtss_f32(t);
+        }
+}
+
 /* y[m, n] = sum_k v(n, k) x[m, k] for the blocks of a Q4_K (type 12) or Q6_K (type 14) tensor [N, K].
  * M <= 8, K a multiple of 256. Returns 0, or -1 when it cannot take the product. */
 int ds_linear_kq(int type, const float *x, int M, int K, long ldx, const uint8_t *blocks, int N, float *y,
                  long ldy, int nthreads) {
-    if (K <= 0 || K % 256 || M <= 0 || M > MAXM || N <= 0 || (type != Q4K && type != Q6K)) return -1;
-    size_t bs = type == Q4K ? 144 : 210, row_bytes = (size_t)(K / 256) * bs;
+    if (K <= 0 || K % 256 || M <= 0 || M > MAXM || N <= 0 || (type != Q4K && type != Q6K && type != Q4KR)) return -1;
+    size_t bs = type == Q4K ? 144 : type == Q4KR ? Q4KR_BYTES : 210, row_bytes = (size_t)(K / 256) * bs;
     int8_t *q = malloc((size_t)M * K);
     float *d = malloc((size_t)M * K / 256 * sizeof(float));
     int16_t *s16 = malloc((size_t)M * K / 16 * sizeof(int16_t));
@@ -294,9 +371,13 @@ int ds_linear_kq(int type, const float *x, int M, int K, long ldx, const uint8_t
         float out[4 * MAXM];
         const uint8_t *row = blocks + (size_t)n * row_bytes;
         if (rows == 4) {
-            if (type == Q4K) rows_q4k(row, row_bytes, 4, K, a, M, out); else rows_q6k(row, row_bytes, 4, K, a, M, out);
+            if (type == Q4KR) rows_q4kr(row, row_bytes, 4, K, a, M, out);
+            else if (type == Q4K) rows_q4k(row, row_bytes, 4, K, a, M, out);
+            else rows_q6k(row, row_bytes, 4, K, a, M, out);
         } else {
-            if (type == Q4K) rows_q4k(row, row_bytes, 1, K, a, M, out); else rows_q6k(row, row_bytes, 1, K, a, M, out);
+            if (type == Q4KR) rows_q4kr(row, row_bytes, 1, K, a, M, out);
+            else if (type == Q4K) rows_q4k(row, row_bytes, 1, K, a, M, out);
+            else rows_q6k(row, row_bytes, 1, K, a, M, out);
         }
         for (int r = 0; r < rows; r++)
             for (int m = 0; m < M; m++) y[(size_t)m * ldy + n + r] = out[r * MAXM + m];
