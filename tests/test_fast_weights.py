@@ -96,16 +96,21 @@ def test_the_down_projection_keeps_bf16_activations_and_the_others_take_int8():
 
 
 @functools.lru_cache(maxsize=None)
-def demo_q8_0_by_llama_cpp():
+def demo_by_llama_cpp(ftype: str, name: str):
+    """The trained demo model quantized by llama.cpp itself (LLAMA_FTYPE_MOSTLY_<ftype>), cached."""
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is a test dependency (see README)")
-    out = fx.fixtures_dir() / "demo-q8_0-by-llama.cpp.gguf"
+    out = fx.fixtures_dir() / f"demo-{name}-by-llama.cpp.gguf"
     if not out.exists():
         params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0
+        params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
         tmp = out.with_suffix(".part")
         assert llama_cpp.llama_model_quantize(str(DEMO_FILE).encode(), str(tmp).encode(), params) == 0
         tmp.replace(out)
     return out
+
+
+def demo_q8_0_by_llama_cpp():
+    return demo_by_llama_cpp("Q8_0", "q8_0")
 
 
 def test_on_a_trained_model_the_int8_prefill_stays_within_1_5x_llama_cpps_own_q8_0_error():
@@ -236,24 +241,11 @@ def test_the_native_kernel_reads_q4_k_and_q6_k_blocks_as_the_file_defines_them()
         assert native.linear_blocks(torch.randn(1, 96), kind, blocks[:, :1], n) is None  # not whole blocks
 
 
-@functools.lru_cache(maxsize=None)
-def demo_q4_k_m_by_llama_cpp():
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is a test dependency (see README)")
-    out = fx.fixtures_dir() / "demo-q4_k_m-by-llama.cpp.gguf"
-    if not out.exists():
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
-        tmp = out.with_suffix(".part")
-        assert llama_cpp.llama_model_quantize(str(DEMO_FILE).encode(), str(tmp).encode(), params) == 0
-        tmp.replace(out)
-    return out
-
-
 def test_a_q4_k_m_file_decodes_from_its_own_blocks_within_1_5x_llama_cpps_own_error():
     import numpy as np
 
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is a test dependency (see README)")
-    path = demo_q4_k_m_by_llama_cpp()
+    path = demo_by_llama_cpp("Q4_K_M", "q4_k_m")
     ref = deltaserve.load(DEMO_FILE, weights="exact", cache=False)
     fast = deltaserve.load(path, cache=False)
     w = fast.host.weights

@@ -10,13 +10,13 @@ of them agree on the argmax. A rejection is a fallback to the CPU. The verdict i
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 import torch
 
 from .. import __version__
+from ..cachedir import cache_root
 from .forward import Forward
 
 PROBE_MAX = 512
@@ -27,9 +27,7 @@ COMPARISONS = {"count": 0}  # comparisons actually run in this process (tests re
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("DELTASERVE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "deltaserve")
-    return Path(base) / "guard"
+    return cache_root() / "guard"
 
 
 def compare(device_logits: torch.Tensor, cpu_logits: torch.Tensor) -> tuple[float, float]:

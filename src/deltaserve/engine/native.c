@@ -23,7 +23,7 @@
 #define QB 32
 #define PREFETCH 8192
 
-int ds_abi_version(void) { return 6; }
+int ds_abi_version(void) { return 7; }
 
 /* One activation row: q (int8), lane scales dv (one per 4 elements: the scale of the element's block, so a
  * 64-byte chunk's 16 int32 lanes are scaled by one vector) and the correction 128 * sum(dv * q). */
@@ -117,7 +117,6 @@ int ds_linear_i8(const float *x, int M, int K, long ldx, const int8_t *W, const 
  * No int16 or int32 sum can overflow: |pair| <= 2*63*127, |sc| <= 127, 128 pairs per block.
  * ------------------------------------------------------------------------------------------------------- */
 #define MAXM 8
-#define Q4K 12
 #define Q6K 14
 
 typedef struct {
@@ -146,74 +145,9 @@ static void prepare(const float *x, int K, int8_t *q, float *d, int16_t *s16) {
     }
 }
 
-/* The 8 six-bit scales and mins of a Q4_K block (bytes 4..15), as int16 (lanes 0..7 of each). */
-static inline void scales_q4k(const uint8_t *blk, __m128i *sc, __m128i *mn) {
-    uint32_t u[3];
-    __builtin_memcpy(u, blk + 4, 12);
-    const uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
-    uint32_t s[2], m[2];
-    s[0] = u[0] & m6;                                   /* scales 0..3: low 6 bits of bytes 0..3 */
-    m[0] = u[1] & m6;                                   /* mins 0..3: low 6 bits of bytes 4..7 */
-    s[1] = (u[2] & m4) | (((u[0] >> 6) & m2) << 4);     /* scales 4..7: low nibbles of 8..11, top bits of 0..3 */
-    m[1] = ((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4);  /* mins 4..7: high nibbles of 8..11, top of 4..7 */
-    *sc = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)s[1], (int)s[0]));
-    *mn = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)m[1], (int)m[0]));
-}
-
 /* R consecutive rows (R is a constant after inlining: 4 rows give the out-of-order core four independent
  * accumulation chains; one row alone is bound by the latency of its own chain) times M activation rows:
  * out[r * MAXM + m]. */
-static inline __attribute__((always_inline)) void rows_q4k(const uint8_t *row0, size_t row_bytes, const int R,
-                                                           int K, const act_t *a, int M, float *out) {
-    __m512 vacc[4][MAXM];
-    float acc[4][MAXM];
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) { vacc[r][m] = _mm512_setzero_ps(); acc[r][m] = 0.0f; }
-    const __m512i lo4 = _mm512_set1_epi8(0x0F);
-    for (int b = 0; b < K / 256; b++) {
-        const uint8_t *blk[4];
-        __m512i sc512[4];
-        __m128i mn[4];
-        float d[4], dmin[4];
-        __m512i dot[4][MAXM];
-        for (int r = 0; r < R; r++) {
-            blk[r] = row0 + (size_t)r * row_bytes + (size_t)b * 144;
-            for (int p = 0; p < 144; p += 64) _mm_prefetch((const char *)blk[r] + PREFETCH + p, _MM_HINT_T0);
-            d[r] = f16(blk[r]);
-            dmin[r] = f16(blk[r] + 2);
-            __m128i sc;
-            scales_q4k(blk[r], &sc, &mn[r]);
-            sc512[r] = _mm512_castsi128_si512(sc);
-            for (int m = 0; m < M; m++) dot[r][m] = _mm512_setzero_si512();
-        }
-        for (int j = 0; j < 4; j++) {
-            /* pairs 0..15: sub-block 2j, pairs 16..31: sub-block 2j+1 */
-            __m512i idx = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * j)), _mm256_set1_epi16((short)(2 * j + 1)), 1);
-            for (int r = 0; r < R; r++) {
-                __m256i raw = _mm256_loadu_si256((const __m256i *)(blk[r] + 16 + 32 * j));
-                __m512i wq = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1), lo4);
-                __m512i s = _mm512_permutexvar_epi16(idx, sc512[r]);
-                for (int m = 0; m < M; m++)
-                    dot[r][m] = _mm512_dpwssd_epi32(dot[r][m], _mm512_maddubs_epi16(wq, _mm512_loadu_si512(a[m].q + b * 256 + 64 * j)), s);
-            }
-        }
-        for (int m = 0; m < M; m++) {
-            const int16_t *bs = a[m].s16 + b * 16;
-            __m128i pairs = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)bs), _mm_loadu_si128((const __m128i *)(bs + 8)));
-            float da = a[m].d[b];
-            for (int r = 0; r < R; r++) {
-                __m128i t = _mm_madd_epi16(pairs, mn[r]);
-                t = _mm_add_epi32(t, _mm_srli_si128(t, 8));
-                t = _mm_add_epi32(t, _mm_srli_si128(t, 4));
-                vacc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][m]), _mm512_set1_ps(d[r] * da), vacc[r][m]);
-                acc[r][m] -= dmin[r] * da * (float)_mm_cvtsi128_si32(t);
-            }
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) out[r * MAXM + m] = acc[r][m] + _mm512_reduce_add_ps(vacc[r][m]);
-}
-
 static inline __attribute__((always_inline)) void rows_q6k(const uint8_t *row0, size_t row_bytes, const int R,
                                                            int K, const act_t *a, int M, float *out) {
     __m512 vacc[4][MAXM];
@@ -349,12 +283,12 @@ static inline __attribute__((always_inline)) void rows_q4kr(const uint8_t *row0,
         }
 }
 
-/* y[m, n] = sum_k v(n, k) x[m, k] for the blocks of a Q4_K (type 12) or Q6_K (type 14) tensor [N, K].
+/* y[m, n] = sum_k v(n, k) x[m, k] for the blocks of a repacked Q4_K (type 112) or a Q6_K (type 14) tensor [N, K].
  * M <= 8, K a multiple of 256. Returns 0, or -1 when it cannot take the product. */
 int ds_linear_kq(int type, const float *x, int M, int K, long ldx, const uint8_t *blocks, int N, float *y,
                  long ldy, int nthreads) {
-    if (K <= 0 || K % 256 || M <= 0 || M > MAXM || N <= 0 || (type != Q4K && type != Q6K && type != Q4KR)) return -1;
-    size_t bs = type == Q4K ? 144 : type == Q4KR ? Q4KR_BYTES : 210, row_bytes = (size_t)(K / 256) * bs;
+    if (K <= 0 || K % 256 || M <= 0 || M > MAXM || N <= 0 || (type != Q6K && type != Q4KR)) return -1;
+    size_t bs = type == Q4KR ? Q4KR_BYTES : 210, row_bytes = (size_t)(K / 256) * bs;
     int8_t *q = malloc((size_t)M * K);
     float *d = malloc((size_t)M * K / 256 * sizeof(float));
     int16_t *s16 = malloc((size_t)M * K / 16 * sizeof(int16_t));
@@ -371,13 +305,9 @@ int ds_linear_kq(int type, const float *x, int M, int K, long ldx, const uint8_t
         float out[4 * MAXM];
         const uint8_t *row = blocks + (size_t)n * row_bytes;
         if (rows == 4) {
-            if (type == Q4KR) rows_q4kr(row, row_bytes, 4, K, a, M, out);
-            else if (type == Q4K) rows_q4k(row, row_bytes, 4, K, a, M, out);
-            else rows_q6k(row, row_bytes, 4, K, a, M, out);
+            if (type == Q4KR) rows_q4kr(row, row_bytes, 4, K, a, M, out); else rows_q6k(row, row_bytes, 4, K, a, M, out);
         } else {
-            if (type == Q4KR) rows_q4kr(row, row_bytes, 1, K, a, M, out);
-            else if (type == Q4K) rows_q4k(row, row_bytes, 1, K, a, M, out);
-            else rows_q6k(row, row_bytes, 1, K, a, M, out);
+            if (type == Q4KR) rows_q4kr(row, row_bytes, 1, K, a, M, out); else rows_q6k(row, row_bytes, 1, K, a, M, out);
         }
         for (int r = 0; r < rows; r++)
             for (int m = 0; m < M; m++) y[(size_t)m * ldy + n + r] = out[r * MAXM + m];

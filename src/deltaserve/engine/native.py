@@ -26,19 +26,19 @@ from pathlib import Path
 
 import torch
 
+from ..cachedir import cache_root
+
 SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 NEEDS = ("avx512f", "avx512bw", "avx512_vnni")
-ABI = 6
+ABI = 7
 
 _lock = threading.Lock()
 _state: dict = {}
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("DELTASERVE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "deltaserve")
-    return Path(base) / "native"
+    return cache_root() / "native"
 
 
 def _cpu_flags() -> set[str]:
@@ -155,6 +155,7 @@ def linear_blocks(x: torch.Tensor, kind: str, blocks: torch.Tensor, out_features
     M, K = x.shape
     if lib is None or M > 8 or K % 256 or kind not in BLOCK_TYPES:
         return None
+    kind, blocks = for_products(kind, blocks)  # the kernel reads Q4_K repacked (done once at load for a model)
     if x.dtype != torch.float32 or x.stride(1) != 1:
         x = x.float().contiguous()
     y = torch.empty(M, out_features)
