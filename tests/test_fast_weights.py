@@ -9,6 +9,7 @@ from f32 as llama.cpp's own Q8_0 forward of the same file.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -331,3 +332,78 @@ def test_each_product_size_takes_its_documented_path_on_the_cpu_and_an_accelerat
     assert [lin.path(r) for r in (1, 8, 64, 65, 512)] == ["weight-only"] * 3 + ["bf16", "bf16"]
     device = Int8Linear(lin.q.to("meta"), lin.scale.to("meta"))  # stands for a CUDA copy: not the CPU
     assert [device.path(r) for r in (1, 16, 17, 512)] == ["weight-only", "weight-only", "bf16", "bf16"]
+
+
+def int8_everywhere(m):
+    """A loaded float model's weights with every projection and the head as int8 tables (any head order)."""
+    from deltaserve.engine.linear import StackedLinear
+    from deltaserve.model.weights import AttentionWeights, LayerWeights, Weights
+
+    def q(lin):
+        if isinstance(lin, StackedLinear):
+            parts = torch.split(lin.dense().float(), list(lin.sizes))
+            return StackedLinear([Int8Linear.from_float(p) for p in parts])
+        return Int8Linear.from_float(lin.dense().float())
+
+    w = m.host.weights
+    layers = []
+    for lw in w.layers:
+        mx = lw.mixer
+        if isinstance(mx, AttentionWeights):
+            mixer = dataclasses.replace(mx, qkv=q(mx.qkv), o=q(mx.o))
+        else:
+            mixer = dataclasses.replace(mx, in_proj=q(mx.in_proj), out=q(mx.out))
+        layers.append(LayerWeights(lw.attn_norm, lw.post_norm, mixer, q(lw.gate_up), q(lw.down)))
+    return Weights(w.embed, layers, w.final_norm, q(w.lm_head))
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])  # value heads grouped (HF) and tiled (GGUF) over key heads
+def test_the_one_call_native_decode_follows_the_torch_decode_on_either_head_order(source, monkeypatch):
+    if not native.status()[0]:
+        pytest.skip(f"the native kernel does not run here: {native.status()[1]}")
+    from deltaserve.engine import forward as forward_mod
+
+    m = deltaserve.load(fx.hf_dir("hybrid") if source == "hf" else fx.gguf_path("hybrid", "f32"), cache=False)
+    weights = int8_everywhere(m)
+    f = Forward(m.config, weights)
+    program, route = f.token_program()
+    assert program is not None and route == "one native call per decoded token"
+    ids = ids_for(m, n=40)
+    runs = {}
+    for on in (True, False):
+        monkeypatch.setattr(forward_mod, "NATIVE_DECODE", on)
+        st = f.new_state(48)
+        runs[on] = (torch.stack([f.decode(st, t) for t in ids]), st)
+    (ours, st), (theirs, st0) = runs[True], runs[False]
+    assert st.length == st0.length == len(ids)
+    scale = theirs.abs().max().item()
+    assert (ours - theirs).abs().max().item() <= 1e-3 * scale
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+    for i in st.kv:  # the caches written at every position, the recurrent states carried the same way
+        for a, b in zip(st.kv[i], st0.kv[i]):
+            assert torch.allclose(a[:, :len(ids)], b[:, :len(ids)], atol=1e-4, rtol=1e-3)
+    for i in st.ssm:
+        assert torch.allclose(st.ssm[i], st0.ssm[i], atol=1e-4, rtol=1e-3)
+        assert torch.allclose(st.conv[i], st0.conv[i], atol=1e-5, rtol=1e-4)
+
+
+def test_the_native_token_decode_says_why_it_is_not_used_and_leaves_other_states_to_torch():
+    f32 = model("hybrid", "f32", "exact")
+    program, why = Forward(f32.config, f32.host.weights).token_program()
+    assert program is None and why.startswith("decode through torch ops (native token decode not used: a float32")
+    q8 = model("hybrid", "q8_0", "fast")
+    f = Forward(q8.config, q8.host.weights)
+    if not native.status()[0]:
+        assert f.token_program()[0] is None
+        return
+    assert "one native call per decoded token" in q8.session().notices[-1]
+    ids = ids_for(q8, n=12)
+    bf16 = f.new_state(16, kv_dtype=torch.bfloat16)  # a bf16 KV cache: the torch decode, the same tokens
+    assert not f.token_program()[0].takes(bf16)
+    f32_state = f.new_state(16)
+    got = torch.stack([f.decode(bf16, t) for t in ids])
+    want = torch.stack([f.decode(f32_state, t) for t in ids])
+    assert (got - want).abs().max().item() <= 0.05 * want.abs().max().item()
+    with pytest.raises(ValueError, match="17 positions do not fit a decode state of 16"):
+        for t in ids:
+            f.decode(f32_state, t)

@@ -112,7 +112,7 @@ class Backend:
 
     def describe(self) -> str:
         head = self.host.weights.lm_head
-        route = f"; {int8_route()}" if isinstance(head, Int8Linear) else ""
+        route = f"; {int8_route()}; {self.forward.token_program()[1]}" if isinstance(head, Int8Linear) else ""
         return f"CPU ({torch.get_num_threads()} threads{route})"
 
     # -- state ------------------------------------------------------------------------------------

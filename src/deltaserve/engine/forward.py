@@ -10,7 +10,11 @@ from ..model.config import HybridConfig
 from ..model.weights import AttentionWeights, Weights
 from . import layers as L
 from .compute import keep_freed_memory
+from .native_token import TokenProgram
 from .state import DecodeState
+
+
+NATIVE_DECODE = True  # a one-token decode in one native call where the model qualifies (tests compare both)
 
 
 class Forward:
@@ -27,6 +31,15 @@ class Forward:
         self.attention_dtype = attention_dtype or (torch.float32 if weights.has_f32_linears() else torch.bfloat16)
         self.query_rows = 512    # attention queries per score matrix (a prefill-plan knob)
         self.prefill_rows = 2048  # tokens per forward call of a long prefill (a prefill-plan knob)
+        self._token: tuple[TokenProgram | None, str] | None = None
+
+    def token_program(self) -> tuple[TokenProgram | None, str]:
+        """The native one-call decode for this model, built once (None where it does not qualify), and the
+        route it gives, in words."""
+        if self._token is None:
+            self._token = TokenProgram.build(self.config, self.weights) if self.device.type == "cpu" else \
+                (None, "decode through torch ops")
+        return self._token
 
     def use_plan(self, rows: int, query_rows: int) -> None:
         self.prefill_rows, self.query_rows = rows, query_rows
@@ -79,6 +92,15 @@ class Forward:
 
     def decode(self, state: DecodeState, token: int) -> torch.Tensor:
         """One token through the recurrent path. Returns logits [vocab]."""
+        if NATIVE_DECODE and self.device.type == "cpu":
+            program = self.token_program()[0]
+            if program is not None and program.takes(state):
+                if state.length + 1 > state.capacity:
+                    raise ValueError(f"{state.length + 1} positions do not fit a decode state of {state.capacity}")
+                if not 0 <= int(token) < self.config.vocab_size:
+                    raise ValueError(f"token id out of range 0..{self.config.vocab_size - 1}")
+                with torch.inference_mode():
+                    return program.decode(state, int(token))
         return self._run(state, self._ids([token]), chunked=False, all_logits=False)[0]
 
     @torch.inference_mode()

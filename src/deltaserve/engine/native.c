@@ -23,7 +23,7 @@
 #define QB 32
 #define PREFETCH 8192
 
-int ds_abi_version(void) { return 7; }
+int ds_abi_version(void) { return 8; }
 
 /* One activation row: q (int8), lane scales dv (one per 4 elements: the scale of the element's block, so a
  * 64-byte chunk's 16 int32 lanes are scaled by one vector) and the correction 128 * sum(dv * q). */
@@ -354,14 +354,10 @@ static void silu_inplace(float *v, int n) {
     }
 }
 
-int ds_deltanet_step(const float *qkv, const float *z, const float *b, const float *a, const float *conv_w,
-                     const float *a_neg, const float *dt_bias, const float *norm_w, float *conv_state, float *S,
-                     float *out, int nk, int dk, int nv, int dv, int Kc, int tiled, float eps, int nthreads) {
-    int C = 2 * nk * dk + nv * dv;
-    if (nk <= 0 || nv % nk || Kc < 2) return -1;
-    float *u = malloc((size_t)C * sizeof(float));
-    if (!u) return -1;
-    for (int c = 0; c < C; c++) {  /* conv over [conv_state; qkv], then the state shifts by one */
+/* The conv over [conv_state; qkv] (the state shifts by one), SiLU, and the L2 norms of the q (scaled by
+ * dk^-1/2) and k heads, into u [C]. Serial: C is a few thousand values. */
+static void dn_mix(const float *qkv, const float *conv_w, float *conv_state, float *u, int C, int Kc, int nk, int dk) {
+    for (int c = 0; c < C; c++) {
         const float *w = conv_w + (size_t)c * Kc;
         float acc = w[Kc - 1] * qkv[c];
         for (int j = 0; j < Kc - 1; j++) acc += w[j] * conv_state[(size_t)j * C + c];
@@ -370,49 +366,63 @@ int ds_deltanet_step(const float *qkv, const float *z, const float *b, const flo
         u[c] = acc;
     }
     silu_inplace(u, C);
-    float *q = u, *k = u + nk * dk, *v = u + 2 * nk * dk;
-    for (int hh = 0; hh < 2 * nk; hh++) {  /* L2 norm of each q and k head */
+    for (int hh = 0; hh < 2 * nk; hh++) {
         float *x = u + (size_t)hh * dk, ss = 0.0f;
         for (int i = 0; i < dk; i++) ss += x[i] * x[i];
         float r = 1.0f / sqrtf(ss + 1e-6f);
         if (hh < nk) r *= 1.0f / sqrtf((float)dk);
         for (int i = 0; i < dk; i++) x[i] *= r;
     }
-    int reps = nv / nk;
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int h = 0; h < nv; h++) {
-        int kh = tiled ? h % nk : h / reps;
-        const float *kk = k + (size_t)kh * dk, *qq = q + (size_t)kh * dk, *vv = v + (size_t)h * dv;
-        float beta = 1.0f / (1.0f + expf(-b[h]));
-        float sp = a[h] + dt_bias[h];
-        sp = sp > 20.0f ? sp : log1pf(expf(sp));
-        float decay = expf(a_neg[h] * sp);
-        float *s = S + (size_t)h * dk * dv;
-        float kv[dv], delta[dv], o[dv];
-        for (int j = 0; j < dv; j++) kv[j] = 0.0f;
-        for (int i = 0; i < dk; i++) {
-            float ki = kk[i];
-            const float *row = s + (size_t)i * dv;
-            for (int j = 0; j < dv; j++) kv[j] += ki * row[j];
-        }
-        for (int j = 0; j < dv; j++) { delta[j] = beta * (vv[j] - decay * kv[j]); o[j] = 0.0f; }
-        for (int i = 0; i < dk; i++) {
-            float ki = kk[i], qi = qq[i];
-            float *row = s + (size_t)i * dv;
-            for (int j = 0; j < dv; j++) {
-                float nw = decay * row[j] + ki * delta[j];
-                row[j] = nw;
-                o[j] += qi * nw;
-            }
-        }
-        float ss = 0.0f;
-        for (int j = 0; j < dv; j++) ss += o[j] * o[j];
-        float r = 1.0f / sqrtf(ss / (float)dv + eps);
-        float gate[dv];
-        for (int j = 0; j < dv; j++) gate[j] = z[(size_t)h * dv + j];
-        silu_inplace(gate, dv);
-        for (int j = 0; j < dv; j++) out[(size_t)h * dv + j] = o[j] * r * norm_w[j] * gate[j];
+}
+
+/* Value head h of the step, after dn_mix: the gates, the delta rule on its state, the gated RMS norm. */
+static void dn_head(int h, const float *u, const float *z, const float *b, const float *a, const float *a_neg,
+                    const float *dt_bias, const float *norm_w, float *S, float *out, int nk, int dk, int nv, int dv,
+                    int tiled, float eps) {
+    const float *q = u, *k = u + nk * dk, *v = u + 2 * nk * dk;
+    int kh = tiled ? h % nk : h / (nv / nk);
+    const float *kk = k + (size_t)kh * dk, *qq = q + (size_t)kh * dk, *vv = v + (size_t)h * dv;
+    float beta = 1.0f / (1.0f + expf(-b[h]));
+    float sp = a[h] + dt_bias[h];
+    sp = sp > 20.0f ? sp : log1pf(expf(sp));
+    float decay = expf(a_neg[h] * sp);
+    float *s = S + (size_t)h * dk * dv;
+    float kv[dv], delta[dv], o[dv];
+    for (int j = 0; j < dv; j++) kv[j] = 0.0f;
+    for (int i = 0; i < dk; i++) {
+        float ki = kk[i];
+        const float *row = s + (size_t)i * dv;
+        for (int j = 0; j < dv; j++) kv[j] += ki * row[j];
     }
+    for (int j = 0; j < dv; j++) { delta[j] = beta * (vv[j] - decay * kv[j]); o[j] = 0.0f; }
+    for (int i = 0; i < dk; i++) {
+        float ki = kk[i], qi = qq[i];
+        float *row = s + (size_t)i * dv;
+        for (int j = 0; j < dv; j++) {
+            float nw = decay * row[j] + ki * delta[j];
+            row[j] = nw;
+            o[j] += qi * nw;
+        }
+    }
+    float ss = 0.0f;
+    for (int j = 0; j < dv; j++) ss += o[j] * o[j];
+    float r = 1.0f / sqrtf(ss / (float)dv + eps);
+    float gate[dv];
+    for (int j = 0; j < dv; j++) gate[j] = z[(size_t)h * dv + j];
+    silu_inplace(gate, dv);
+    for (int j = 0; j < dv; j++) out[(size_t)h * dv + j] = o[j] * r * norm_w[j] * gate[j];
+}
+
+int ds_deltanet_step(const float *qkv, const float *z, const float *b, const float *a, const float *conv_w,
+                     const float *a_neg, const float *dt_bias, const float *norm_w, float *conv_state, float *S,
+                     float *out, int nk, int dk, int nv, int dv, int Kc, int tiled, float eps, int nthreads) {
+    int C = 2 * nk * dk + nv * dv;
+    if (nk <= 0 || nv % nk || Kc < 2) return -1;
+    float *u = malloc((size_t)C * sizeof(float));
+    if (!u) return -1;
+    dn_mix(qkv, conv_w, conv_state, u, C, Kc, nk, dk);
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int h = 0; h < nv; h++) dn_head(h, u, z, b, a, a_neg, dt_bias, norm_w, S, out, nk, dk, nv, dv, tiled, eps);
     free(u);
     return 0;
 }
@@ -496,4 +506,250 @@ int ds_scale_product(const int32_t *acc, int M, int N, const float *col, const f
         }
     }
     return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------------------
+ * One token through the whole model in one call (the decode of one sequence): every layer's RMSNorms,
+ * products, DeltaNet step or attention step, SwiGLU and residual adds, then the final norm and the head.
+ * It is the math of layers.py / forward.py, written out once: one OpenMP team for the whole token (the
+ * products and the per-head steps are shared among the threads, the small serial pieces run on one), no
+ * Python or per-op dispatch between the ~25 operations of a layer. The products are the ones above: int8
+ * tables (activations int8 per 32) or Q4_K/Q6_K blocks (activations int8 per 256).
+ * ------------------------------------------------------------------------------------------------------- */
+typedef struct {
+    int type;            /* 0: int8 table with per-row scales; 14: Q6_K blocks; 112: repacked Q4_K blocks */
+    int rows;            /* output rows of this segment (segments follow each other along the output) */
+    const void *data;
+    const float *scale;  /* the int8 table's row scales */
+} seg_t;
+
+typedef struct {
+    int nseg, K;
+    seg_t seg[4];
+} lin_t;
+
+typedef struct {
+    int attention;                              /* 1: gated attention; 0: Gated DeltaNet */
+    const float *attn_norm, *post_norm;
+    lin_t mix_in, mix_out, gate_up, down;
+    const float *conv_w, *a_neg, *dt_bias, *norm_w;  /* DeltaNet */
+    const float *q_norm, *k_norm;                     /* attention */
+} layer_t;
+
+typedef struct {
+    int n_layers, hidden, inter;
+    int nk, dk, nv, dv, Kc, tiled;              /* DeltaNet */
+    int nh, nkv, hd, rotary;                    /* attention */
+    float eps, theta;
+    const float *final_norm;
+    lin_t head;
+    const layer_t *layers;
+} model_t;
+
+typedef struct {           /* one product's quantized activations */
+    int8_t *q;
+    float *d, *dv, corr;
+    int16_t *s16;
+} abuf_t;
+
+static void rms_norm_row(const float *x, const float *w, float *out, int n, float eps) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += 16) {
+        __mmask16 k = (__mmask16)(i + 16 <= n ? 0xFFFF : (1u << (n - i)) - 1);
+        __m512 v = _mm512_maskz_loadu_ps(k, x + i);
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    float r = 1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)n + eps);
+    for (int i = 0; i < n; i++) out[i] = x[i] * r * w[i];
+}
+
+/* y[N] = W x for a stacked linear; called by every thread of the team (the tiles are shared); ends on a barrier */
+static void team_product(const lin_t *L, const float *x, float *y, abuf_t *ab) {
+    int kq = L->seg[0].type != 0, K = L->K;
+    #pragma omp single
+    {
+        if (kq) prepare(x, K, ab->q, ab->d, ab->s16);
+        else ab->corr = quantize_row(x, K, ab->q, ab->dv);
+    }
+    int off = 0;
+    for (int s = 0; s < L->nseg; s++) {
+        const seg_t *g = &L->seg[s];
+        int N = g->rows, tiles = N / 4, n_items = tiles + (N - tiles * 4);
+        float *ys = y + off;
+        off += N;
+        if (kq) {
+            act_t a = {ab->q, ab->d, ab->s16};
+            size_t row_bytes = (size_t)(K / 256) * (g->type == Q4KR ? Q4KR_BYTES : 210);
+            const uint8_t *base = (const uint8_t *)g->data;
+            #pragma omp for schedule(static) nowait
+            for (int t = 0; t < n_items; t++) {
+                int n = t < tiles ? t * 4 : tiles * 4 + (t - tiles);
+                float out[4 * MAXM];
+                const uint8_t *row = base + (size_t)n * row_bytes;
+                if (t < tiles) {
+                    if (g->type == Q4KR) rows_q4kr(row, row_bytes, 4, K, &a, 1, out); else rows_q6k(row, row_bytes, 4, K, &a, 1, out);
+                    for (int r = 0; r < 4; r++) ys[n + r] = out[r * MAXM];
+                } else {
+                    if (g->type == Q4KR) rows_q4kr(row, row_bytes, 1, K, &a, 1, out); else rows_q6k(row, row_bytes, 1, K, &a, 1, out);
+                    ys[n] = out[0];
+                }
+            }
+        } else {
+            const int8_t *W = (const int8_t *)g->data, *xq = ab->q;
+            const float *ws = g->scale, *dv = ab->dv, *corr = &ab->corr;
+            const int M = 1, K4 = K / 4;
+            const long ldy = 0;
+            float *y = ys;
+            #pragma omp for schedule(static) nowait
+            for (int t = 0; t < n_items; t++) {
+                if (t < tiles) {
+                    int n0 = t * 4;
+                    const int8_t *w0 = W + (size_t)n0 * K;
+                    ROWS_BODY(4)
+                } else {
+                    int n0 = tiles * 4 + (t - tiles);
+                    const int8_t *w0 = W + (size_t)n0 * K;
+                    ROWS_BODY(1)
+                }
+            }
+        }
+    }
+    #pragma omp barrier
+}
+
+/* q/k RMS norm per head, rotary embedding (rotate-half over the first `rotary` dims) at `pos`, k and v
+ * written at `pos` of the caches [nkv, cap, hd]; the rotated queries to qout [nh, hd]. Serial. */
+static void attn_prepare(const model_t *m, const layer_t *L, const float *qkv, float *kc, float *vc, int pos,
+                         int cap, float *qout) {
+    int nh = m->nh, nkv = m->nkv, hd = m->hd, r = m->rotary, half = r / 2;
+    float cs[half], sn[half];
+    for (int i = 0; i < half; i++) {
+        float inv = 1.0f / powf(m->theta, (float)(2 * i) / (float)r);
+        float f = (float)pos * inv;
+        cs[i] = cosf(f);
+        sn[i] = sinf(f);
+    }
+    const float *kin = qkv + (size_t)nh * 2 * hd, *vin = kin + (size_t)nkv * hd;
+    for (int h = 0; h < nh + nkv; h++) {
+        int is_q = h < nh;
+        const float *src = is_q ? qkv + (size_t)h * 2 * hd : kin + (size_t)(h - nh) * hd;
+        float *dst = is_q ? qout + (size_t)h * hd : kc + ((size_t)(h - nh) * cap + pos) * hd;
+        float t[hd];
+        rms_norm_row(src, is_q ? L->q_norm : L->k_norm, t, hd, m->eps);
+        for (int i = 0; i < half; i++) {
+            dst[i] = t[i] * cs[i] - t[i + half] * sn[i];
+            dst[i + half] = t[i + half] * cs[i] + t[i] * sn[i];
+        }
+        for (int i = r; i < hd; i++) dst[i] = t[i];
+    }
+    for (int h = 0; h < nkv; h++)
+        for (int i = 0; i < hd; i++) vc[((size_t)h * cap + pos) * hd + i] = vin[(size_t)h * hd + i];
+}
+
+/* Query head h over cache positions 0..pos, softmax in f32, times sigmoid of its output gate: out [hd]. */
+static void attn_head(const model_t *m, int h, const float *qkv, const float *q, const float *kc, const float *vc,
+                      int pos, int cap, float *scores, float *out) {
+    int hd = m->hd, kvh = h / (m->nh / m->nkv), n = pos + 1;
+    const float *qh = q + (size_t)h * hd, *keys = kc + (size_t)kvh * cap * hd, *vals = vc + (size_t)kvh * cap * hd;
+    float scale = 1.0f / sqrtf((float)hd), mx = -INFINITY;
+    for (int t = 0; t < n; t++) {
+        const float *kt = keys + (size_t)t * hd;
+        __m512 acc = _mm512_setzero_ps();
+        for (int i = 0; i < hd; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + i), _mm512_loadu_ps(kt + i), acc);
+        float sc = _mm512_reduce_add_ps(acc) * scale;
+        scores[t] = sc;
+        if (sc > mx) mx = sc;
+    }
+    float sum = 0.0f;
+    for (int t = 0; t < n; t++) { scores[t] = expf(scores[t] - mx); sum += scores[t]; }
+    float o[hd];
+    for (int i = 0; i < hd; i++) o[i] = 0.0f;
+    for (int t = 0; t < n; t++) {
+        const float *vt = vals + (size_t)t * hd;
+        float p = scores[t] / sum;
+        for (int i = 0; i < hd; i++) o[i] += p * vt[i];
+    }
+    const float *gate = qkv + (size_t)h * 2 * hd + hd;
+    for (int i = 0; i < hd; i++) out[(size_t)h * hd + i] = o[i] / (1.0f + expf(-gate[i]));
+}
+
+static int lin_rows(const lin_t *L) {
+    int n = 0;
+    for (int s = 0; s < L->nseg; s++) n += L->seg[s].rows;
+    return n;
+}
+
+/* x [hidden]: the token's embedding row (overwritten: the residual stream). state[2i], state[2i+1]: layer i's
+ * (conv [Kc-1, C], ssm [nv, dk, dv]) or (k cache, v cache) [nkv, cap, hd], f32. logits [vocab] out. */
+int ds_decode_token(const model_t *m, float *x, float *const *state, int pos, int cap, float *logits, int nthreads) {
+    int H = m->hidden, C = 2 * m->nk * m->dk + m->nv * m->dv;
+    if (pos < 0 || pos >= cap || m->nk <= 0 || m->nv % m->nk || m->nkv <= 0 || m->nh % m->nkv || m->hd % 16
+        || m->rotary > m->hd || m->rotary % 2) return -1;
+    size_t kmax = (size_t)H, nmax = (size_t)H;
+    for (int i = 0; i < m->n_layers; i++) {
+        const layer_t *L = &m->layers[i];
+        const lin_t *ls[4] = {&L->mix_in, &L->mix_out, &L->gate_up, &L->down};
+        for (int j = 0; j < 4; j++) {
+            if (ls[j]->K > (int)kmax) kmax = (size_t)ls[j]->K;
+            if (lin_rows(ls[j]) > (int)nmax) nmax = (size_t)lin_rows(ls[j]);
+        }
+    }
+    kmax = (kmax + 255) / 256 * 256;
+    float *hbuf = malloc(kmax * sizeof(float)), *big = malloc(nmax * sizeof(float)),
+          *mid = malloc(kmax * sizeof(float)), *u = malloc((size_t)C * sizeof(float)),
+          *qr = malloc((size_t)m->nh * m->hd * sizeof(float)),
+          *scores = malloc((size_t)m->nh * (pos + 1) * sizeof(float));
+    abuf_t ab;
+    ab.q = malloc(kmax + 64);
+    ab.d = malloc(kmax / 256 * sizeof(float) + 64);
+    ab.dv = malloc((kmax / 4 + 16) * sizeof(float));
+    ab.s16 = malloc(kmax / 16 * sizeof(int16_t) + 64);
+    int ok = hbuf && big && mid && u && qr && scores && ab.q && ab.d && ab.dv && ab.s16;
+    if (ok) {
+        #pragma omp parallel num_threads(nthreads)
+        for (int i = 0; i < m->n_layers; i++) {
+            const layer_t *L = &m->layers[i];
+            #pragma omp single
+            rms_norm_row(x, L->attn_norm, hbuf, H, m->eps);
+            team_product(&L->mix_in, hbuf, big, &ab);
+            if (L->attention) {
+                float *kc = state[2 * i], *vc = state[2 * i + 1];
+                #pragma omp single
+                attn_prepare(m, L, big, kc, vc, pos, cap, qr);
+                #pragma omp for schedule(static)
+                for (int h = 0; h < m->nh; h++) attn_head(m, h, big, qr, kc, vc, pos, cap, scores + (size_t)h * (pos + 1), mid);
+            } else {
+                float *conv = state[2 * i], *S = state[2 * i + 1];
+                const float *z = big + C, *b = z + m->nv * m->dv, *a = b + m->nv;
+                #pragma omp single
+                dn_mix(big, L->conv_w, conv, u, C, m->Kc, m->nk, m->dk);
+                #pragma omp for schedule(static)
+                for (int h = 0; h < m->nv; h++)
+                    dn_head(h, u, z, b, a, L->a_neg, L->dt_bias, L->norm_w, S, mid, m->nk, m->dk, m->nv, m->dv,
+                            m->tiled, m->eps);
+            }
+            team_product(&L->mix_out, mid, hbuf, &ab);
+            #pragma omp single
+            {
+                for (int j = 0; j < H; j++) x[j] += hbuf[j];
+                rms_norm_row(x, L->post_norm, hbuf, H, m->eps);
+            }
+            team_product(&L->gate_up, hbuf, big, &ab);
+            #pragma omp single
+            {
+                int I = m->inter;
+                silu_inplace(big, I);
+                for (int j = 0; j < I; j++) mid[j] = big[j] * big[I + j];
+            }
+            team_product(&L->down, mid, hbuf, &ab);
+            #pragma omp single
+            for (int j = 0; j < H; j++) x[j] += hbuf[j];
+        }
+        rms_norm_row(x, m->final_norm, hbuf, H, m->eps);
+        #pragma omp parallel num_threads(nthreads)
+        team_product(&m->head, hbuf, logits, &ab);
+    }
+    free(hbuf); free(big); free(mid); free(u); free(qr); free(scores);
+    free(ab.q); free(ab.d); free(ab.dv); free(ab.s16);
+    return ok ? 0 : -1;
 }

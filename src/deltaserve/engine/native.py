@@ -31,7 +31,7 @@ from ..cachedir import cache_root
 SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 NEEDS = ("avx512f", "avx512bw", "avx512_vnni")
-ABI = 7
+ABI = 8
 
 _lock = threading.Lock()
 _state: dict = {}
@@ -108,6 +108,8 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     lib.ds_quantize_rows.restype = I
     lib.ds_scale_product.argtypes = [P, I, I, P, P, P, I]
     lib.ds_scale_product.restype = I
+    lib.ds_decode_token.argtypes = [P, P, P, I, I, P, I]
+    lib.ds_decode_token.restype = I
     return lib, "AVX512-VNNI, int8 activations per block of 32"
 
 
