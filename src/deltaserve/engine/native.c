@@ -23,7 +23,7 @@
 #define QB 32
 #define PREFETCH 8192
 
-int ds_abi_version(void) { return 8; }
+int ds_abi_version(void) { return 9; }
 
 /* One activation row: q (int8), lane scales dv (one per 4 elements: the scale of the element's block, so a
  * 64-byte chunk's 16 int32 lanes are scaled by one vector) and the correction 128 * sum(dv * q). */
@@ -123,6 +123,7 @@ typedef struct {
     const int8_t *q;     /* [K] int8 activations */
     const float *d;      /* [K/256] their scales */
     const int16_t *s16;  /* [K/16] sums of each 16 int8 values */
+    const int8_t *qp;    /* [K] the same int8 values in the order of the repacked Q4_K blocks (see below) */
 } act_t;
 
 static inline float f16(const uint8_t *p) {
@@ -130,7 +131,13 @@ static inline float f16(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
-static void prepare(const float *x, int K, int8_t *q, float *d, int16_t *s16) {
+/* Where byte t of a repacked Q4_K block's activation order comes from in the natural order (see ds_repack_q4k). */
+static inline int q4kr_source(int t) {
+    int half = t / 128, hi = (t % 128) / 64, p = t % 64, lane = p / 2;
+    return 32 * (4 * half + lane % 4) + 16 * hi + 2 * (lane / 4) + p % 2;
+}
+
+static void prepare(const float *x, int K, int8_t *q, float *d, int16_t *s16, int8_t *qp) {
     for (int b = 0; b < K; b += 256) {
         __m512 mx = _mm512_setzero_ps();
         for (int i = 0; i < 256; i += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(x + b + i)));
@@ -142,6 +149,8 @@ static void prepare(const float *x, int K, int8_t *q, float *d, int16_t *s16) {
             _mm_storeu_si128((__m128i *)(q + b + i), _mm512_cvtsepi32_epi8(v));
             s16[(b + i) / 16] = (int16_t)_mm512_reduce_add_epi32(v);
         }
+        if (qp)
+            for (int t = 0; t < 256; t++) qp[b + t] = q[b + q4kr_source(t)];
     }
 }
 
@@ -206,9 +215,13 @@ static inline __attribute__((always_inline)) void rows_q6k(const uint8_t *row0, 
         for (int m = 0; m < M; m++) out[r * MAXM + m] = acc[r][m] + _mm512_reduce_add_ps(vacc[r][m]);
 }
 
-/* Q4_K blocks repacked once at load for the product below (152 bytes instead of 144: the block's two f16
- * factors as f32, its 8 six-bit scales and 8 mins as bytes, then the 128 bytes of 4-bit values unchanged),
- * so a product spends no work on the packed scale bits. */
+/* Q4_K blocks repacked once at load for the product below (152 bytes instead of 144): the block's two f16
+ * factors as f32, its 8 six-bit scales and 8 mins as bytes, then its 256 four-bit values in an order that
+ * needs no scale shuffle: each of the two 64-byte halves holds sub-blocks 4h..4h+3, and in each 16-bit lane
+ * (two values) of either nibble plane the sub-block is the lane's index mod 4. So the int16 scales of a
+ * half are one 64-bit pattern broadcast across the register, and the activations are put in the same order
+ * once per product (q4kr_source). Byte p of half h: lane = p / 2, sub-block s = 4h + lane % 4, value
+ * i = 2 (lane / 4) + p % 2 of it in the low nibble and value 16 + i in the high nibble. */
 #define Q4KR 112
 #define Q4KR_BYTES 152
 
@@ -227,7 +240,13 @@ int ds_repack_q4k(const uint8_t *src, long nblocks, uint8_t *dst) {
             o[8 + j] = (uint8_t)sc;
             o[16 + j] = (uint8_t)mn;
         }
-        __builtin_memcpy(o + 24, b + 16, 128);
+        const uint8_t *qs = b + 16;  /* sub-block s, value v: nibble (s odd: high) of byte 32 (s / 2) + v */
+        for (int t = 0; t < 128; t++) {  /* byte p of half h: activation-order values 128h + p and 128h + 64 + p */
+            int src_lo = q4kr_source(128 * (t / 64) + t % 64), src_hi = src_lo + 16;
+            int vl = (qs[32 * (src_lo / 64) + src_lo % 32] >> (4 * ((src_lo / 32) % 2))) & 0xF;
+            int vh = (qs[32 * (src_hi / 64) + src_hi % 32] >> (4 * ((src_hi / 32) % 2))) & 0xF;
+            o[24 + t] = (uint8_t)(vl | (vh << 4));
+        }
     }
     return 0;
 }
@@ -241,24 +260,27 @@ static inline __attribute__((always_inline)) void rows_q4kr(const uint8_t *row0,
     const __m512i lo4 = _mm512_set1_epi8(0x0F);
     for (int b = 0; b < K / 256; b++) {
         const uint8_t *blk[4];
-        __m512i sc512[4];
+        __m512i sc[4][2];
         __m128i mn[4];
         __m512i dot[4][MAXM];
         for (int r = 0; r < R; r++) {
             blk[r] = row0 + (size_t)r * row_bytes + (size_t)b * Q4KR_BYTES;
             for (int p = 0; p < Q4KR_BYTES; p += 64) _mm_prefetch((const char *)blk[r] + PREFETCH + p, _MM_HINT_T0);
-            sc512[r] = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(blk[r] + 8))));
+            __m128i s8 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(blk[r] + 8)));
+            sc[r][0] = _mm512_broadcastq_epi64(s8);
+            sc[r][1] = _mm512_broadcastq_epi64(_mm_unpackhi_epi64(s8, s8));
             mn[r] = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(blk[r] + 16)));
             for (int m = 0; m < M; m++) dot[r][m] = _mm512_setzero_si512();
         }
-        for (int j = 0; j < 4; j++) {
-            __m512i idx = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * j)), _mm256_set1_epi16((short)(2 * j + 1)), 1);
+        for (int h = 0; h < 2; h++) {
             for (int r = 0; r < R; r++) {
-                __m256i raw = _mm256_loadu_si256((const __m256i *)(blk[r] + 24 + 32 * j));
-                __m512i wq = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1), lo4);
-                __m512i s = _mm512_permutexvar_epi16(idx, sc512[r]);
-                for (int m = 0; m < M; m++)
-                    dot[r][m] = _mm512_dpwssd_epi32(dot[r][m], _mm512_maddubs_epi16(wq, _mm512_loadu_si512(a[m].q + b * 256 + 64 * j)), s);
+                __m512i raw = _mm512_loadu_si512(blk[r] + 24 + 64 * h);
+                __m512i wl = _mm512_and_si512(raw, lo4), wh = _mm512_and_si512(_mm512_srli_epi16(raw, 4), lo4);
+                for (int m = 0; m < M; m++) {
+                    const int8_t *ap = a[m].qp + b * 256 + 128 * h;
+                    dot[r][m] = _mm512_dpwssd_epi32(dot[r][m], _mm512_maddubs_epi16(wl, _mm512_loadu_si512(ap)), sc[r][h]);
+                    dot[r][m] = _mm512_dpwssd_epi32(dot[r][m], _mm512_maddubs_epi16(wh, _mm512_loadu_si512(ap + 64)), sc[r][h]);
+                }
             }
         }
         for (int m = 0; m < M; m++) {
@@ -289,14 +311,16 @@ int ds_linear_kq(int type, const float *x, int M, int K, long ldx, const uint8_t
                  long ldy, int nthreads) {
     if (K <= 0 || K % 256 || M <= 0 || M > MAXM || N <= 0 || (type != Q6K && type != Q4KR)) return -1;
     size_t bs = type == Q4KR ? Q4KR_BYTES : 210, row_bytes = (size_t)(K / 256) * bs;
-    int8_t *q = malloc((size_t)M * K);
+    int8_t *q = malloc((size_t)M * K), *qp = malloc((size_t)M * K);
     float *d = malloc((size_t)M * K / 256 * sizeof(float));
     int16_t *s16 = malloc((size_t)M * K / 16 * sizeof(int16_t));
-    if (!q || !d || !s16) { free(q); free(d); free(s16); return -1; }
+    if (!q || !qp || !d || !s16) { free(q); free(qp); free(d); free(s16); return -1; }
     act_t a[MAXM];
     for (int m = 0; m < M; m++) {
         a[m].q = q + (size_t)m * K; a[m].d = d + (size_t)m * K / 256; a[m].s16 = s16 + (size_t)m * K / 16;
-        prepare(x + (size_t)m * ldx, K, (int8_t *)a[m].q, (float *)a[m].d, (int16_t *)a[m].s16);
+        a[m].qp = qp + (size_t)m * K;
+        prepare(x + (size_t)m * ldx, K, (int8_t *)a[m].q, (float *)a[m].d, (int16_t *)a[m].s16,
+                type == Q4KR ? (int8_t *)a[m].qp : NULL);
     }
     int R = M <= 2 ? 4 : 1, tiles = N / R;  /* four rows at a time where the accumulators fit in registers */
     #pragma omp parallel for num_threads(nthreads) schedule(static)
@@ -312,7 +336,7 @@ int ds_linear_kq(int type, const float *x, int M, int K, long ldx, const uint8_t
         for (int r = 0; r < rows; r++)
             for (int m = 0; m < M; m++) y[(size_t)m * ldy + n + r] = out[r * MAXM + m];
     }
-    free(q); free(d); free(s16);
+    free(q); free(qp); free(d); free(s16);
     return 0;
 }
 
@@ -547,7 +571,7 @@ typedef struct {
 } model_t;
 
 typedef struct {           /* one product's quantized activations */
-    int8_t *q;
+    int8_t *q, *qp;
     float *d, *dv, corr;
     int16_t *s16;
 } abuf_t;
@@ -568,7 +592,7 @@ static void team_product(const lin_t *L, const float *x, float *y, abuf_t *ab) {
     int kq = L->seg[0].type != 0, K = L->K;
     #pragma omp single
     {
-        if (kq) prepare(x, K, ab->q, ab->d, ab->s16);
+        if (kq) prepare(x, K, ab->q, ab->d, ab->s16, ab->qp);
         else ab->corr = quantize_row(x, K, ab->q, ab->dv);
     }
     int off = 0;
@@ -578,7 +602,7 @@ static void team_product(const lin_t *L, const float *x, float *y, abuf_t *ab) {
         float *ys = y + off;
         off += N;
         if (kq) {
-            act_t a = {ab->q, ab->d, ab->s16};
+            act_t a = {ab->q, ab->d, ab->s16, ab->qp};
             size_t row_bytes = (size_t)(K / 256) * (g->type == Q4KR ? Q4KR_BYTES : 210);
             const uint8_t *base = (const uint8_t *)g->data;
             #pragma omp for schedule(static) nowait
@@ -701,10 +725,11 @@ int ds_decode_token(const model_t *m, float *x, float *const *state, int pos, in
           *scores = malloc((size_t)m->nh * (pos + 1) * sizeof(float));
     abuf_t ab;
     ab.q = malloc(kmax + 64);
+    ab.qp = malloc(kmax + 64);
     ab.d = malloc(kmax / 256 * sizeof(float) + 64);
     ab.dv = malloc((kmax / 4 + 16) * sizeof(float));
     ab.s16 = malloc(kmax / 16 * sizeof(int16_t) + 64);
-    int ok = hbuf && big && mid && u && qr && scores && ab.q && ab.d && ab.dv && ab.s16;
+    int ok = hbuf && big && mid && u && qr && scores && ab.q && ab.qp && ab.d && ab.dv && ab.s16;
     if (ok) {
         #pragma omp parallel num_threads(nthreads)
         for (int i = 0; i < m->n_layers; i++) {
@@ -750,6 +775,6 @@ int ds_decode_token(const model_t *m, float *x, float *const *state, int pos, in
         team_product(&m->head, hbuf, logits, &ab);
     }
     free(hbuf); free(big); free(mid); free(u); free(qr); free(scores);
-    free(ab.q); free(ab.d); free(ab.dv); free(ab.s16);
+    free(ab.q); free(ab.qp); free(ab.d); free(ab.dv); free(ab.s16);
     return ok ? 0 : -1;
 }

@@ -31,7 +31,7 @@ from ..cachedir import cache_root
 SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 NEEDS = ("avx512f", "avx512bw", "avx512_vnni")
-ABI = 8
+ABI = 9
 
 _lock = threading.Lock()
 _state: dict = {}
