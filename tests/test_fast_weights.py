@@ -373,12 +373,23 @@ def test_the_one_call_native_decode_follows_the_torch_decode_on_either_head_orde
     for on in (True, False):
         monkeypatch.setattr(forward_mod, "NATIVE_DECODE", on)
         st = f.new_state(48)
-        runs[on] = (torch.stack([f.decode(st, t) for t in ids]), st)
-    (ours, st), (theirs, st0) = runs[True], runs[False]
-    assert st.length == st0.length == len(ids)
+        rows = torch.stack([f.decode(st, t) for t in ids])
+        # batches of 2 and 3 sequences at different positions (each weight read once for the batch)
+        trio = [f.new_state(48) for _ in range(3)]
+        f.decode_batch(trio[:1], ids[:1])
+        pairs = torch.stack([f.decode_batch(trio[:2], [t, ids[-1 - i]]) for i, t in enumerate(ids[:12])])
+        threes = torch.stack([f.decode_batch(trio, [t, t, ids[i]]) for i, t in enumerate(ids[12:24])])
+        runs[on] = (rows, st, pairs, threes, trio)
+    (ours, st, pairs, threes, trio), (theirs, st0, pairs0, threes0, trio0) = runs[True], runs[False]
+    assert st.length == st0.length == len(ids) and [s.length for s in trio] == [25, 24, 12]
     scale = theirs.abs().max().item()
-    assert (ours - theirs).abs().max().item() <= 1e-3 * scale
+    # the same products on the same values; the norms' last bits may differ, so now and then one activation
+    # rounds to the next int8 step (a ~1% change of one row), never more
+    for got, want in ((ours, theirs), (pairs, pairs0), (threes, threes0)):
+        assert (got - want).abs().max().item() <= 1e-2 * scale
+        assert (got - want).abs().mean().item() <= 1e-4 * scale
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+    assert torch.allclose(trio[2].ssm[0], trio0[2].ssm[0], atol=1e-4, rtol=1e-3)
     for i in st.kv:  # the caches written at every position, the recurrent states carried the same way
         for a, b in zip(st.kv[i], st0.kv[i]):
             assert torch.allclose(a[:, :len(ids)], b[:, :len(ids)], atol=1e-4, rtol=1e-3)

@@ -100,7 +100,7 @@ class Forward:
                 if not 0 <= int(token) < self.config.vocab_size:
                     raise ValueError(f"token id out of range 0..{self.config.vocab_size - 1}")
                 with torch.inference_mode():
-                    return program.decode(state, int(token))
+                    return program.decode([state], [int(token)])[0]
         return self._run(state, self._ids([token]), chunked=False, all_logits=False)[0]
 
     @torch.inference_mode()
@@ -114,6 +114,12 @@ class Forward:
         for st in states:
             if st.length + 1 > st.capacity:
                 raise ValueError(f"{st.length + 1} positions do not fit a decode state of {st.capacity}")
+        if NATIVE_DECODE and self.device.type == "cpu" and b <= TokenProgram.MAX_BATCH:
+            program = self.token_program()[0]
+            if program is not None and all(program.takes(st) for st in states):
+                if not all(0 <= int(t) < c.vocab_size for t in tokens):
+                    raise ValueError(f"token id out of range 0..{c.vocab_size - 1}")
+                return program.decode(states, [int(t) for t in tokens])
         ids = self._ids(tokens)
         starts = [st.length for st in states]
         x = w.embed.lookup(ids)

@@ -23,7 +23,7 @@
 #define QB 32
 #define PREFETCH 8192
 
-int ds_abi_version(void) { return 9; }
+int ds_abi_version(void) { return 10; }
 
 /* One activation row: q (int8), lane scales dv (one per 4 elements: the scale of the element's block, so a
  * 64-byte chunk's 16 int32 lanes are scaled by one vector) and the correction 128 * sum(dv * q). */
@@ -570,9 +570,9 @@ typedef struct {
     const layer_t *layers;
 } model_t;
 
-typedef struct {           /* one product's quantized activations */
+typedef struct {           /* a product's quantized activations, for up to MAXM rows */
     int8_t *q, *qp;
-    float *d, *dv, corr;
+    float *d, *dv, corr[MAXM];
     int16_t *s16;
 } abuf_t;
 
@@ -587,43 +587,57 @@ static void rms_norm_row(const float *x, const float *w, float *out, int n, floa
     for (int i = 0; i < n; i++) out[i] = x[i] * r * w[i];
 }
 
-/* y[N] = W x for a stacked linear; called by every thread of the team (the tiles are shared); ends on a barrier */
-static void team_product(const lin_t *L, const float *x, float *y, abuf_t *ab) {
-    int kq = L->seg[0].type != 0, K = L->K;
+static int lin_rows(const lin_t *L) {
+    int n = 0;
+    for (int s = 0; s < L->nseg; s++) n += L->seg[s].rows;
+    return n;
+}
+
+/* y [M, N] = x [M, K] W^T for a stacked linear (rows of x and y contiguous); called by every thread of the
+ * team (the tiles are shared among them); ends on a barrier. */
+static void team_product(const lin_t *L, const float *x, int M, float *y, abuf_t *ab) {
+    int kq = L->seg[0].type != 0, K = L->K, ldy = lin_rows(L);
     #pragma omp single
-    {
-        if (kq) prepare(x, K, ab->q, ab->d, ab->s16, ab->qp);
-        else ab->corr = quantize_row(x, K, ab->q, ab->dv);
+    for (int m = 0; m < M; m++) {
+        if (kq) prepare(x + (size_t)m * K, K, ab->q + (size_t)m * K, ab->d + (size_t)m * (K / 256),
+                        ab->s16 + (size_t)m * (K / 16), ab->qp + (size_t)m * K);
+        else ab->corr[m] = quantize_row(x + (size_t)m * K, K, ab->q + (size_t)m * K, ab->dv + (size_t)m * (K / 4));
     }
     int off = 0;
     for (int s = 0; s < L->nseg; s++) {
         const seg_t *g = &L->seg[s];
-        int N = g->rows, tiles = N / 4, n_items = tiles + (N - tiles * 4);
+        int N = g->rows;
         float *ys = y + off;
         off += N;
         if (kq) {
-            act_t a = {ab->q, ab->d, ab->s16, ab->qp};
+            act_t a[MAXM];
+            for (int m = 0; m < M; m++) {
+                act_t t = {ab->q + (size_t)m * K, ab->d + (size_t)m * (K / 256), ab->s16 + (size_t)m * (K / 16),
+                           ab->qp + (size_t)m * K};
+                a[m] = t;
+            }
+            int R = M <= 2 ? 4 : 1, tiles = N / R, n_items = tiles + (N - tiles * R);
             size_t row_bytes = (size_t)(K / 256) * (g->type == Q4KR ? Q4KR_BYTES : 210);
             const uint8_t *base = (const uint8_t *)g->data;
             #pragma omp for schedule(static) nowait
             for (int t = 0; t < n_items; t++) {
-                int n = t < tiles ? t * 4 : tiles * 4 + (t - tiles);
+                int n = t < tiles ? t * R : tiles * R + (t - tiles), rows = t < tiles ? R : 1;
                 float out[4 * MAXM];
                 const uint8_t *row = base + (size_t)n * row_bytes;
-                if (t < tiles) {
-                    if (g->type == Q4KR) rows_q4kr(row, row_bytes, 4, K, &a, 1, out); else rows_q6k(row, row_bytes, 4, K, &a, 1, out);
-                    for (int r = 0; r < 4; r++) ys[n + r] = out[r * MAXM];
+                if (rows == 4) {
+                    if (g->type == Q4KR) rows_q4kr(row, row_bytes, 4, K, a, M, out); else rows_q6k(row, row_bytes, 4, K, a, M, out);
                 } else {
-                    if (g->type == Q4KR) rows_q4kr(row, row_bytes, 1, K, &a, 1, out); else rows_q6k(row, row_bytes, 1, K, &a, 1, out);
-                    ys[n] = out[0];
+                    if (g->type == Q4KR) rows_q4kr(row, row_bytes, 1, K, a, M, out); else rows_q6k(row, row_bytes, 1, K, a, M, out);
                 }
+                for (int r = 0; r < rows; r++)
+                    for (int m = 0; m < M; m++) ys[(size_t)m * ldy + n + r] = out[r * MAXM + m];
             }
         } else {
             const int8_t *W = (const int8_t *)g->data, *xq = ab->q;
-            const float *ws = g->scale, *dv = ab->dv, *corr = &ab->corr;
-            const int M = 1, K4 = K / 4;
-            const long ldy = 0;
+            const float *ws = g->scale, *dv = ab->dv, *corr = ab->corr;
+            const int K4 = K / 4;
             float *y = ys;
+            int tiles = N / 4, n_items = tiles + (N - tiles * 4);
             #pragma omp for schedule(static) nowait
             for (int t = 0; t < n_items; t++) {
                 if (t < tiles) {
@@ -697,19 +711,21 @@ static void attn_head(const model_t *m, int h, const float *qkv, const float *q,
     for (int i = 0; i < hd; i++) out[(size_t)h * hd + i] = o[i] / (1.0f + expf(-gate[i]));
 }
 
-static int lin_rows(const lin_t *L) {
-    int n = 0;
-    for (int s = 0; s < L->nseg; s++) n += L->seg[s].rows;
-    return n;
-}
-
-/* x [hidden]: the token's embedding row (overwritten: the residual stream). state[2i], state[2i+1]: layer i's
- * (conv [Kc-1, C], ssm [nv, dk, dv]) or (k cache, v cache) [nkv, cap, hd], f32. logits [vocab] out. */
-int ds_decode_token(const model_t *m, float *x, float *const *state, int pos, int cap, float *logits, int nthreads) {
-    int H = m->hidden, C = 2 * m->nk * m->dk + m->nv * m->dv;
-    if (pos < 0 || pos >= cap || m->nk <= 0 || m->nv % m->nk || m->nkv <= 0 || m->nh % m->nkv || m->hd % 16
+/* B sequences, one token each (B <= 8: the products read every weight once for all of them).
+ * x [B, hidden]: the tokens' embedding rows (overwritten: the residual streams). state[b][2i], state[b][2i+1]:
+ * sequence b's layer i (conv [Kc-1, C], ssm [nv, dk, dv]) or (k cache, v cache) [nkv, cap[b], hd], f32;
+ * pos[b]: the position its token takes. logits [B, vocab] out. */
+int ds_decode_tokens(const model_t *m, int B, float *x, float *const *const *state, const int *pos, const int *cap,
+                     float *logits, int nthreads) {
+    int H = m->hidden, C = 2 * m->nk * m->dk + m->nv * m->dv, nh = m->nh, nv = m->nv;
+    if (B < 1 || B > MAXM || m->nk <= 0 || nv % m->nk || m->nkv <= 0 || nh % m->nkv || m->hd % 16
         || m->rotary > m->hd || m->rotary % 2) return -1;
-    size_t kmax = (size_t)H, nmax = (size_t)H;
+    size_t kmax = (size_t)H, nmax = (size_t)H, spos[MAXM + 1];
+    spos[0] = 0;
+    for (int b = 0; b < B; b++) {
+        if (pos[b] < 0 || pos[b] >= cap[b]) return -1;
+        spos[b + 1] = spos[b] + (size_t)nh * (pos[b] + 1);  /* sequence b's score rows start at spos[b] */
+    }
     for (int i = 0; i < m->n_layers; i++) {
         const layer_t *L = &m->layers[i];
         const lin_t *ls[4] = {&L->mix_in, &L->mix_out, &L->gate_up, &L->down};
@@ -719,60 +735,73 @@ int ds_decode_token(const model_t *m, float *x, float *const *state, int pos, in
         }
     }
     kmax = (kmax + 255) / 256 * 256;
-    float *hbuf = malloc(kmax * sizeof(float)), *big = malloc(nmax * sizeof(float)),
-          *mid = malloc(kmax * sizeof(float)), *u = malloc((size_t)C * sizeof(float)),
-          *qr = malloc((size_t)m->nh * m->hd * sizeof(float)),
-          *scores = malloc((size_t)m->nh * (pos + 1) * sizeof(float));
+    float *hbuf = malloc(B * kmax * sizeof(float)), *big = malloc(B * nmax * sizeof(float)),
+          *mid = malloc(B * kmax * sizeof(float)), *u = malloc((size_t)B * C * sizeof(float)),
+          *qr = malloc((size_t)B * nh * m->hd * sizeof(float)), *scores = malloc(spos[B] * sizeof(float));
     abuf_t ab;
-    ab.q = malloc(kmax + 64);
-    ab.qp = malloc(kmax + 64);
-    ab.d = malloc(kmax / 256 * sizeof(float) + 64);
-    ab.dv = malloc((kmax / 4 + 16) * sizeof(float));
-    ab.s16 = malloc(kmax / 16 * sizeof(int16_t) + 64);
+    ab.q = malloc(B * kmax + 64);
+    ab.qp = malloc(B * kmax + 64);
+    ab.d = malloc(B * kmax / 256 * sizeof(float) + 64);
+    ab.dv = malloc((B * kmax / 4 + 16) * sizeof(float));
+    ab.s16 = malloc(B * kmax / 16 * sizeof(int16_t) + 64);
     int ok = hbuf && big && mid && u && qr && scores && ab.q && ab.qp && ab.d && ab.dv && ab.s16;
     if (ok) {
         #pragma omp parallel num_threads(nthreads)
-        for (int i = 0; i < m->n_layers; i++) {
-            const layer_t *L = &m->layers[i];
-            #pragma omp single
-            rms_norm_row(x, L->attn_norm, hbuf, H, m->eps);
-            team_product(&L->mix_in, hbuf, big, &ab);
-            if (L->attention) {
-                float *kc = state[2 * i], *vc = state[2 * i + 1];
+        {
+            for (int i = 0; i < m->n_layers; i++) {
+                const layer_t *L = &m->layers[i];
+                int nin = lin_rows(&L->mix_in), nmid = L->mix_out.K;
                 #pragma omp single
-                attn_prepare(m, L, big, kc, vc, pos, cap, qr);
-                #pragma omp for schedule(static)
-                for (int h = 0; h < m->nh; h++) attn_head(m, h, big, qr, kc, vc, pos, cap, scores + (size_t)h * (pos + 1), mid);
-            } else {
-                float *conv = state[2 * i], *S = state[2 * i + 1];
-                const float *z = big + C, *b = z + m->nv * m->dv, *a = b + m->nv;
+                for (int b = 0; b < B; b++) rms_norm_row(x + (size_t)b * H, L->attn_norm, hbuf + (size_t)b * H, H, m->eps);
+                team_product(&L->mix_in, hbuf, B, big, &ab);
+                if (L->attention) {
+                    #pragma omp single
+                    for (int b = 0; b < B; b++)
+                        attn_prepare(m, L, big + (size_t)b * nin, state[b][2 * i], state[b][2 * i + 1], pos[b], cap[b],
+                                     qr + (size_t)b * nh * m->hd);
+                    #pragma omp for schedule(static)
+                    for (int t = 0; t < B * nh; t++) {
+                        int b = t / nh, h = t % nh;
+                        attn_head(m, h, big + (size_t)b * nin, qr + (size_t)b * nh * m->hd, state[b][2 * i],
+                                  state[b][2 * i + 1], pos[b], cap[b], scores + spos[b] + (size_t)h * (pos[b] + 1),
+                                  mid + (size_t)b * nmid);
+                    }
+                } else {
+                    #pragma omp single
+                    for (int b = 0; b < B; b++)
+                        dn_mix(big + (size_t)b * nin, L->conv_w, state[b][2 * i], u + (size_t)b * C, C, m->Kc, m->nk, m->dk);
+                    #pragma omp for schedule(static)
+                    for (int t = 0; t < B * nv; t++) {
+                        int b = t / nv, h = t % nv;
+                        const float *z = big + (size_t)b * nin + C, *bb = z + nv * m->dv, *a = bb + nv;
+                        dn_head(h, u + (size_t)b * C, z, bb, a, L->a_neg, L->dt_bias, L->norm_w, state[b][2 * i + 1],
+                                mid + (size_t)b * nmid, m->nk, m->dk, nv, m->dv, m->tiled, m->eps);
+                    }
+                }
+                team_product(&L->mix_out, mid, B, hbuf, &ab);
                 #pragma omp single
-                dn_mix(big, L->conv_w, conv, u, C, m->Kc, m->nk, m->dk);
-                #pragma omp for schedule(static)
-                for (int h = 0; h < m->nv; h++)
-                    dn_head(h, u, z, b, a, L->a_neg, L->dt_bias, L->norm_w, S, mid, m->nk, m->dk, m->nv, m->dv,
-                            m->tiled, m->eps);
+                for (int b = 0; b < B; b++) {
+                    float *xb = x + (size_t)b * H, *hb = hbuf + (size_t)b * H;
+                    for (int j = 0; j < H; j++) xb[j] += hb[j];
+                    rms_norm_row(xb, L->post_norm, hb, H, m->eps);
+                }
+                team_product(&L->gate_up, hbuf, B, big, &ab);
+                #pragma omp single
+                for (int b = 0; b < B; b++) {
+                    int I = m->inter;
+                    float *g = big + (size_t)b * 2 * I, *md = mid + (size_t)b * I;
+                    silu_inplace(g, I);
+                    for (int j = 0; j < I; j++) md[j] = g[j] * g[I + j];
+                }
+                team_product(&L->down, mid, B, hbuf, &ab);
+                #pragma omp single
+                for (int b = 0; b < B; b++)
+                    for (int j = 0; j < H; j++) x[(size_t)b * H + j] += hbuf[(size_t)b * H + j];
             }
-            team_product(&L->mix_out, mid, hbuf, &ab);
             #pragma omp single
-            {
-                for (int j = 0; j < H; j++) x[j] += hbuf[j];
-                rms_norm_row(x, L->post_norm, hbuf, H, m->eps);
-            }
-            team_product(&L->gate_up, hbuf, big, &ab);
-            #pragma omp single
-            {
-                int I = m->inter;
-                silu_inplace(big, I);
-                for (int j = 0; j < I; j++) mid[j] = big[j] * big[I + j];
-            }
-            team_product(&L->down, mid, hbuf, &ab);
-            #pragma omp single
-            for (int j = 0; j < H; j++) x[j] += hbuf[j];
+            for (int b = 0; b < B; b++) rms_norm_row(x + (size_t)b * H, m->final_norm, hbuf + (size_t)b * H, H, m->eps);
+            team_product(&m->head, hbuf, B, logits, &ab);
         }
-        rms_norm_row(x, m->final_norm, hbuf, H, m->eps);
-        #pragma omp parallel num_threads(nthreads)
-        team_product(&m->head, hbuf, logits, &ab);
     }
     free(hbuf); free(big); free(mid); free(u); free(qr); free(scores);
     free(ab.q); free(ab.qp); free(ab.d); free(ab.dv); free(ab.s16);

@@ -31,7 +31,7 @@ from ..cachedir import cache_root
 SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 NEEDS = ("avx512f", "avx512bw", "avx512_vnni")
-ABI = 9
+ABI = 10
 
 _lock = threading.Lock()
 _state: dict = {}
@@ -108,8 +108,8 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     lib.ds_quantize_rows.restype = I
     lib.ds_scale_product.argtypes = [P, I, I, P, P, P, I]
     lib.ds_scale_product.restype = I
-    lib.ds_decode_token.argtypes = [P, P, P, I, I, P, I]
-    lib.ds_decode_token.restype = I
+    lib.ds_decode_tokens.argtypes = [P, I, P, P, P, P, P, I]
+    lib.ds_decode_tokens.restype = I
     return lib, "AVX512-VNNI, int8 activations per block of 32"
 
 

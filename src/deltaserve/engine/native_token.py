@@ -132,22 +132,32 @@ class TokenProgram:
         except NotNative as e:
             return None, f"decode through torch ops (native token decode not used: {e})"
 
+    MAX_BATCH = 8  # sequences per call (the products' row limit)
+
     def takes(self, state: DecodeState) -> bool:
         """f32 caches and states on the CPU, as the native step reads them."""
         return state.kv_dtype == torch.float32 and state.device.type == "cpu"
 
-    def decode(self, state: DecodeState, token: int) -> torch.Tensor:
-        """One token at the state's position: logits [vocab]; the state advances by one. The caller checked
-        the position and the token id."""
-        w = self.weights
-        x = w.embed.lookup(torch.tensor([token])).reshape(-1).float().clone()
-        ptrs = (ctypes.c_void_p * (2 * len(w.layers)))()
-        for i in range(len(w.layers)):
-            a, b = state.kv[i] if i in state.kv else (state.conv[i], state.ssm[i])
-            ptrs[2 * i], ptrs[2 * i + 1] = a.data_ptr(), b.data_ptr()
-        logits = torch.empty(w.lm_head.out_features)
-        if self.lib.ds_decode_token(ctypes.byref(self.model), x.data_ptr(), ptrs, state.length, state.capacity,
-                                    logits.data_ptr(), torch.get_num_threads()) != 0:
+    def decode(self, states: list[DecodeState], tokens: list[int]) -> torch.Tensor:
+        """One token for each of B <= MAX_BATCH sequences at its state's position: logits [B, vocab]; each state
+        advances by one. The caller checked the positions and the token ids."""
+        w, b = self.weights, len(states)
+        x = w.embed.lookup(torch.tensor(tokens)).reshape(b, -1).float().clone()
+        n = len(w.layers)
+        per_state = []
+        for st in states:
+            ptrs = (ctypes.c_void_p * (2 * n))()
+            for i in range(n):
+                first, second = st.kv[i] if i in st.kv else (st.conv[i], st.ssm[i])
+                ptrs[2 * i], ptrs[2 * i + 1] = first.data_ptr(), second.data_ptr()
+            per_state.append(ptrs)
+        table = (ctypes.c_void_p * b)(*(ctypes.addressof(p) for p in per_state))
+        pos = (ctypes.c_int * b)(*(st.length for st in states))
+        cap = (ctypes.c_int * b)(*(st.capacity for st in states))
+        logits = torch.empty(b, w.lm_head.out_features)
+        if self.lib.ds_decode_tokens(ctypes.byref(self.model), b, x.data_ptr(), table, pos, cap, logits.data_ptr(),
+                                     torch.get_num_threads()) != 0:
             raise MemoryError("the native token decode could not allocate its scratch")
-        state.length += 1
+        for st in states:
+            st.length += 1
         return logits
