@@ -264,6 +264,11 @@ def test_a_q4_k_m_file_decodes_from_its_own_blocks_within_1_5x_llama_cpps_own_er
     assert d_ours <= 1.5 * d_theirs, (d_ours, d_theirs)
     agree = lambda got: (got.argmax(-1) == want.argmax(-1)).float().mean().item()  # noqa: E731
     assert agree(ours) >= agree(theirs) - 0.05
+    f = Forward(fast.config, w)  # a batch of three conversations reads the same blocks, three rows at a time
+    trio = [f.new_state(len(ids)) for _ in range(3)]
+    batched = torch.stack([f.decode_batch(trio, [t, t, t]) for t in ids])
+    for j in range(3):
+        assert (batched[:, j] - ours).abs().mean().item() <= 1e-3 * (ours - want).abs().mean().item() + 1e-6
 
 
 @pytest.mark.parametrize("source", ["hf", "gguf"])  # value heads grouped (HF) and tiled (GGUF) over key heads
@@ -418,3 +423,28 @@ def test_the_native_token_decode_says_why_it_is_not_used_and_leaves_other_states
     with pytest.raises(ValueError, match="17 positions do not fit a decode state of 16"):
         for t in ids:
             f.decode(f32_state, t)
+
+
+def test_the_native_delta_rule_over_a_span_follows_the_chunked_and_the_stepwise_torch_versions():
+    if not native.status()[0]:
+        pytest.skip(f"the native kernel does not run here: {native.status()[1]}")
+    from deltaserve.engine import layers
+
+    g = torch.Generator().manual_seed(11)
+    h, dk, dv = 3, 16, 64
+    for t in (1, 2, 7, 70):  # one token, a short span, more than a chunk of 64
+        q = layers.l2_normalize(torch.randn(t, h, dk, generator=g)) * dk ** -0.5
+        k = layers.l2_normalize(torch.randn(t, h, dk, generator=g))
+        v = torch.randn(t, h, dv, generator=g)
+        decay = -torch.rand(t, h, generator=g) * 2   # log decays
+        beta = torch.rand(t, h, generator=g)
+        start = torch.randn(h, dk, dv, generator=g) * 0.3
+        ours_state, chunked_state, step_state = start.clone(), start.clone(), start.clone()
+        ours = native.delta_rule(q, k, v, decay, beta, ours_state)
+        chunked = layers.delta_rule_chunked(q, k, v, decay, beta, chunked_state)
+        stepped = torch.stack([layers.delta_rule_step(q[i], k[i], v[i], decay[i], beta[i], step_state)
+                               for i in range(t)])
+        for want, want_state in ((stepped, step_state), (chunked, chunked_state)):
+            assert torch.allclose(ours, want, atol=1e-5, rtol=1e-4), t
+            assert torch.allclose(ours_state, want_state, atol=1e-5, rtol=1e-4), t
+    assert native.delta_rule(q, k, v[..., :48], decay, beta, torch.zeros(h, dk, 48)) is None  # dv not a multiple of 32

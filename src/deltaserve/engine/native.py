@@ -110,6 +110,8 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     lib.ds_scale_product.restype = I
     lib.ds_decode_tokens.argtypes = [P, I, P, P, P, P, P, I]
     lib.ds_decode_tokens.restype = I
+    lib.ds_delta_rule.argtypes = [P] * 7 + [I] * 5
+    lib.ds_delta_rule.restype = I
     return lib, "AVX512-VNNI, int8 activations per block of 32"
 
 
@@ -213,6 +215,25 @@ def deltanet_step(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.
                                   int(cfg.value_head_order == "tiled"), float(cfg.rms_norm_eps),
                                   torch.get_num_threads()) != 0:
         raise MemoryError("the native DeltaNet step could not allocate its scratch")
+    return out
+
+
+def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               state: torch.Tensor) -> torch.Tensor | None:
+    """The gated delta rule over a span, token by token (see native.c): what layers.delta_rule_chunked
+    returns, `state` [H, dk, dv] updated in place; None, with nothing touched, where the kernel does not take it.
+    q, k: [T, H, dk]; v: [T, H, dv]; g (log decays), beta: [T, H]."""
+    lib = library()
+    t, h, dk = k.shape
+    dv = v.shape[-1]
+    if lib is None or state.dtype != torch.float32 or not state.is_contiguous() or state.device.type != "cpu" \
+            or state.shape != (h, dk, dv) or dv % 32 or dk % 2:
+        return None
+    q, k, v, g, beta = (x.float().contiguous() for x in (q, k, v, g, beta))
+    out = torch.empty(t, h, dv)
+    if lib.ds_delta_rule(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), state.data_ptr(),
+                         out.data_ptr(), t, h, dk, dv, torch.get_num_threads()) != 0:
+        return None
     return out
 
 
