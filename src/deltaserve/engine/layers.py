@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from . import native
 
 CHUNK = 64  # the chunk length of the chunked gated delta rule
-NATIVE_STEP = True  # DeltaNet's one-token step and its prefill conv on the native kernel where it runs (tests
-#                     compare both paths)
+NATIVE_STEP = True  # DeltaNet's one-token step, its prefill conv and its prefill delta rule on the native kernel
+#                     where it runs (tests compare both paths)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -185,7 +185,9 @@ def deltanet_mixer(x: torch.Tensor, w, cfg, conv_state: torch.Tensor, ssm_state:
     qkv, z, beta, g = _deltanet_project(x, w)
     q, k, v = _deltanet_heads(causal_conv(qkv, conv_state, w.conv), cfg)
     if chunked:
-        o = delta_rule_chunked(q, k, v, g, beta, ssm_state)
+        o = native.delta_rule(q, k, v, g, beta, ssm_state) if NATIVE_STEP else None
+        if o is None:
+            o = delta_rule_chunked(q, k, v, g, beta, ssm_state)
     else:
         o = torch.stack([delta_rule_step(q[i], k[i], v[i], g[i], beta[i], ssm_state) for i in range(x.shape[0])])
     return _deltanet_out(o, z, w, cfg)
