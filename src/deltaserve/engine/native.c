@@ -597,7 +597,7 @@ static int lin_rows(const lin_t *L) {
  * team (the tiles are shared among them); ends on a barrier. */
 static void team_product(const lin_t *L, const float *x, int M, float *y, abuf_t *ab) {
     int kq = L->seg[0].type != 0, K = L->K, ldy = lin_rows(L);
-    #pragma omp single
+    #pragma omp for schedule(static)
     for (int m = 0; m < M; m++) {
         if (kq) prepare(x + (size_t)m * K, K, ab->q + (size_t)m * K, ab->d + (size_t)m * (K / 256),
                         ab->s16 + (size_t)m * (K / 16), ab->qp + (size_t)m * K);
@@ -751,11 +751,11 @@ int ds_decode_tokens(const model_t *m, int B, float *x, float *const *const *sta
             for (int i = 0; i < m->n_layers; i++) {
                 const layer_t *L = &m->layers[i];
                 int nin = lin_rows(&L->mix_in), nmid = L->mix_out.K;
-                #pragma omp single
+                #pragma omp for schedule(static)
                 for (int b = 0; b < B; b++) rms_norm_row(x + (size_t)b * H, L->attn_norm, hbuf + (size_t)b * H, H, m->eps);
                 team_product(&L->mix_in, hbuf, B, big, &ab);
                 if (L->attention) {
-                    #pragma omp single
+                    #pragma omp for schedule(static)
                     for (int b = 0; b < B; b++)
                         attn_prepare(m, L, big + (size_t)b * nin, state[b][2 * i], state[b][2 * i + 1], pos[b], cap[b],
                                      qr + (size_t)b * nh * m->hd);
@@ -767,7 +767,7 @@ int ds_decode_tokens(const model_t *m, int B, float *x, float *const *const *sta
                                   mid + (size_t)b * nmid);
                     }
                 } else {
-                    #pragma omp single
+                    #pragma omp for schedule(static)
                     for (int b = 0; b < B; b++)
                         dn_mix(big + (size_t)b * nin, L->conv_w, state[b][2 * i], u + (size_t)b * C, C, m->Kc, m->nk, m->dk);
                     #pragma omp for schedule(static)
@@ -779,14 +779,14 @@ int ds_decode_tokens(const model_t *m, int B, float *x, float *const *const *sta
                     }
                 }
                 team_product(&L->mix_out, mid, B, hbuf, &ab);
-                #pragma omp single
+                #pragma omp for schedule(static)
                 for (int b = 0; b < B; b++) {
                     float *xb = x + (size_t)b * H, *hb = hbuf + (size_t)b * H;
                     for (int j = 0; j < H; j++) xb[j] += hb[j];
                     rms_norm_row(xb, L->post_norm, hb, H, m->eps);
                 }
                 team_product(&L->gate_up, hbuf, B, big, &ab);
-                #pragma omp single
+                #pragma omp for schedule(static)
                 for (int b = 0; b < B; b++) {
                     int I = m->inter;
                     float *g = big + (size_t)b * 2 * I, *md = mid + (size_t)b * I;
@@ -794,11 +794,11 @@ int ds_decode_tokens(const model_t *m, int B, float *x, float *const *const *sta
                     for (int j = 0; j < I; j++) md[j] = g[j] * g[I + j];
                 }
                 team_product(&L->down, mid, B, hbuf, &ab);
-                #pragma omp single
+                #pragma omp for schedule(static)
                 for (int b = 0; b < B; b++)
                     for (int j = 0; j < H; j++) x[(size_t)b * H + j] += hbuf[(size_t)b * H + j];
             }
-            #pragma omp single
+            #pragma omp for schedule(static)
             for (int b = 0; b < B; b++) rms_norm_row(x + (size_t)b * H, m->final_norm, hbuf + (size_t)b * H, H, m->eps);
             team_product(&m->head, hbuf, B, logits, &ab);
         }
