@@ -58,6 +58,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, prompt: Sequence[int], generated: Sequence[int]) -> int:
         p = self.params
+        if p.greedy and p.repetition_penalty == 1.0 and not (p.presence_penalty or p.frequency_penalty):
+            return int(torch.argmax(logits.detach().reshape(-1)))  # no copy of the row (a batch's rows are views)
         x = logits.detach().float().reshape(-1).cpu().clone()
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(prompt) | set(generated)), dtype=torch.long)
