@@ -70,8 +70,27 @@ def test_an_engine_measure_runs_in_a_process_of_its_own_and_returns_its_numbers(
 
     r = in_fresh_process("deltaserve_pp_tg", hybrid_gguf, 1, 1)
     assert r["pp512"] > 0 and r["tg"] > 0 and len(r["pp_runs"]) == 1
+    assert len(r["read_bandwidth_runs"]) == 1 and r["read_bandwidth_runs"][0] > 1e8  # measured in that process
     try:
         in_fresh_process("deltaserve_pp_tg", hybrid_gguf.with_name("missing.gguf"), 1, 1)
         raise AssertionError("a failing measure must raise")
     except RuntimeError as e:
         assert "deltaserve_pp_tg failed" in str(e)
+
+
+def test_the_decode_bound_takes_the_highest_read_bandwidth_measured_in_the_run(tmp_path):
+    from deltaserve.bench.peers import merge_runs
+    from deltaserve.bench.report import write_report
+
+    def run(tg, bw):
+        return {"pp512": 100.0, "tg": tg, "pp_runs": [100.0], "tg_runs": [tg], "decode_bytes_per_token": 1e9,
+                "read_bandwidth_runs": [bw]}
+
+    ds = merge_runs([run(20.0, 30e9), run(22.0, 50e9), run(21.0, 40e9)])
+    assert ds["read_bandwidth_runs"] == [30e9, 50e9, 40e9] and ds["tg"] == 21.0
+    llama = merge_runs([{"pp512": 50.0, "tg": 10.0, "pp_runs": [50.0], "tg_runs": [10.0]}])
+    r = {"command": "deltaserve bench speed", "threads": 2, "repeats": 3, "cpu": "x", "torch": "2", "date": "d",
+         "files": {}, "read_bandwidth": 35e9, "speed": {"q8_0": {"llama.cpp": llama, "deltaserve": ds}}}
+    text = write_report(r, tmp_path)
+    assert "50.0 GB/s, the highest of 4 measurements (30.0-50.0 GB/s" in text
+    assert "bandwidth bound 50.0 tok/s, reached 42%" in text  # 21 tok/s of 50: bytes per token / best bandwidth

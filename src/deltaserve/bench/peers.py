@@ -106,8 +106,10 @@ def deltaserve_pp_tg(path: Path, threads: int, repeats: int, tg_tokens: int = 32
                        (lw.mixer.qkv.decode_nbytes + lw.mixer.o.decode_nbytes if hasattr(lw.mixer, "qkv")
                         else lw.mixer.in_proj.decode_nbytes + lw.mixer.out.decode_nbytes)
                        for lw in m.host.weights.layers) + m.host.weights.lm_head.decode_nbytes
+    # the machine's read bandwidth moves from minute to minute: measured again in the minute of these runs
     return {"pp512": median(pp), "tg": median(tg), "pp_runs": pp, "tg_runs": tg, "load_s": load_s,
-            "decode_bytes_per_token": decode_bytes, "weights_bytes": m.host.weights.nbytes}
+            "decode_bytes_per_token": decode_bytes, "weights_bytes": m.host.weights.nbytes,
+            "read_bandwidth_runs": [read_bandwidth(threads)]}
 
 
 def deltaserve_aggregate(path: Path, threads: int, conversations: int = 8, tokens: int = 32) -> dict:
@@ -354,8 +356,9 @@ def chat_measure(engine: str, path: Path, threads: int, turns: int = 12, max_tok
 def merge_runs(parts: list[dict]) -> dict:
     """One engine's pp/tg measures from several processes: every run kept, medians over all of them."""
     out = dict(parts[0])
-    for key in ("pp_runs", "tg_runs"):
-        out[key] = [v for part in parts for v in part[key]]
+    for key in ("pp_runs", "tg_runs", "read_bandwidth_runs"):
+        if key in out:
+            out[key] = [v for part in parts for v in part[key]]
     out["pp512"], out["tg"] = median(out["pp_runs"]), median(out["tg_runs"])
     return out
 

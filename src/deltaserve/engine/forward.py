@@ -92,16 +92,28 @@ class Forward:
 
     def decode(self, state: DecodeState, token: int) -> torch.Tensor:
         """One token through the recurrent path. Returns logits [vocab]."""
-        if NATIVE_DECODE and self.device.type == "cpu":
-            program = self.token_program()[0]
-            if program is not None and program.takes(state):
-                if state.length + 1 > state.capacity:
-                    raise ValueError(f"{state.length + 1} positions do not fit a decode state of {state.capacity}")
-                if not 0 <= int(token) < self.config.vocab_size:
-                    raise ValueError(f"token id out of range 0..{self.config.vocab_size - 1}")
-                with torch.inference_mode():
-                    return program.decode([state], [int(token)])[0]
+        program = self._native([state])
+        if program is not None:
+            return program.decode([state], self._checked([state], [token]))[0]
         return self._run(state, self._ids([token]), chunked=False, all_logits=False)[0]
+
+    def _native(self, states: list[DecodeState]) -> TokenProgram | None:
+        """The one-call native decode where it takes these states (a CPU, a model that qualifies, f32 states, at
+        most TokenProgram.MAX_BATCH of them), else None."""
+        if not NATIVE_DECODE or self.device.type != "cpu" or len(states) > TokenProgram.MAX_BATCH:
+            return None
+        program = self.token_program()[0]
+        return program if program is not None and all(program.takes(st) for st in states) else None
+
+    def _checked(self, states: list[DecodeState], tokens) -> list[int]:
+        """The tokens as ints, once every state has room for one more position and every id is in the vocabulary."""
+        for st in states:
+            if st.length + 1 > st.capacity:
+                raise ValueError(f"{st.length + 1} positions do not fit a decode state of {st.capacity}")
+        ids = [int(t) for t in tokens]
+        if any(not 0 <= t < self.config.vocab_size for t in ids):
+            raise ValueError(f"token id out of range 0..{self.config.vocab_size - 1}")
+        return ids
 
     @torch.inference_mode()
     def decode_batch(self, states: list[DecodeState], tokens: list[int]) -> torch.Tensor:
@@ -111,16 +123,11 @@ class Forward:
         b = len(states)
         if b != len(tokens) or b == 0:
             raise ValueError(f"{b} states for {len(tokens)} tokens")
-        for st in states:
-            if st.length + 1 > st.capacity:
-                raise ValueError(f"{st.length + 1} positions do not fit a decode state of {st.capacity}")
-        if NATIVE_DECODE and self.device.type == "cpu" and b <= TokenProgram.MAX_BATCH:
-            program = self.token_program()[0]
-            if program is not None and all(program.takes(st) for st in states):
-                if not all(0 <= int(t) < c.vocab_size for t in tokens):
-                    raise ValueError(f"token id out of range 0..{c.vocab_size - 1}")
-                return program.decode(states, [int(t) for t in tokens])
-        ids = self._ids(tokens)
+        checked = self._checked(states, tokens)
+        program = self._native(states)
+        if program is not None:
+            return program.decode(states, checked)
+        ids = self._ids(checked)
         starts = [st.length for st in states]
         x = w.embed.lookup(ids)
         rope = L.rope_tables(torch.tensor(starts, device=self.device), c.rotary_dim, c.rope_theta)
