@@ -81,6 +81,26 @@ static inline __m512 dot_chunk(__m512 acc, __m512i wu, __m512i xq, __m512 dv) {
         }                                                                                                     \
     }
 
+/* Rows 0..N-1 of W against M quantized activation rows, shared among the threads of the enclosing team
+ * (an orphaned worksharing loop: a parallel region of the caller's, or one thread outside any), no barrier. */
+static void i8_tiles(const int8_t *W, const float *ws, int N, int K, const int8_t *xq, const float *dv,
+                     const float *corr, int M, float *y, long ldy) {
+    const int K4 = K / 4;
+    int tiles = N / 4;
+    #pragma omp for schedule(static) nowait
+    for (int t = 0; t < tiles + (N - tiles * 4); t++) {
+        if (t < tiles) {
+            int n0 = t * 4;
+            const int8_t *w0 = W + (size_t)n0 * K;
+            ROWS_BODY(4)
+        } else {
+            int n0 = tiles * 4 + (t - tiles);
+            const int8_t *w0 = W + (size_t)n0 * K;
+            ROWS_BODY(1)
+        }
+    }
+}
+
 /* Returns 0, or -1 when the shapes are not supported (K not a multiple of 32) or memory ran out. */
 int ds_linear_i8(const float *x, int M, int K, long ldx, const int8_t *W, const float *ws, int N, float *y,
                  long ldy, int nthreads) {
@@ -91,17 +111,8 @@ int ds_linear_i8(const float *x, int M, int K, long ldx, const int8_t *W, const 
     float *corr = malloc((size_t)M * sizeof(float));
     if (!xq || !dv || !corr) { free(xq); free(dv); free(corr); return -1; }
     for (int m = 0; m < M; m++) corr[m] = quantize_row(x + (size_t)m * ldx, K, xq + (size_t)m * K, dv + (size_t)m * K4);
-    int tiles = N / 4;
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int t = 0; t < tiles; t++) {
-        int n0 = t * 4;
-        const int8_t *w0 = W + (size_t)n0 * K;
-        ROWS_BODY(4)
-    }
-    for (int n0 = tiles * 4; n0 < N; n0++) {
-        const int8_t *w0 = W + (size_t)n0 * K;
-        ROWS_BODY(1)
-    }
+    #pragma omp parallel num_threads(nthreads)
+    i8_tiles(W, ws, N, K, xq, dv, corr, M, y, ldy);
     free(xq); free(dv); free(corr);
     return 0;
 }
@@ -305,25 +316,13 @@ static inline __attribute__((always_inline)) void rows_q4kr(const uint8_t *row0,
         }
 }
 
-/* y[m, n] = sum_k v(n, k) x[m, k] for the blocks of a repacked Q4_K (type 112) or a Q6_K (type 14) tensor [N, K].
- * M <= 8, K a multiple of 256. Returns 0, or -1 when it cannot take the product. */
-int ds_linear_kq(int type, const float *x, int M, int K, long ldx, const uint8_t *blocks, int N, float *y,
-                 long ldy, int nthreads) {
-    if (K <= 0 || K % 256 || M <= 0 || M > MAXM || N <= 0 || (type != Q6K && type != Q4KR)) return -1;
-    size_t bs = type == Q4KR ? Q4KR_BYTES : 210, row_bytes = (size_t)(K / 256) * bs;
-    int8_t *q = malloc((size_t)M * K), *qp = malloc((size_t)M * K);
-    float *d = malloc((size_t)M * K / 256 * sizeof(float));
-    int16_t *s16 = malloc((size_t)M * K / 16 * sizeof(int16_t));
-    if (!q || !qp || !d || !s16) { free(q); free(qp); free(d); free(s16); return -1; }
-    act_t a[MAXM];
-    for (int m = 0; m < M; m++) {
-        a[m].q = q + (size_t)m * K; a[m].d = d + (size_t)m * K / 256; a[m].s16 = s16 + (size_t)m * K / 16;
-        a[m].qp = qp + (size_t)m * K;
-        prepare(x + (size_t)m * ldx, K, (int8_t *)a[m].q, (float *)a[m].d, (int16_t *)a[m].s16,
-                type == Q4KR ? (int8_t *)a[m].qp : NULL);
-    }
-    int R = M <= 2 ? 4 : 1, tiles = N / R;  /* four rows at a time where the accumulators fit in registers */
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
+/* Rows 0..N-1 of a repacked Q4_K (type 112) or Q6_K (type 14) tensor against M prepared activation rows,
+ * shared among the threads of the enclosing team as i8_tiles is; four rows at a time where the accumulators
+ * fit in registers (M <= 2). */
+static void kq_tiles(int type, const uint8_t *blocks, int N, int K, const act_t *a, int M, float *y, long ldy) {
+    size_t row_bytes = (size_t)(K / 256) * (type == Q4KR ? Q4KR_BYTES : 210);
+    int R = M <= 2 ? 4 : 1, tiles = N / R;
+    #pragma omp for schedule(static) nowait
     for (int t = 0; t < tiles + (N - tiles * R); t++) {
         int n = t < tiles ? t * R : tiles * R + (t - tiles), rows = t < tiles ? R : 1;
         float out[4 * MAXM];
@@ -336,6 +335,26 @@ int ds_linear_kq(int type, const float *x, int M, int K, long ldx, const uint8_t
         for (int r = 0; r < rows; r++)
             for (int m = 0; m < M; m++) y[(size_t)m * ldy + n + r] = out[r * MAXM + m];
     }
+}
+
+/* y[m, n] = sum_k v(n, k) x[m, k] for the blocks of a repacked Q4_K (type 112) or a Q6_K (type 14) tensor [N, K].
+ * M <= 8, K a multiple of 256. Returns 0, or -1 when it cannot take the product. */
+int ds_linear_kq(int type, const float *x, int M, int K, long ldx, const uint8_t *blocks, int N, float *y,
+                 long ldy, int nthreads) {
+    if (K <= 0 || K % 256 || M <= 0 || M > MAXM || N <= 0 || (type != Q6K && type != Q4KR)) return -1;
+    int8_t *q = malloc((size_t)M * K), *qp = malloc((size_t)M * K);
+    float *d = malloc((size_t)M * K / 256 * sizeof(float));
+    int16_t *s16 = malloc((size_t)M * K / 16 * sizeof(int16_t));
+    if (!q || !qp || !d || !s16) { free(q); free(qp); free(d); free(s16); return -1; }
+    act_t a[MAXM];
+    for (int m = 0; m < M; m++) {
+        a[m].q = q + (size_t)m * K; a[m].d = d + (size_t)m * K / 256; a[m].s16 = s16 + (size_t)m * K / 16;
+        a[m].qp = qp + (size_t)m * K;
+        prepare(x + (size_t)m * ldx, K, (int8_t *)a[m].q, (float *)a[m].d, (int16_t *)a[m].s16,
+                type == Q4KR ? (int8_t *)a[m].qp : NULL);
+    }
+    #pragma omp parallel num_threads(nthreads)
+    kq_tiles(type, blocks, N, K, a, M, y, ldy);
     free(q); free(qp); free(d); free(s16);
     return 0;
 }
@@ -603,54 +622,18 @@ static void team_product(const lin_t *L, const float *x, int M, float *y, abuf_t
                         ab->s16 + (size_t)m * (K / 16), ab->qp + (size_t)m * K);
         else ab->corr[m] = quantize_row(x + (size_t)m * K, K, ab->q + (size_t)m * K, ab->dv + (size_t)m * (K / 4));
     }
+    act_t a[MAXM];
+    for (int m = 0; m < M; m++) {
+        act_t t = {ab->q + (size_t)m * K, ab->d + (size_t)m * (K / 256), ab->s16 + (size_t)m * (K / 16),
+                   ab->qp + (size_t)m * K};
+        a[m] = t;
+    }
     int off = 0;
-    for (int s = 0; s < L->nseg; s++) {
+    for (int s = 0; s < L->nseg; s++) {  /* each segment's tiles shared out without a barrier between them */
         const seg_t *g = &L->seg[s];
-        int N = g->rows;
-        float *ys = y + off;
-        off += N;
-        if (kq) {
-            act_t a[MAXM];
-            for (int m = 0; m < M; m++) {
-                act_t t = {ab->q + (size_t)m * K, ab->d + (size_t)m * (K / 256), ab->s16 + (size_t)m * (K / 16),
-                           ab->qp + (size_t)m * K};
-                a[m] = t;
-            }
-            int R = M <= 2 ? 4 : 1, tiles = N / R, n_items = tiles + (N - tiles * R);
-            size_t row_bytes = (size_t)(K / 256) * (g->type == Q4KR ? Q4KR_BYTES : 210);
-            const uint8_t *base = (const uint8_t *)g->data;
-            #pragma omp for schedule(static) nowait
-            for (int t = 0; t < n_items; t++) {
-                int n = t < tiles ? t * R : tiles * R + (t - tiles), rows = t < tiles ? R : 1;
-                float out[4 * MAXM];
-                const uint8_t *row = base + (size_t)n * row_bytes;
-                if (rows == 4) {
-                    if (g->type == Q4KR) rows_q4kr(row, row_bytes, 4, K, a, M, out); else rows_q6k(row, row_bytes, 4, K, a, M, out);
-                } else {
-                    if (g->type == Q4KR) rows_q4kr(row, row_bytes, 1, K, a, M, out); else rows_q6k(row, row_bytes, 1, K, a, M, out);
-                }
-                for (int r = 0; r < rows; r++)
-                    for (int m = 0; m < M; m++) ys[(size_t)m * ldy + n + r] = out[r * MAXM + m];
-            }
-        } else {
-            const int8_t *W = (const int8_t *)g->data, *xq = ab->q;
-            const float *ws = g->scale, *dv = ab->dv, *corr = ab->corr;
-            const int K4 = K / 4;
-            float *y = ys;
-            int tiles = N / 4, n_items = tiles + (N - tiles * 4);
-            #pragma omp for schedule(static) nowait
-            for (int t = 0; t < n_items; t++) {
-                if (t < tiles) {
-                    int n0 = t * 4;
-                    const int8_t *w0 = W + (size_t)n0 * K;
-                    ROWS_BODY(4)
-                } else {
-                    int n0 = tiles * 4 + (t - tiles);
-                    const int8_t *w0 = W + (size_t)n0 * K;
-                    ROWS_BODY(1)
-                }
-            }
-        }
+        if (kq) kq_tiles(g->type, (const uint8_t *)g->data, g->rows, K, a, M, y + off, ldy);
+        else i8_tiles((const int8_t *)g->data, g->scale, g->rows, K, ab->q, ab->dv, ab->corr, M, y + off, ldy);
+        off += g->rows;
     }
     #pragma omp barrier
 }
