@@ -682,7 +682,15 @@ static void attn_head(const model_t *m, int h, const float *qkv, const float *q,
         if (sc > mx) mx = sc;
     }
     float sum = 0.0f;
-    for (int t = 0; t < n; t++) { scores[t] = expf(scores[t] - mx); sum += scores[t]; }
+    __m512 vsum = _mm512_setzero_ps(), vmx = _mm512_set1_ps(mx);
+    int t0 = 0;
+    for (; t0 + 16 <= n; t0 += 16) {  /* e^(s - max) sixteen at a time (a long context has thousands per head) */
+        __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(scores + t0), vmx));
+        _mm512_storeu_ps(scores + t0, e);
+        vsum = _mm512_add_ps(vsum, e);
+    }
+    sum = _mm512_reduce_add_ps(vsum);
+    for (int t = t0; t < n; t++) { scores[t] = expf(scores[t] - mx); sum += scores[t]; }
     float o[hd];
     for (int i = 0; i < hd; i++) o[i] = 0.0f;
     for (int t = 0; t < n; t++) {
