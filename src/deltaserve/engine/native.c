@@ -808,6 +808,39 @@ int ds_decode_tokens(const model_t *m, int B, float *x, float *const *const *sta
  * t + 1 (o = S_new^T q = e^g S_old^T q + (k.q) delta). q, k: [T, H, dk] (one per value head, normalised, q
  * scaled), v, out: [T, H, dv], g, beta: [T, H]. Returns -1 where dv is not a multiple of 32.
  * ------------------------------------------------------------------------------------------------------- */
+/* One pass over a 32-column slice s of a head's state (rows of stride dv): where ku is given, token t's update
+ * row_i = vd row_i + ku[i] (d0, d1), stored; where kn is given, the next token's S^T k and S^T q gathered from
+ * the (updated) rows into kv[0..1], qs[0..1]. Two rows at a time: eight independent accumulation chains.
+ * Inlined with constant NULLs, each call site compiles to its own loop. */
+static inline __attribute__((always_inline)) void dr_pass(float *s, int dk, int dv, const float *ku, __m512 vd,
+                                                          __m512 d0, __m512 d1, const float *kn, const float *qn,
+                                                          __m512 kv[2], __m512 qs[2]) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, e0 = a0, e1 = a0, f0 = a0, f1 = a0;
+    for (int i = 0; i < dk; i += 2) {
+        float *r0 = s + (size_t)i * dv, *r1 = r0 + dv;
+        __m512 s0 = _mm512_loadu_ps(r0), s1 = _mm512_loadu_ps(r0 + 16);
+        __m512 u0 = _mm512_loadu_ps(r1), u1 = _mm512_loadu_ps(r1 + 16);
+        if (ku) {
+            s0 = _mm512_fmadd_ps(_mm512_set1_ps(ku[i]), d0, _mm512_mul_ps(vd, s0));
+            s1 = _mm512_fmadd_ps(_mm512_set1_ps(ku[i]), d1, _mm512_mul_ps(vd, s1));
+            u0 = _mm512_fmadd_ps(_mm512_set1_ps(ku[i + 1]), d0, _mm512_mul_ps(vd, u0));
+            u1 = _mm512_fmadd_ps(_mm512_set1_ps(ku[i + 1]), d1, _mm512_mul_ps(vd, u1));
+            _mm512_storeu_ps(r0, s0); _mm512_storeu_ps(r0 + 16, s1);
+            _mm512_storeu_ps(r1, u0); _mm512_storeu_ps(r1 + 16, u1);
+        }
+        if (kn) {
+            a0 = _mm512_fmadd_ps(_mm512_set1_ps(kn[i]), s0, a0); a1 = _mm512_fmadd_ps(_mm512_set1_ps(kn[i]), s1, a1);
+            b0 = _mm512_fmadd_ps(_mm512_set1_ps(qn[i]), s0, b0); b1 = _mm512_fmadd_ps(_mm512_set1_ps(qn[i]), s1, b1);
+            e0 = _mm512_fmadd_ps(_mm512_set1_ps(kn[i + 1]), u0, e0); e1 = _mm512_fmadd_ps(_mm512_set1_ps(kn[i + 1]), u1, e1);
+            f0 = _mm512_fmadd_ps(_mm512_set1_ps(qn[i + 1]), u0, f0); f1 = _mm512_fmadd_ps(_mm512_set1_ps(qn[i + 1]), u1, f1);
+        }
+    }
+    if (kn) {
+        kv[0] = _mm512_add_ps(a0, e0); kv[1] = _mm512_add_ps(a1, e1);
+        qs[0] = _mm512_add_ps(b0, f0); qs[1] = _mm512_add_ps(b1, f1);
+    }
+}
+
 int ds_delta_rule(const float *q, const float *k, const float *v, const float *g, const float *beta, float *S,
                   float *out, int T, int H, int dk, int dv, int nthreads) {
     if (T <= 0 || H <= 0 || dk <= 0 || dk % 2 || dv % 32) return -1;
@@ -816,21 +849,8 @@ int ds_delta_rule(const float *q, const float *k, const float *v, const float *g
     for (int item = 0; item < H * per_head; item++) {
         int h = item / per_head, c0 = (item % per_head) * 32;
         float *s = S + (size_t)h * dk * dv + c0;
-        __m512 kv0 = _mm512_setzero_ps(), kv1 = kv0, qs0 = kv0, qs1 = kv0;
-        {   /* S^T k and S^T q of the first token */
-            const float *kt = k + (size_t)h * dk, *qt = q + (size_t)h * dk;
-            __m512 a0 = kv0, a1 = kv0, b0 = kv0, b1 = kv0;
-            for (int i = 0; i < dk; i += 2) {
-                __m512 s0 = _mm512_loadu_ps(s + (size_t)i * dv), s1 = _mm512_loadu_ps(s + (size_t)i * dv + 16);
-                __m512 t0 = _mm512_loadu_ps(s + (size_t)(i + 1) * dv), t1 = _mm512_loadu_ps(s + (size_t)(i + 1) * dv + 16);
-                kv0 = _mm512_fmadd_ps(_mm512_set1_ps(kt[i]), s0, kv0); kv1 = _mm512_fmadd_ps(_mm512_set1_ps(kt[i]), s1, kv1);
-                qs0 = _mm512_fmadd_ps(_mm512_set1_ps(qt[i]), s0, qs0); qs1 = _mm512_fmadd_ps(_mm512_set1_ps(qt[i]), s1, qs1);
-                a0 = _mm512_fmadd_ps(_mm512_set1_ps(kt[i + 1]), t0, a0); a1 = _mm512_fmadd_ps(_mm512_set1_ps(kt[i + 1]), t1, a1);
-                b0 = _mm512_fmadd_ps(_mm512_set1_ps(qt[i + 1]), t0, b0); b1 = _mm512_fmadd_ps(_mm512_set1_ps(qt[i + 1]), t1, b1);
-            }
-            kv0 = _mm512_add_ps(kv0, a0); kv1 = _mm512_add_ps(kv1, a1);
-            qs0 = _mm512_add_ps(qs0, b0); qs1 = _mm512_add_ps(qs1, b1);
-        }
+        __m512 zero = _mm512_setzero_ps(), kv[2] = {zero, zero}, qs[2] = {zero, zero};
+        dr_pass(s, dk, dv, NULL, zero, zero, zero, k + (size_t)h * dk, q + (size_t)h * dk, kv, qs);  /* the first token's */
         for (int t = 0; t < T; t++) {
             size_t th = (size_t)t * H + h;
             const float *kt = k + th * dk, *qt = q + th * dk, *vt = v + th * dv + c0;
@@ -840,36 +860,15 @@ int ds_delta_rule(const float *q, const float *k, const float *v, const float *g
             for (int i = dk / 16 * 16; i < dk; i++) kq += kt[i] * qt[i];
             float decay = expf(g[th]);
             __m512 vd = _mm512_set1_ps(decay), vb = _mm512_set1_ps(beta[th]), vkq = _mm512_set1_ps(kq);
-            __m512 d0 = _mm512_mul_ps(vb, _mm512_fnmadd_ps(vd, kv0, _mm512_loadu_ps(vt)));
-            __m512 d1 = _mm512_mul_ps(vb, _mm512_fnmadd_ps(vd, kv1, _mm512_loadu_ps(vt + 16)));
+            __m512 d0 = _mm512_mul_ps(vb, _mm512_fnmadd_ps(vd, kv[0], _mm512_loadu_ps(vt)));
+            __m512 d1 = _mm512_mul_ps(vb, _mm512_fnmadd_ps(vd, kv[1], _mm512_loadu_ps(vt + 16)));
             float *ot = out + th * dv + c0;
-            _mm512_storeu_ps(ot, _mm512_fmadd_ps(vkq, d0, _mm512_mul_ps(vd, qs0)));
-            _mm512_storeu_ps(ot + 16, _mm512_fmadd_ps(vkq, d1, _mm512_mul_ps(vd, qs1)));
-            if (t + 1 < T) {  /* token t's update, and S^T k, S^T q of token t + 1 from the new state */
-                const float *kn = k + (th + H) * dk, *qn = q + (th + H) * dk;
-                __m512 a0 = _mm512_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, e0 = a0, e1 = a0, f0 = a0, f1 = a0;
-                for (int i = 0; i < dk; i += 2) {
-                    float *r0 = s + (size_t)i * dv, *r1 = r0 + dv;
-                    __m512 s0 = _mm512_fmadd_ps(_mm512_set1_ps(kt[i]), d0, _mm512_mul_ps(vd, _mm512_loadu_ps(r0)));
-                    __m512 s1 = _mm512_fmadd_ps(_mm512_set1_ps(kt[i]), d1, _mm512_mul_ps(vd, _mm512_loadu_ps(r0 + 16)));
-                    __m512 u0 = _mm512_fmadd_ps(_mm512_set1_ps(kt[i + 1]), d0, _mm512_mul_ps(vd, _mm512_loadu_ps(r1)));
-                    __m512 u1 = _mm512_fmadd_ps(_mm512_set1_ps(kt[i + 1]), d1, _mm512_mul_ps(vd, _mm512_loadu_ps(r1 + 16)));
-                    _mm512_storeu_ps(r0, s0); _mm512_storeu_ps(r0 + 16, s1);
-                    _mm512_storeu_ps(r1, u0); _mm512_storeu_ps(r1 + 16, u1);
-                    a0 = _mm512_fmadd_ps(_mm512_set1_ps(kn[i]), s0, a0); a1 = _mm512_fmadd_ps(_mm512_set1_ps(kn[i]), s1, a1);
-                    b0 = _mm512_fmadd_ps(_mm512_set1_ps(qn[i]), s0, b0); b1 = _mm512_fmadd_ps(_mm512_set1_ps(qn[i]), s1, b1);
-                    e0 = _mm512_fmadd_ps(_mm512_set1_ps(kn[i + 1]), u0, e0); e1 = _mm512_fmadd_ps(_mm512_set1_ps(kn[i + 1]), u1, e1);
-                    f0 = _mm512_fmadd_ps(_mm512_set1_ps(qn[i + 1]), u0, f0); f1 = _mm512_fmadd_ps(_mm512_set1_ps(qn[i + 1]), u1, f1);
-                }
-                kv0 = _mm512_add_ps(a0, e0); kv1 = _mm512_add_ps(a1, e1);
-                qs0 = _mm512_add_ps(b0, f0); qs1 = _mm512_add_ps(b1, f1);
-            } else {
-                for (int i = 0; i < dk; i++) {
-                    float *r0 = s + (size_t)i * dv;
-                    _mm512_storeu_ps(r0, _mm512_fmadd_ps(_mm512_set1_ps(kt[i]), d0, _mm512_mul_ps(vd, _mm512_loadu_ps(r0))));
-                    _mm512_storeu_ps(r0 + 16, _mm512_fmadd_ps(_mm512_set1_ps(kt[i]), d1, _mm512_mul_ps(vd, _mm512_loadu_ps(r0 + 16))));
-                }
-            }
+            _mm512_storeu_ps(ot, _mm512_fmadd_ps(vkq, d0, _mm512_mul_ps(vd, qs[0])));
+            _mm512_storeu_ps(ot + 16, _mm512_fmadd_ps(vkq, d1, _mm512_mul_ps(vd, qs[1])));
+            if (t + 1 < T)  /* token t's update, and what token t + 1 reads from the new state */
+                dr_pass(s, dk, dv, kt, vd, d0, d1, k + (th + H) * dk, q + (th + H) * dk, kv, qs);
+            else
+                dr_pass(s, dk, dv, kt, vd, d0, d1, NULL, NULL, kv, qs);
         }
     }
     return 0;
