@@ -16,11 +16,13 @@ import pytest
 import torch
 
 import deltaserve
+from deltaserve.engine import forward as forward_mod
 from deltaserve.engine.forward import Forward
 from deltaserve.demo import DEMO_FILE
 from deltaserve.engine import linear as linear_mod
 from deltaserve.engine import native
 from deltaserve.engine.linear import DenseLinear, Int8Linear
+from tests import llama_oracle as oracle
 from tests.fixtures import models as fx
 
 
@@ -98,14 +100,13 @@ def test_the_down_projection_keeps_bf16_activations_and_the_others_take_int8():
 
 @functools.lru_cache(maxsize=None)
 def demo_by_llama_cpp(ftype: str, name: str):
-    """The trained demo model quantized by llama.cpp itself (LLAMA_FTYPE_MOSTLY_<ftype>), cached."""
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is a test dependency (see README)")
+    """The trained demo model quantized by llama.cpp itself (LLAMA_FTYPE_MOSTLY_<ftype>), cached; llama.cpp runs
+    in a child process (tests/llama_oracle.py)."""
+    oracle.require()
     out = fx.fixtures_dir() / f"demo-{name}-by-llama.cpp.gguf"
     if not out.exists():
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
         tmp = out.with_suffix(".part")
-        assert llama_cpp.llama_model_quantize(str(DEMO_FILE).encode(), str(tmp).encode(), params) == 0
+        assert oracle.quantize(DEMO_FILE, tmp, ftype) == 0
         tmp.replace(out)
     return out
 
@@ -115,9 +116,6 @@ def demo_q8_0_by_llama_cpp():
 
 
 def test_on_a_trained_model_the_int8_prefill_stays_within_1_5x_llama_cpps_own_q8_0_error():
-    import numpy as np
-
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is a test dependency (see README)")
     q8 = demo_q8_0_by_llama_cpp()
     ref = deltaserve.load(DEMO_FILE, weights="exact", cache=False)  # the F16 file in f32: the reference
     fast = deltaserve.load(q8, cache=False)
@@ -128,9 +126,7 @@ def test_on_a_trained_model_the_int8_prefill_stays_within_1_5x_llama_cpps_own_q8
     ids = ref.tokenizer.encode(text)
     assert len(ids) > 2 * linear_mod.DECODE_ROWS
     want = ref.logits(ids)
-    llm = llama_cpp.Llama(str(q8), n_ctx=256, n_batch=256, logits_all=True, verbose=False, n_threads=2, seed=0)
-    llm.eval(ids)
-    theirs = torch.from_numpy(np.array(llm.scores[:len(ids)], dtype=np.float32))
+    theirs = torch.from_numpy(oracle.logits(q8, ids, n_ctx=256, n_batch=256))  # llama.cpp, in a child process
     ours = fast.logits(ids)
     d_ours, d_theirs = (ours - want).abs().mean().item(), (theirs - want).abs().mean().item()
     assert d_ours <= 1.5 * d_theirs, (d_ours, d_theirs)
@@ -138,18 +134,13 @@ def test_on_a_trained_model_the_int8_prefill_stays_within_1_5x_llama_cpps_own_q8
 
 
 def test_on_a_trained_model_the_decode_steps_stay_within_1_5x_llama_cpps_own_q8_0_error():
-    import numpy as np
-
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is a test dependency (see README)")
     q8 = demo_q8_0_by_llama_cpp()
     ref = deltaserve.load(DEMO_FILE, weights="exact", cache=False)
     fast = deltaserve.load(q8, cache=False)
     ids = ref.tokenizer.encode("<|im_start|>user\nMy locker code is 4821. Reverse these words: red fox blue"
                                "<|im_end|>\n<|im_start|>assistant\nblue fox red<|im_end|>\n")
     want = ref.logits(ids)
-    llm = llama_cpp.Llama(str(q8), n_ctx=128, n_batch=1, logits_all=True, verbose=False, n_threads=2, seed=0)
-    llm.eval(ids)  # one token per batch: llama.cpp's decode products
-    theirs = torch.from_numpy(np.array(llm.scores[:len(ids)], dtype=np.float32))
+    theirs = torch.from_numpy(oracle.logits(q8, ids, n_ctx=128, n_batch=1))  # one token per batch: its decode products
     ours = decode_all(fast, ids)  # one token per step: the decode route (the native kernel where it runs)
     d_ours, d_theirs = (ours - want).abs().mean().item(), (theirs - want).abs().mean().item()
     assert d_ours <= 1.5 * d_theirs, (d_ours, d_theirs)
@@ -243,9 +234,6 @@ def test_the_native_kernel_reads_q4_k_and_q6_k_blocks_as_the_file_defines_them()
 
 
 def test_a_q4_k_m_file_decodes_from_its_own_blocks_within_1_5x_llama_cpps_own_error():
-    import numpy as np
-
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is a test dependency (see README)")
     path = demo_by_llama_cpp("Q4_K_M", "q4_k_m")
     ref = deltaserve.load(DEMO_FILE, weights="exact", cache=False)
     fast = deltaserve.load(path, cache=False)
@@ -256,9 +244,7 @@ def test_a_q4_k_m_file_decodes_from_its_own_blocks_within_1_5x_llama_cpps_own_er
     ids = ref.tokenizer.encode("<|im_start|>user\nMy locker code is 4821. Reverse these words: red fox blue"
                                "<|im_end|>\n<|im_start|>assistant\nblue fox red<|im_end|>\n")
     want = ref.logits(ids)
-    llm = llama_cpp.Llama(str(path), n_ctx=128, n_batch=1, logits_all=True, verbose=False, n_threads=2, seed=0)
-    llm.eval(ids)
-    theirs = torch.from_numpy(np.array(llm.scores[:len(ids)], dtype=np.float32))
+    theirs = torch.from_numpy(oracle.logits(path, ids, n_ctx=128, n_batch=1))  # in a child process
     ours = decode_all(fast, ids)
     d_ours, d_theirs = (ours - want).abs().mean().item(), (theirs - want).abs().mean().item()
     assert d_ours <= 1.5 * d_theirs, (d_ours, d_theirs)
@@ -362,45 +348,173 @@ def int8_everywhere(m):
     return Weights(w.embed, layers, w.final_norm, q(w.lm_head))
 
 
+# How far the one-call native decode may be from the torch decode: derived, not tuned.
+# Both routes quantize each product's activations to int8 per block of 32 (step d = absmax / 127, rounded to
+# nearest) and then run the same integer products, on values that agree to float32 rounding noise (norms,
+# softmax and SwiGLU round in another order). So an activation rounds differently only where it sits within that
+# noise of a rounding tie, and then by exactly one step: that product's output moves by d * W[:, k]. The test
+# compares the routes one step at a time from the same state (a move cannot compound over the sequence). In the
+# torch step it finds every activation u = x * 127 / absmax within NEAR_TIE * (127 + |u|) of a tie (NEAR_TIE =
+# 4e-6: ~8x the relative difference, ~5e-7 of their size, between the caches and states the routes write where
+# nothing rounds differently), and measures what moving each one step does to the logits and states: a replay of
+# the torch step with d * W[:, k] added to that product's output (the propagation measured, not guessed). A move
+# shifts much of what follows it in the step, which can bring other values near a tie: those are found and
+# measured the same way in the moved replay (a second level; a third would take three near-ties in one step).
+# Any of them may round the other way, so each logit and state value may differ by the sum of their effects on
+# it, plus float noise: FLOAT_NOISE of the logits' scale (~100x what is seen where nothing is near a tie; the
+# states keep their earlier tolerances). A step with nothing near a tie must agree to float noise.
+# The earlier tuned bound (1e-2 x the scale, 0.0208 for gguf) failed on an Intel Xeon at 0.0219: here that is the
+# measured effect of input 61 of the second DeltaNet layer's output projection at step 15 moving one step, the
+# activation nearest a tie in the gguf run (2.3e-5 of a step), and the step-by-step comparison sees it round the
+# other way on an AMD EPYC too.
+NEAR_TIE = 4e-6
+FLOAT_NOISE = 1e-4
+LEVELS = 2
+
+
+class TorchProducts:
+    """The torch decode's int8 products, instrumented: each call's input rows recorded, and `inject`ed moves
+    ({call: [(row, k, +-1)]}) added to the outputs: what one activation rounded one int8 step the other way does."""
+
+    def __init__(self, monkeypatch):
+        self.calls: list | None = None
+        self.inject: dict = {}
+        original = Int8Linear.__call__
+
+        def call(lin, x):
+            y = original(lin, x)
+            if self.calls is None:
+                return y
+            x2 = x.reshape(-1, lin.in_features).float()
+            moves = self.inject.get(len(self.calls), ())
+            self.calls.append(x2.clone())
+            if moves:
+                y = y.clone()
+                for row, k, dq in moves:
+                    d = x2[row, k // 32 * 32:k // 32 * 32 + 32].abs().amax() / 127  # the block's int8 step
+                    y.view(-1, lin.out_features)[row] += dq * d * lin.dense()[:, k]
+            return y
+
+        monkeypatch.setattr(Int8Linear, "__call__", call)
+
+    def near_ties(self, row: int, after: int = -1) -> list[tuple[int, int, int]]:
+        """(call, k, the way it would move) of every activation of `row` near a rounding tie, in calls after
+        `after`."""
+        out = []
+        for c, x in enumerate(self.calls[after + 1:], start=after + 1):
+            blocks = x[row].view(-1, 32)
+            u = (blocks * (127.0 / blocks.abs().amax(-1, keepdim=True))).view(-1)  # as native.c quantizes
+            r = torch.round(u)
+            near = (0.5 - (u - r).abs()) <= NEAR_TIE * (127 + u.abs())
+            out += [(c, k, 1 if u[k] > r[k] else -1) for k in near.nonzero().flatten().tolist()]
+        return out
+
+    def replay(self, f, state, token: int, rows: list[tuple]):
+        """The torch step of `state`'s copies, a batch of <= 8 rows (the per-32 products of the step replayed),
+        row r with the moves rows[r]: logits [R, vocab], the copies, and what each product read."""
+        copies = [copy_state(f, state) for _ in rows]
+        self.calls, self.inject = [], {}
+        for r, moves in enumerate(rows):
+            for c, k, dq in moves:
+                self.inject.setdefault(c, []).append((r, k, dq))
+        out = f.decode_batch(copies, [token] * len(rows))
+        calls, self.calls, self.inject = self.calls, None, {}
+        return out, copies, calls
+
+
+STATE_TOLERANCE = {"kv": (1e-4, 1e-3), "ssm": (1e-4, 1e-3), "conv": (1e-5, 1e-4)}  # (atol, rtol), as before
+
+
+def state_tensors(st) -> list[tuple[str, torch.Tensor]]:
+    """What a step writes or carries (copies): the caches' positions so far, the conv and recurrent states."""
+    return [("kv", t[:, :st.length].clone()) for pair in st.kv.values() for t in pair] + \
+        [("conv", t.clone()) for t in st.conv.values()] + [("ssm", t.clone()) for t in st.ssm.values()]
+
+
+def copy_state(f, st):
+    out = f.new_state(st.capacity)
+    out.restore(st.checkpoint())
+    return out
+
+
+def step_on_both_routes(f, products, states, tokens, monkeypatch):
+    """One decode step of `states` on the native route (on copies) and on the torch route (the states advance
+    on it), from the same state, with the envelope of what near-tie activations rounding the other way can do.
+    Returns (ours, theirs, envelope) logits [B, vocab] and, per sequence, (ours, theirs, envelope) states."""
+    before = [copy_state(f, s) for s in states]
+    mine = [copy_state(f, s) for s in states]
+    one = len(states) == 1
+    monkeypatch.setattr(forward_mod, "NATIVE_DECODE", True)
+    ours = f.decode(mine[0], tokens[0])[None] if one else f.decode_batch(mine, tokens)
+    monkeypatch.setattr(forward_mod, "NATIVE_DECODE", False)
+    products.calls = []
+    theirs = f.decode(states[0], tokens[0])[None] if one else f.decode_batch(states, tokens)
+    calls, products.calls = products.calls, None
+    env = torch.zeros_like(theirs)
+    env_states = [[torch.zeros_like(t) for _, t in state_tensors(s)] for s in states]
+    for row in range(len(states)):
+        # (moves so far, what that step's products read, its row there); level 0: the torch step itself
+        level = [((), calls, row)]
+        for depth in range(LEVELS):
+            deeper = []
+            for moves, read, r0 in level:
+                products.calls = read
+                near = products.near_ties(r0, after=moves[-1][0] if moves else -1)
+                for i in range(0, len(near), 7):  # the step as it is and up to 7 moved: a batch of <= 8 rows
+                    chunk = near[i:i + 7]
+                    out, copies, read2 = products.replay(f, before[row], tokens[row],
+                                                         [moves] + [moves + (m,) for m in chunk])
+                    if not moves:  # the replay is the step compared
+                        assert (out[0] - theirs[row]).abs().max().item() <= FLOAT_NOISE * theirs.abs().max().item()
+                    env[row] += (out[1:] - out[0]).abs().sum(0)
+                    base = state_tensors(copies[0])
+                    for copy in copies[1:]:
+                        for e, (_, a), (_, b) in zip(env_states[row], state_tensors(copy), base):
+                            e += (a - b).abs()
+                    deeper += [(moves + (m,), read2, r) for r, m in enumerate(chunk, start=1)]
+            level = deeper
+    products.calls = None
+    return (ours, theirs, env), [(state_tensors(a), state_tensors(b), e) for a, b, e in zip(mine, states, env_states)]
+
+
 @pytest.mark.parametrize("source", ["hf", "gguf"])  # value heads grouped (HF) and tiled (GGUF) over key heads
 def test_the_one_call_native_decode_follows_the_torch_decode_on_either_head_order(source, monkeypatch):
     if not native.status()[0]:
         pytest.skip(f"the native kernel does not run here: {native.status()[1]}")
-    from deltaserve.engine import forward as forward_mod
-
     m = deltaserve.load(fx.hf_dir("hybrid") if source == "hf" else fx.gguf_path("hybrid", "f32"), cache=False)
     weights = int8_everywhere(m)
     f = Forward(m.config, weights)
     program, route = f.token_program()
     assert program is not None and route == "one native call per decoded token"
     ids = ids_for(m, n=40)
-    runs = {}
-    for on in (True, False):
-        monkeypatch.setattr(forward_mod, "NATIVE_DECODE", on)
-        st = f.new_state(48)
-        rows = torch.stack([f.decode(st, t) for t in ids])
-        # batches of 2 and 3 sequences at different positions (each weight read once for the batch)
-        trio = [f.new_state(48) for _ in range(3)]
-        f.decode_batch(trio[:1], ids[:1])
-        pairs = torch.stack([f.decode_batch(trio[:2], [t, ids[-1 - i]]) for i, t in enumerate(ids[:12])])
-        threes = torch.stack([f.decode_batch(trio, [t, t, ids[i]]) for i, t in enumerate(ids[12:24])])
-        runs[on] = (rows, st, pairs, threes, trio)
-    (ours, st, pairs, threes, trio), (theirs, st0, pairs0, threes0, trio0) = runs[True], runs[False]
-    assert st.length == st0.length == len(ids) and [s.length for s in trio] == [25, 24, 12]
+    products = TorchProducts(monkeypatch)
+    st = f.new_state(48)
+    steps = [step_on_both_routes(f, products, [st], [t], monkeypatch) for t in ids]
+    # batches of 2 and 3 sequences at different positions (each weight read once for the batch)
+    trio = [f.new_state(48) for _ in range(3)]
+    steps.append(step_on_both_routes(f, products, trio[:1], ids[:1], monkeypatch))
+    steps += [step_on_both_routes(f, products, trio[:2], [t, ids[-1 - i]], monkeypatch) for i, t in enumerate(ids[:12])]
+    steps += [step_on_both_routes(f, products, trio, [t, t, ids[i]], monkeypatch) for i, t in enumerate(ids[12:24])]
+    assert st.length == len(ids) and [s.length for s in trio] == [25, 24, 12]
+    ours, theirs, env = (torch.cat(parts) for parts in zip(*(logits for logits, _ in steps)))
     scale = theirs.abs().max().item()
-    # the same products on the same values; the norms' last bits may differ, so now and then one activation
-    # rounds to the next int8 step (a ~1% change of one row), never more
-    for got, want in ((ours, theirs), (pairs, pairs0), (threes, threes0)):
-        assert (got - want).abs().max().item() <= 1e-2 * scale
-        assert (got - want).abs().mean().item() <= 1e-4 * scale
-    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
-    assert torch.allclose(trio[2].ssm[0], trio0[2].ssm[0], atol=1e-4, rtol=1e-3)
-    for i in st.kv:  # the caches written at every position, the recurrent states carried the same way
-        for a, b in zip(st.kv[i], st0.kv[i]):
-            assert torch.allclose(a[:, :len(ids)], b[:, :len(ids)], atol=1e-4, rtol=1e-3)
-    for i in st.ssm:
-        assert torch.allclose(st.ssm[i], st0.ssm[i], atol=1e-4, rtol=1e-3)
-        assert torch.allclose(st.conv[i], st0.conv[i], atol=1e-5, rtol=1e-4)
+    off = (ours - theirs).abs()
+    assert (off <= env + FLOAT_NOISE * scale).all(), (off - env).max().item()
+    # where no activation was near a tie, the routes agree to float noise on average too (~5e-8 of the scale
+    # measured; a bias of 1e-4 on every logit, within FLOAT_NOISE above, fails here)
+    quiet = env.amax(-1) == 0
+    if quiet.any():
+        assert off[quiet].mean().item() <= 1e-5 * scale, off[quiet].mean().item()
+    # the argmax the same wherever the envelope cannot reorder the top two
+    top2 = theirs.topk(2, dim=-1).values
+    reorderable = top2[:, 0] - top2[:, 1] <= 2 * (env.amax(-1) + FLOAT_NOISE * scale)
+    assert ((ours.argmax(-1) == theirs.argmax(-1)) | reorderable).all()
+    # the caches written, the conv and recurrent states carried the same way, at every step
+    for _, rows in steps:
+        for mine, torchs, envs in rows:
+            for (kind, a), (_, b), e in zip(mine, torchs, envs):
+                atol, rtol = STATE_TOLERANCE[kind]
+                assert ((a - b).abs() <= e + atol + rtol * b.abs()).all(), kind
 
 
 def test_the_native_token_decode_says_why_it_is_not_used_and_leaves_other_states_to_torch():

@@ -1,32 +1,26 @@
-"""The same GGUF files through llama.cpp (llama-cpp-python): our logits agree with its logits."""
+"""The same GGUF files through llama.cpp (llama-cpp-python): our logits agree with its logits.
+
+llama.cpp runs in a child process (tests/llama_oracle.py): a crash in it fails the test, not the session."""
 
 from __future__ import annotations
 
-import functools
-
-import numpy as np
 import pytest
 import torch
 
 import deltaserve
+from tests import llama_oracle as oracle
 from tests.fixtures import models as fx
 
-llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is a test dependency (see README)")
+oracle.require()  # skips the module where llama-cpp-python is not installed (without loading libllama here)
 
 TOL = 2e-3
 
 
-@functools.lru_cache(maxsize=None)
-def llama(path: str):
-    return llama_cpp.Llama(path, n_ctx=512, n_batch=512, logits_all=True, verbose=False, n_threads=2, seed=0)
-
-
-def llama_logits(path, ids: list[int]) -> torch.Tensor:
-    m = llama(str(path))
-    m.reset()
-    m.eval(ids)
-    scores = np.array(m.scores[: len(ids)], dtype=np.float32)
-    return torch.from_numpy(scores)
+def llama_logits(*runs: tuple) -> list[torch.Tensor]:
+    """llama.cpp's logits at every position for each (path, ids), all in one child process
+    (n_ctx=512, n_batch=512, n_threads=2, seed=0, as before)."""
+    out = oracle.run([oracle.logits_request(path, ids, n_ctx=512, n_batch=512) for path, ids in runs])
+    return [torch.from_numpy(scores) for scores in out]
 
 
 def prompt(vocab: int, length: int, seed: int) -> list[int]:
@@ -40,7 +34,8 @@ def test_f32_logits_match_llama_cpp(name):
     model = deltaserve.load(path)
     ids = prompt(model.tokenizer.vocab_size, 200, 7)
     ours = model.logits(ids)
-    theirs = llama_logits(path, ids)[:, : ours.shape[1]]
+    (theirs,) = llama_logits((path, ids))
+    theirs = theirs[:, : ours.shape[1]]
     diff = (ours - theirs).abs().max().item()
     assert diff <= TOL, f"max |ours - llama.cpp| = {diff:.2e}"
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
@@ -52,8 +47,7 @@ def test_our_q8_0_is_at_least_as_close_to_llama_cpp_q8_0_as_that_is_to_f32(name)
     model = deltaserve.load(q8, weights="exact")  # the file's own values, dequantized to f32
     ids = prompt(model.tokenizer.vocab_size, 200, 8)
     ours_q8 = model.logits(ids)
-    llama_q8 = llama_logits(q8, ids)[:, : ours_q8.shape[1]]
-    llama_f32 = llama_logits(f32, ids)[:, : ours_q8.shape[1]]
+    llama_q8, llama_f32 = (t[:, : ours_q8.shape[1]] for t in llama_logits((q8, ids), (f32, ids)))
     ours_to_theirs = (ours_q8 - llama_q8).abs().max().item()
     quant_error = (llama_q8 - llama_f32).abs().max().item()
     assert quant_error > 0, "the Q8_0 file should differ from the f32 one"
@@ -64,7 +58,7 @@ def test_llama_cpp_reads_our_tokenizer_metadata_the_same_way():
     path = fx.gguf_path("hybrid", "f32")
     model = deltaserve.load(path)
     text = "Hello there! What is 12 + 30? <|im_start|>user\nhi<|im_end|>"
-    theirs = llama(str(path)).tokenize(text.encode(), add_bos=False, special=True)
+    theirs = oracle.tokenize(path, text, add_bos=False, special=True)
     assert model.tokenizer.encode(text) == theirs
 
 
@@ -75,6 +69,7 @@ def test_our_16_bit_conversions_load_in_llama_cpp_and_agree_with_us(kind, tol):
     model = deltaserve.load(path, weights="exact")  # the file's 16-bit values, computed in f32
     ids = prompt(model.tokenizer.vocab_size, 120, 9)
     ours = model.logits(ids)
-    theirs = llama_logits(path, ids)[:, : ours.shape[1]]
+    (theirs,) = llama_logits((path, ids))
+    theirs = theirs[:, : ours.shape[1]]
     assert (ours - theirs).abs().mean().item() < tol
     assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item() >= 0.9

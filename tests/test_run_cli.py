@@ -32,7 +32,7 @@ def test_run_prints_exactly_what_transformers_greedy_generate_produces(source, h
     model = deltaserve.load(path)
     prompt = "The quick brown fox said hello to the"
     want = transformers_greedy(hybrid_oracle, model.tokenizer, model.tokenizer.encode(prompt), 40)
-    proc = run_cli("run", str(path), "-p", prompt, "-n", "40", "--device", "cpu")
+    proc = run_cli("run", str(path), "--raw", "-p", prompt, "-n", "40", "--device", "cpu")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == want + "\n"
     stats = [line for line in proc.stderr.splitlines() if line.startswith("[stats]")]
@@ -75,10 +75,10 @@ def test_several_prompts_with_chat_are_one_conversation_whose_later_turns_prefil
         assert reused > 0 and reused + prefilled == prompt
 
 
-def test_several_prompts_without_chat_are_refused_in_one_line():
-    proc = run_cli("run", "-p", "a", "-p", "b")
+def test_several_prompts_as_raw_text_are_refused_in_one_line():
+    proc = run_cli("run", "--raw", "-p", "a", "-p", "b")
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert "2 prompts given" in proc.stderr and "--chat" in proc.stderr
+    assert "2 prompts given" in proc.stderr and "--raw" in proc.stderr
 
 
 def test_every_verb_has_help():

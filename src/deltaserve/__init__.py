@@ -9,9 +9,9 @@
 __version__ = "0.1.0"
 
 
-def load(path, device: str = "cpu", threads: int | None = None, cache: bool = True, weights: str | None = None):
-    """Load a Qwen3.5 GGUF file or HF directory; see `deltaserve.api.load`."""
-    from .api import load as _load
+def load(path=None, device: str = "cpu", threads: int | None = None, cache: bool = True, weights: str | None = None):
+    """Load a Qwen3.5 GGUF file or HF directory (no path: the embedded demo model); see `deltaserve.api.load`."""
+    from deltaserve.api import load as _load
 
     return _load(path, device=device, threads=threads, cache=cache, weights=weights)
 

@@ -7,10 +7,14 @@ from typing import Sequence
 
 import torch
 
-from .engine.backend import Backend, select_backend
-from .engine.forward import Forward
-from .model.loader import HostModel, cached_host, load_host
-from .session import Session, Turn
+from deltaserve.engine.backend import Backend, select_backend
+from deltaserve.demo import default_model_path, is_demo
+from deltaserve.engine.forward import Forward
+from deltaserve.engine.threads import plan_threads
+from deltaserve.errors import DeltaserveError
+from deltaserve.model.loader import HostModel, cached_host, load_host
+from deltaserve.session import Session, Turn
+from deltaserve.text.chat_template import render
 
 
 class Model:
@@ -21,6 +25,7 @@ class Model:
         self.device = device
         self._cpu_forward: Forward | None = None
         self._accelerators: dict[str, Backend] = {}  # uploaded once per device, shared by sessions
+        self.threads_why = ""  # why the CPU forwards take the threads they take (said in the backend line)
 
     @property
     def config(self):
@@ -33,6 +38,16 @@ class Model:
     @property
     def path(self):
         return self.host.path
+
+    @property
+    def thinking_default(self) -> bool | None:
+        """enable_thinking when a caller does not say: the embedded demo model was trained with thinking off;
+        any other model keeps its template's default (None)."""
+        return False if is_demo(self.host.path) else None
+
+    def render(self, messages, enable_thinking: bool | None = None) -> tuple[list[int], bool]:
+        """A conversation's prompt ids (generation header added) and whether it leaves the model reasoning."""
+        return render(self.tokenizer, messages, self.thinking_default if enable_thinking is None else enable_thinking)
 
     def _reference_forward(self) -> Forward:
         if self._cpu_forward is None:
@@ -51,6 +66,7 @@ class Model:
     def backend(self, device: str | None = None) -> tuple[Backend, str | None]:
         """The backend for `device`; an accelerator's (weights uploaded) is made once and shared."""
         backend, notice = select_backend(self.host, device or self.device)
+        backend.threads_why = self.threads_why
         if backend.accelerator:
             backend = self._accelerators.setdefault(backend.name, backend)
         return backend, notice
@@ -63,10 +79,10 @@ class Model:
         if backend is None:
             backend, notice = self.backend(device)
         if guard is None and backend.accelerator:
-            from .engine.guard import ParityGuard
+            from deltaserve.engine.guard import ParityGuard
             guard = ParityGuard()
         s = Session(self.host, backend, context=context, one_call=one_call, guard=guard, quiet=quiet,
-                    plan_memory=plan_memory, plan_positions=plan_positions)
+                    plan_memory=plan_memory, plan_positions=plan_positions, thinking_default=self.thinking_default)
         if notice:
             s.notices.insert(0, notice)
         return s
@@ -78,11 +94,19 @@ class Model:
         return self.session(one_call=True, **session_kw).generate(prompt_ids, max_tokens=max_tokens, **kwargs)
 
 
-def load(path: str | os.PathLike, device: str = "cpu", threads: int | None = None, cache: bool = True,
+def load(path: str | os.PathLike | None = None, device: str = "cpu", threads: int | None = None, cache: bool = True,
          weights: str | None = None) -> Model:
-    """Load a Qwen3.5 GGUF file or HF directory. `threads` sets torch's CPU threads. `weights`: "fast"
-    (default: quantized tensors as int8 tables, 16-bit ones as bf16, f32 kept) or "exact" (all f32)."""
-    if threads:
-        torch.set_num_threads(int(threads))
+    """Load a Qwen3.5 GGUF file or HF directory (no path: the embedded demo model). `threads`: CPU threads for
+    the forwards (default: one for a model too small to split, else the cores this process may use; see
+    engine/threads.py). `weights`: "fast" (default: quantized tensors as int8 tables, 16-bit ones as bf16, f32
+    kept) or "exact" (all f32)."""
+    if path is None:
+        path = default_model_path()
+    if threads is not None and int(threads) < 1:
+        raise DeltaserveError(f"threads must be at least 1, got {threads}")
     host = cached_host(path, weights) if cache else load_host(path, weights)
-    return Model(host, device)
+    n, why = plan_threads(host.weights.nbytes, int(threads) if threads is not None else None)
+    torch.set_num_threads(n)
+    model = Model(host, device)
+    model.threads_why = why
+    return model

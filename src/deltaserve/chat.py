@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from .errors import DeltaserveError
+from deltaserve.errors import DeltaserveError
 
 HELP = """commands:
   /clear          forget the conversation (keeps the system message)
@@ -149,7 +149,7 @@ class ChatREPL:
 
 
 def main(a) -> int:
-    from .cli import _guard, _load, _sampling_kwargs, _thinking
+    from deltaserve.cli import _guard, _load, _sampling_kwargs, _thinking
 
     model, load_s = _load(a)
     backend, notice = model.backend(a.device)

@@ -10,8 +10,21 @@ import os
 import sys
 import time
 
-from . import __version__
-from .errors import DeltaserveError
+from deltaserve import __version__
+from deltaserve.engine.threads import plural
+from deltaserve.errors import DeltaserveError
+from deltaserve.text.stream import ReasoningSplitter
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number of at least 1 (a usage error, not a silent fallback, otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
@@ -25,13 +38,15 @@ def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
 def _add_runtime(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto",
                    help="auto (CUDA when visible, else CPU), cpu, cuda, cuda:N (faulty[:STAGE] is a test device)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
-    p.add_argument("--ctx", type=int, default=None, help="context positions to allow (default: the model's declared)")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="CPU threads (default: 1 for a model too small to split, else the cores this process may use)")
+    p.add_argument("--ctx", type=positive_int, default=None,
+                   help="context positions to allow (default and most: the model's declared context)")
     p.add_argument("--revalidate", action="store_true", help="run the accelerator parity guard even if a verdict is cached")
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-n", "--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
+    p.add_argument("-n", "--max-tokens", type=positive_int, default=256, help="most tokens to generate (default 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
@@ -46,13 +61,20 @@ def _sampling_kwargs(a) -> dict:
 
 
 def _thinking(a) -> bool | None:
+    """--think on|off|auto; auto (None) is the model's default (the embedded demo model's is off)."""
     return {"on": True, "off": False, "auto": None}[a.think]
+
+
+def _add_think(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--think", choices=["on", "off", "auto"], default="auto",
+                   help="thinking in the chat template (default auto: the model's own default; off for the "
+                        "embedded demo model); reasoning is kept apart from the answer")
 
 
 def resolve_model(path: str | None) -> str:
     if path:
         return path
-    from .demo import default_model_path
+    from deltaserve.demo import default_model_path
 
     found = default_model_path()
     print(f"[deltaserve] no model named: using the embedded demo model ({found})", file=sys.stderr)
@@ -60,7 +82,7 @@ def resolve_model(path: str | None) -> str:
 
 
 def _load(a):
-    from .api import load
+    from deltaserve.api import load
 
     t0 = time.perf_counter()
     model = load(resolve_model(a.model), device=a.device, threads=a.threads)
@@ -68,7 +90,7 @@ def _load(a):
 
 
 def _guard(a):
-    from .engine.guard import ParityGuard
+    from deltaserve.engine.guard import ParityGuard
 
     return ParityGuard(revalidate=a.revalidate)
 
@@ -92,14 +114,32 @@ def _route(a, model):
     return backend, _guard(a) if backend.accelerator else None
 
 
+def _show(reasoning: str, content: str) -> None:
+    """A chat answer streams to stdout; what the model reasons before it goes to stderr, kept apart."""
+    if reasoning:
+        sys.stderr.write(reasoning)
+        sys.stderr.flush()
+    if content:
+        sys.stdout.write(content)
+        sys.stdout.flush()
+
+
 def cmd_run(a) -> int:
     prompts = a.prompt or []
-    if len(prompts) > 1 and not a.chat:
-        raise DeltaserveError(f"{len(prompts)} prompts given: several -p are the turns of one conversation and need --chat")
+    if len(prompts) > 1 and a.chat is False:
+        raise DeltaserveError(f"{len(prompts)} prompts given: several -p are the turns of one conversation and "
+                              "need the chat template (leave out --raw)")
     model, load_s = _load(a)
+    if a.chat is None:  # neither --chat nor --raw: a model that carries a chat template is a chat model
+        a.chat = bool(model.tokenizer.chat_template)
+        if a.chat:
+            print("[deltaserve] the model carries a chat template: the prompt goes in as a user message "
+                  "(--raw sends it as plain text)", file=sys.stderr)
+        elif len(prompts) > 1:
+            raise DeltaserveError(f"{len(prompts)} prompts given: several -p are the turns of one conversation and "
+                                  "this model carries no chat template (pass --chat to use ChatML)")
     if len(prompts) > 1:
         return _run_turns(a, model, prompts, load_s)
-    tok = model.tokenizer
     text = prompts[0] if prompts else None
     if text is None:
         if sys.stdin.isatty():
@@ -107,17 +147,21 @@ def cmd_run(a) -> int:
         text = sys.stdin.read()
     if a.chat:
         messages = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": text}]
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=_thinking(a))
-    ids = tok.encode(text)
+        ids, thinking = model.render(messages, _thinking(a))
+    else:
+        ids, thinking = model.tokenizer.encode(text), False
     backend, guard = _route(a, model)
     context = min(a.ctx or model.config.context_length, model.config.context_length)
     positions = len(ids) + min(a.max_tokens, max(context - len(ids), 0))
     session = model.session(context=a.ctx, backend=backend, one_call=True, plan_positions=positions, guard=guard)
-    turn = session.generate(ids, max_tokens=a.max_tokens, on_token=_stream, **_sampling_kwargs(a))
+    splitter = ReasoningSplitter(thinking)
+    turn = session.generate(ids, max_tokens=a.max_tokens, on_token=lambda t, piece: _show(*splitter.push(piece)),
+                            **_sampling_kwargs(a))
+    _show(*splitter.flush())
     print(flush=True)
     capped = " (cut by the context)" if turn.context_capped else ""
-    print(f"[stats] prompt {turn.prompt_tokens} tokens, prefill {turn.prefill_tok_s:.1f} tok/s, "
-          f"decode {turn.decode_tok_s:.1f} tok/s ({turn.generated} tokens, {turn.finish_reason}{capped}), "
+    print(f"[stats] prompt {plural(turn.prompt_tokens, 'token')}, prefill {turn.prefill_tok_s:.1f} tok/s, "
+          f"decode {turn.decode_tok_s:.1f} tok/s ({plural(turn.generated, 'token')}, {turn.finish_reason}{capped}), "
           f"TTFT {turn.timings.ttft_s * 1000:.0f} ms, load {load_s:.2f} s, backend {turn.backend}", file=sys.stderr)
     return 0
 
@@ -132,11 +176,11 @@ def _run_turns(a, model, prompts: list[str], load_s: float) -> int:
         messages.append({"role": "user", "content": text})
         print(f"> {text}", flush=True)
         turn = session.chat(messages, max_tokens=a.max_tokens, enable_thinking=_thinking(a), on_token=_stream,
-                            **_sampling_kwargs(a))
+                            on_reasoning=lambda r: _show(r, ""), **_sampling_kwargs(a))
         print(flush=True)
         messages.append({"role": "assistant", "content": turn.text})
-        print(f"[stats] turn {k}: prompt {turn.prompt_tokens} tokens, reused {turn.reused}, prefilled {turn.prefilled}, "
-              f"TTFT {turn.timings.ttft_s * 1000:.0f} ms, decode {turn.decode_tok_s:.1f} tok/s ({turn.generated} tokens, "
+        print(f"[stats] turn {k}: prompt {plural(turn.prompt_tokens, 'token')}, reused {turn.reused}, prefilled {turn.prefilled}, "
+              f"TTFT {turn.timings.ttft_s * 1000:.0f} ms, decode {turn.decode_tok_s:.1f} tok/s ({plural(turn.generated, 'token')}, "
               f"{turn.finish_reason})" + (f", load {load_s:.2f} s" if k == 1 else "") + f", backend {turn.backend}",
               file=sys.stderr)
     return 0
@@ -147,7 +191,7 @@ def _run_turns(a, model, prompts: list[str], load_s: float) -> int:
 # ---------------------------------------------------------------------------------------------
 
 def cmd_convert(a) -> int:
-    from .model.convert import convert
+    from deltaserve.model.convert import convert
 
     t0 = time.perf_counter()
     out = convert(a.hf_dir, a.out, a.type, progress=(lambda m: print(m, file=sys.stderr)) if a.verbose else None)
@@ -156,9 +200,9 @@ def cmd_convert(a) -> int:
 
 
 def cmd_inspect(a) -> int:
-    from .engine import capacity
-    from .engine.backend import cpu_memory
-    from .model.loader import load_host
+    from deltaserve.engine import capacity
+    from deltaserve.engine.backend import cpu_memory
+    from deltaserve.model.loader import load_host
 
     host = load_host(resolve_model(a.model))
     c = host.config
@@ -166,8 +210,8 @@ def cmd_inspect(a) -> int:
     print(f"arch: {c.arch}, {c.num_layers} layers ({len(c.deltanet_layers)} Gated DeltaNet, "
           f"{len(c.attention_layers)} gated attention: {list(c.attention_layers)})")
     for k, v in c.to_dict().items():
-        if k != "layer_types":
-            print(f"  {k}: {v}")
+        if k not in ("layer_types", "arch"):
+            print(f"  {k}: {v:.6g}" if isinstance(v, float) else f"  {k}: {v}")
     tok = host.tokenizer
     print(f"tokenizer: {tok.vocab_size} tokens, stop ids {sorted(tok.stop_ids)}, "
           f"chat template: {'from the file' if tok.chat_template else 'built-in ChatML'}")
@@ -178,11 +222,15 @@ def cmd_inspect(a) -> int:
     for t in host.tensor_summary:
         print(f"  {t.name:40s} {t.type:8s} {str(t.shape):16s} {t.nbytes / 1024:10.1f} KiB")
     if a.ctx:
+        positions = min(a.ctx, c.context_length)
+        if a.ctx > c.context_length:
+            print(f"--ctx {a.ctx} is above the model's declared context of {c.context_length}: "
+                  f"planning {c.context_length} positions")
         try:
-            p = capacity.plan(c, a.ctx, cpu_memory(), weights=host.weights.nbytes)
-            print(f"capacity plan for {a.ctx} positions: fits\n  " + p.describe().replace("\n", "\n  "))
+            p = capacity.plan(c, positions, cpu_memory(), weights=host.weights.nbytes)
+            print(f"capacity plan for {positions} positions: fits\n  " + p.describe().replace("\n", "\n  "))
         except DeltaserveError as e:
-            print(f"capacity plan for {a.ctx} positions: REFUSED\n  {e}")
+            print(f"capacity plan for {positions} positions: REFUSED\n  {e}")
             return 1
     return 0
 
@@ -201,9 +249,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("-p", "--prompt", action="append", default=None,
                    help="the prompt text (default: read stdin); with --chat, give -p again for each later user "
                         "turn of one conversation on one resident session")
-    r.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    r.add_argument("--system", default=None, help="a system message (with --chat)")
-    r.add_argument("--think", choices=["on", "off", "auto"], default="auto", help="thinking in the chat template")
+    mode = r.add_mutually_exclusive_group()
+    mode.add_argument("--chat", action="store_true", default=None,
+                      help="the prompt as a user message in the model's chat template (the default for a model "
+                           "whose file carries a template)")
+    mode.add_argument("--raw", dest="chat", action="store_false", help="the prompt as plain text, no chat template")
+    r.add_argument("--system", default=None, help="a system message (chat only)")
+    _add_think(r)
     _add_sampling(r)
     _add_runtime(r)
     r.set_defaults(func=cmd_run)
@@ -212,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Chat with a model; the decode state stays resident between turns.")
     _add_model(c)
     c.add_argument("--system", default=None, help="a system message")
-    c.add_argument("--think", choices=["on", "off", "auto"], default="off", help="thinking in the chat template (default off)")
+    _add_think(c)
     _add_sampling(c)
     _add_runtime(c)
     c.set_defaults(func=lambda a: __import__("deltaserve.chat", fromlist=["main"]).main(a))
@@ -221,16 +273,15 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Serve a model over an OpenAI-compatible HTTP API on resident sessions.")
     _add_model(s)
     s.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=8080)
-    s.add_argument("--slots", type=int, default=2, help="resident sessions (default 2)")
+    s.add_argument("--port", type=int, default=8080, help="TCP port (default 8080; 0 picks a free one)")
+    s.add_argument("--slots", type=positive_int, default=2, help="resident sessions (default 2)")
     s.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot (default 16)")
     s.add_argument("--api-key", default=os.environ.get("DELTASERVE_API_KEY"), help="require this bearer token")
     s.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask for")
     s.add_argument("--max-body", type=int, default=4 << 20, help="largest request body in bytes")
     s.add_argument("--max-messages", type=int, default=512, help="most messages in one request")
     s.add_argument("--model-name", default=None, help="the model id reported by /v1/models")
-    s.add_argument("--think", choices=["on", "off", "auto"], default="auto",
-                   help="thinking when a request does not say (default: the template's own default)")
+    _add_think(s)
     s.add_argument("--compute-thread", choices=["on", "off", "auto"], default="auto",
                    help="run every forward on one thread (auto: for model files of 64 MiB and more, where "
                         "a forward is long against a thread hand-off)")
@@ -239,28 +290,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("convert", help="HF Qwen3.5 directory -> GGUF",
                        description="Convert an HF Qwen3.5 directory to a GGUF file llama.cpp loads.")
-    v.add_argument("hf_dir")
-    v.add_argument("out")
-    v.add_argument("--type", choices=["f32", "f16", "bf16", "q8_0"], default="f16")
-    v.add_argument("-v", "--verbose", action="store_true")
+    v.add_argument("hf_dir", help="an HF Qwen3.5 directory (config.json, safetensors, tokenizer files)")
+    v.add_argument("out", help="the GGUF file to write (its directory must exist)")
+    v.add_argument("--type", choices=["f32", "f16", "bf16", "q8_0"], default="f16",
+                   help="tensor type of the weight matrices (default f16; norms stay f32)")
+    v.add_argument("-v", "--verbose", action="store_true", help="say each tensor as it is written")
     v.set_defaults(func=cmd_convert)
 
     i = sub.add_parser("inspect", help="print the config, tensors and (with --ctx) the capacity plan",
                        description="Describe a model file: config, tensor types and sizes, capacity plan.")
     _add_model(i)
-    i.add_argument("--ctx", type=int, default=None, help="plan memory for this many positions")
+    i.add_argument("--ctx", type=positive_int, default=None,
+                   help="plan memory for this many positions (at most the declared context)")
     i.set_defaults(func=cmd_inspect)
 
     b = sub.add_parser("bench", help="benchmarks against llama.cpp and transformers",
                        description="Run the benchmarks and write results under benchmarks/.")
-    b.add_argument("what", nargs="?", default="all", choices=["all", "session", "speed", "chat"],
+    b.add_argument("what", nargs="?", default="all", choices=["all", "session", "speed", "chat", "threads"],
                    help="which benchmark (default all)")
     b.add_argument("--out", default="benchmarks", help="where results go (default benchmarks/)")
     b.add_argument("--kind", default="bf16", help="weight format of the session benchmark's model (default bf16)")
     b.add_argument("--layers", type=int, default=None, help="fewer layers than the real shape (default: all)")
     b.add_argument("--turns", type=int, default=20, help="turns of the session benchmark (default 20)")
     b.add_argument("--max-tokens", type=int, default=24, help="tokens generated per turn (default 24)")
-    b.add_argument("--threads", type=int, default=2, help="CPU threads for every engine (default 2)")
+    b.add_argument("--threads", type=positive_int, default=2, help="CPU threads for every engine (default 2)")
     b.add_argument("--repeats", type=int, default=3, help="repetitions; medians are reported (default 3)")
     b.add_argument("--quick", action="store_true", help="a smaller, faster run")
     b.set_defaults(func=lambda a: __import__("deltaserve.bench.run", fromlist=["main"]).main(a))

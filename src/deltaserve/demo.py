@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import DeltaserveError
+from deltaserve.errors import DeltaserveError
 
 DEMO_FILE = Path(__file__).resolve().parent / "data" / "demo-qwen35.gguf"
 
@@ -14,3 +14,11 @@ def default_model_path() -> Path:
         raise DeltaserveError(f"no model named and the embedded demo model is missing ({DEMO_FILE}); "
                               "pass a GGUF file or an HF directory")
     return DEMO_FILE
+
+
+def is_demo(path) -> bool:
+    """Whether `path` is the embedded demo model's file."""
+    try:
+        return Path(path).resolve() == DEMO_FILE
+    except OSError:
+        return False

@@ -8,7 +8,7 @@ from typing import Sequence
 
 import torch
 
-from .errors import DeltaserveError
+from deltaserve.errors import DeltaserveError
 
 
 @dataclass(frozen=True)

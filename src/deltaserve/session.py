@@ -17,11 +17,13 @@ from typing import Callable, Sequence
 
 import torch
 
-from .engine import capacity as cap
-from .engine.backend import AcceleratorFailure, Backend, CPUBackend
-from .engine.state import Checkpoint, DecodeState
-from .errors import BackendError, ContextError, DeltaserveError
-from .sampling import Sampler, SamplingParams
+from deltaserve.engine import capacity as cap
+from deltaserve.engine.backend import AcceleratorFailure, Backend, CPUBackend
+from deltaserve.engine.state import Checkpoint, DecodeState
+from deltaserve.errors import BackendError, ContextError, DeltaserveError
+from deltaserve.sampling import Sampler, SamplingParams
+from deltaserve.text.chat_template import render
+from deltaserve.text.stream import ReasoningSplitter, StopCutter, split_reasoning
 
 MIN_CAPACITY = 4096
 PREFILL_ENV = "DELTASERVE_PREFILL"
@@ -54,6 +56,7 @@ class Turn:
     backend: str
     start: str                    # "extend" | "checkpoint" | "reset"
     timings: Timings = field(default_factory=Timings)
+    reasoning: str | None = None  # what a chat turn reasoned before its answer (None: the prompt opened no reasoning)
     prompt_logits: torch.Tensor | None = field(default=None, repr=False)  # at the prompt's last position
 
     @property
@@ -88,14 +91,20 @@ class Session:
 
     def __init__(self, host, backend: Backend | None = None, *, context: int | None = None,
                  one_call: bool = False, guard=None, quiet: bool = False, plan_memory=None,
-                 plan_positions: int | None = None):
+                 plan_positions: int | None = None, thinking_default: bool | None = None):
         self.host = host
+        self.thinking_default = thinking_default  # enable_thinking when a chat turn does not say (None: the template's)
         self.tokenizer = host.tokenizer
         declared = host.config.context_length
+        if context is not None and context < 1:
+            raise DeltaserveError(f"the context must be at least 1 position, got {context}")
         self.context = min(context, declared) if context else declared
         self.min_capacity = 0 if one_call else MIN_CAPACITY
         self.notices: list[str] = []
         self.quiet = quiet
+        if context is not None and context > declared:
+            self.say(f"[deltaserve] a context of {context} positions was asked for and the model declares {declared}: "
+                     f"serving {declared}")
         self._lock = threading.Lock()
         self.held: list[int] = []
         self.state: DecodeState | None = None
@@ -132,10 +141,15 @@ class Session:
             backend.start()
         except AcceleratorFailure as e:
             self._say_fallback(str(e))
-            backend = CPUBackend(self.host)
+            backend = self._cpu_backend(backend)
             backend.start()
         self.say(f"Backend: {backend.describe()} [qwen35 hybrid, {self.host.config.num_layers} layers]")
         return backend
+
+    def _cpu_backend(self, leaving: Backend) -> Backend:
+        cpu = CPUBackend(self.host)
+        cpu.threads_why = leaving.threads_why
+        return cpu
 
     def _say_fallback(self, reason: str) -> None:
         self.say(f"{FALLBACK_PREFIX}, falling back to CPU: {reason}")
@@ -191,7 +205,7 @@ class Session:
     def _move_to_cpu(self, reason: str, allocate: bool = True) -> None:
         self._say_fallback(reason)
         compute = self.backend.compute_for_cpu
-        self.backend = CPUBackend(self.host)
+        self.backend = self._cpu_backend(self.backend)
         self.backend.use_compute_thread(compute)
         self.backend.start()
         self.say(f"Backend: {self.backend.describe()} [after the fallback]")
@@ -311,10 +325,32 @@ class Session:
         with self._lock:
             return self._turn(list(int(t) for t in prompt_ids), max_tokens, params, stop, on_token)
 
-    def chat(self, messages, max_tokens: int = 256, enable_thinking: bool | None = None, **sampling) -> Turn:
-        """Render `messages` with the model's template (generation header added) and run a turn."""
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=enable_thinking)
-        return self.generate(self.tokenizer.encode(text), max_tokens=max_tokens, **sampling)
+    def render(self, messages, enable_thinking: bool | None = None) -> tuple[list[int], bool]:
+        """The prompt ids of a conversation rendered with the model's chat template (generation header added),
+        and whether it leaves the model reasoning. `enable_thinking` None: the model's default."""
+        return render(self.tokenizer, messages, self.thinking_default if enable_thinking is None else enable_thinking)
+
+    def chat(self, messages, max_tokens: int = 256, enable_thinking: bool | None = None,
+             on_token: OnToken | None = None, on_reasoning: Callable[[str], None] | None = None, **sampling) -> Turn:
+        """Render `messages` with the model's template and run a turn. The Turn's `text` is the answer alone (no
+        template markup); what the model reasoned first is in `reasoning`. `on_token` sees the answer's text,
+        `on_reasoning` the reasoning's, as they stream."""
+        ids, thinking = self.render(messages, enable_thinking)
+        splitter = ReasoningSplitter(thinking)
+
+        def route(tid, piece, final=False):
+            reasoning, content = splitter.flush() if final else splitter.push(piece)
+            if reasoning and on_reasoning is not None:
+                on_reasoning(reasoning)
+            if content and on_token is not None:
+                return on_token(tid, content)
+            return None
+
+        turn = self.generate(ids, max_tokens=max_tokens, on_token=route, **sampling)
+        if turn.finish_reason != "cancelled":
+            route(None, "", final=True)  # what the splitter held back (a tail that might have begun </think>)
+        turn.reasoning, turn.text = split_reasoning(turn.text, thinking)
+        return turn
 
     def _turn(self, prompt: list[int], max_tokens: int, params: SamplingParams, stop, on_token) -> Turn:
         t0 = time.perf_counter()
@@ -424,48 +460,21 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class _TextStream:
-    """Detokenises a generation as it goes; holds back text that could be the start of a stop string,
-    and cuts the text at the first stop string (which is not included)."""
+    """Detokenises a generation as it goes and cuts it at the first stop string (not included)."""
 
     def __init__(self, tokenizer, stops: list[str]):
-        from .model.tokenizer import StreamDecoder
+        from deltaserve.model.tokenizer import StreamDecoder
 
         self.dec = StreamDecoder(tokenizer)
-        self.stops = [s for s in stops if s]
-        self.text = ""      # text handed out so far (never includes a stop string)
-        self.pending = ""   # decoded but held back
-        self.stopped = False
+        self.cut = StopCutter(stops)
+        self.text = ""  # text handed out so far (never includes a stop string)
 
     def push(self, token: int) -> tuple[str, bool]:
-        self.pending += self.dec.feed(token)
-        if not self.stops:
-            out, self.pending = self.pending, ""
-            self.text += out
-            return out, False
-        for s in self.stops:
-            k = self.pending.find(s)
-            if k >= 0:
-                out = self.pending[:k]
-                self.pending = ""
-                self.text += out
-                self.stopped = True
-                return out, True
-        keep = max((len(s) - 1 for s in self.stops), default=0)
-        # hold back the longest tail that is a prefix of some stop string
-        hold = 0
-        for j in range(1, min(keep, len(self.pending)) + 1):
-            tail = self.pending[-j:]
-            if any(s.startswith(tail) for s in self.stops):
-                hold = j
-        out = self.pending[:len(self.pending) - hold]
-        self.pending = self.pending[len(self.pending) - hold:]
+        out, hit = self.cut.push(self.dec.feed(token))
         self.text += out
-        return out, False
+        return out, hit
 
     def finish(self) -> str:
-        if self.stopped:
-            return ""
-        rest = self.pending + self.dec.flush()
-        self.pending = ""
+        rest = self.cut.flush() + ("" if self.cut.stopped else self.dec.flush())
         self.text += rest
         return rest

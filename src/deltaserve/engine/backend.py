@@ -11,11 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import DeltaserveError
-from ..model.loader import HostModel
-from .forward import Forward
-from .linear import Int8Linear, int8_route
-from .state import Checkpoint, DecodeState
+from deltaserve.errors import DeltaserveError
+from deltaserve.model.loader import HostModel
+from deltaserve.engine.forward import Forward
+from deltaserve.engine.linear import Int8Linear, int8_route
+from deltaserve.engine.state import Checkpoint, DecodeState
+from deltaserve.engine.threads import plural
 
 
 class AcceleratorFailure(Exception):
@@ -68,10 +69,11 @@ class Backend:
         self.forward: Forward | None = None
         self.batcher = None  # a DecodeBatcher when sessions sharing this backend batch their decode steps
         self.compute_for_cpu = None  # a ComputeThread for CPU work, when threads share the backend (compute.py)
+        self.threads_why = ""  # why the CPU forwards take the threads they do (threads.py), for the route line
 
     def enable_batching(self) -> None:
         """Gather the decode steps of the sessions sharing this backend into batched forwards."""
-        from .batching import DecodeBatcher
+        from deltaserve.engine.batching import DecodeBatcher
 
         self.start()
         if self.batcher is None:
@@ -113,7 +115,8 @@ class Backend:
     def describe(self) -> str:
         head = self.host.weights.lm_head
         route = f"; {int8_route()}; {self.forward.token_program()[1]}" if isinstance(head, Int8Linear) else ""
-        return f"CPU ({torch.get_num_threads()} threads{route})"
+        why = f": {self.threads_why}" if self.threads_why else ""
+        return f"CPU ({plural(torch.get_num_threads(), 'thread')}{why}{route})"
 
     # -- state ------------------------------------------------------------------------------------
     def new_state(self, capacity: int) -> DecodeState:
@@ -179,7 +182,10 @@ class CUDABackend(Backend):
             raise AcceleratorFailure(f"the CUDA device would not bind to this thread: {e}") from e
 
     def memory(self) -> Memory:
-        free, total = torch.cuda.mem_get_info(self.index)
+        if not torch.cuda.is_available():
+            raise AcceleratorFailure("CUDA is not available to PyTorch "
+                                     f"(torch {torch.__version__}, built for CUDA {torch.version.cuda})")
+        free, total = self._guarded("reading the free device memory", torch.cuda.mem_get_info, self.index)
         return Memory(int(free), int(total), f"{self.name}: mem_get_info")
 
     def describe(self) -> str:
@@ -303,4 +309,4 @@ def select_backend(host: HostModel, device: str = "auto") -> tuple[Backend, str 
         raise DeltaserveError(f"unknown device {device!r}; expected auto, cpu, cuda or cuda:N")
     if torch.cuda.is_available():
         return CUDABackend(host, 0), None
-    return CPUBackend(host), "no CUDA device visible to PyTorch: serving from the CPU"
+    return CPUBackend(host), "[deltaserve] no CUDA device visible to PyTorch: serving from the CPU"

@@ -15,7 +15,7 @@ import threading
 
 import torch
 
-from .state import DecodeState
+from deltaserve.engine.state import DecodeState
 
 
 class _Step:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..errors import CapacityError
-from ..model.config import HybridConfig
-from .backend import Memory
+from deltaserve.errors import CapacityError
+from deltaserve.model.config import HybridConfig
+from deltaserve.engine.backend import Memory
 
 MiB = 1 << 20
 KiB = 1 << 10

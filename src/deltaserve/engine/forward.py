@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import torch
 
-from ..model.config import HybridConfig
-from ..model.weights import AttentionWeights, Weights
-from . import layers as L
-from .compute import keep_freed_memory
-from .native_token import TokenProgram
-from .state import DecodeState
+from deltaserve.model.config import HybridConfig
+from deltaserve.model.weights import AttentionWeights, Weights
+from deltaserve.engine import layers as L
+from deltaserve.engine.compute import keep_freed_memory
+from deltaserve.engine.native_token import TokenProgram
+from deltaserve.engine.state import DecodeState
+from deltaserve.engine.threads import ThreadGovernor
 
 
 NATIVE_DECODE = True  # a one-token decode in one native call where the model qualifies (tests compare both)
@@ -32,6 +34,7 @@ class Forward:
         self.query_rows = 512    # attention queries per score matrix (a prefill-plan knob)
         self.prefill_rows = 2048  # tokens per forward call of a long prefill (a prefill-plan knob)
         self._token: tuple[TokenProgram | None, str] | None = None
+        self.governor: ThreadGovernor | None = None  # the native decode's thread count, measured (threads.py)
 
     def token_program(self) -> tuple[TokenProgram | None, str]:
         """The native one-call decode for this model, built once (None where it does not qualify), and the
@@ -94,7 +97,7 @@ class Forward:
         """One token through the recurrent path. Returns logits [vocab]."""
         program = self._native([state])
         if program is not None:
-            return program.decode([state], self._checked([state], [token]))[0]
+            return self._governed(program, [state], self._checked([state], [token]))[0]
         return self._run(state, self._ids([token]), chunked=False, all_logits=False)[0]
 
     def _native(self, states: list[DecodeState]) -> TokenProgram | None:
@@ -104,6 +107,16 @@ class Forward:
             return None
         program = self.token_program()[0]
         return program if program is not None and all(program.takes(st) for st in states) else None
+
+    def _governed(self, program: TokenProgram, states: list[DecodeState], tokens: list[int]) -> torch.Tensor:
+        """The native decode on the thread count the governor picks, timed for it (see threads.py)."""
+        most = torch.get_num_threads()
+        if self.governor is None or self.governor.most != most:
+            self.governor = ThreadGovernor(most)
+        t0 = time.perf_counter()
+        logits = program.decode(states, tokens, self.governor.threads())
+        self.governor.record(time.perf_counter() - t0, len(states))
+        return logits
 
     def _checked(self, states: list[DecodeState], tokens) -> list[int]:
         """The tokens as ints, once every state has room for one more position and every id is in the vocabulary."""
@@ -126,7 +139,7 @@ class Forward:
         checked = self._checked(states, tokens)
         program = self._native(states)
         if program is not None:
-            return program.decode(states, checked)
+            return self._governed(program, states, checked)
         ids = self._ids(checked)
         starts = [st.length for st in states]
         x = w.embed.lookup(ids)

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from .. import __version__
-from ..cachedir import cache_root
-from .forward import Forward
+from deltaserve import __version__
+from deltaserve.cachedir import cache_root
+from deltaserve.engine.forward import Forward
 
 PROBE_MAX = 512
 COMPARE = 64

@@ -11,7 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import native
+from deltaserve.engine import native
 
 CHUNK = 64  # the chunk length of the chunked gated delta rule
 NATIVE_STEP = True  # DeltaNet's one-token step, its prefill conv and its prefill delta rule on the native kernel

@@ -20,13 +20,14 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
-from ..cachedir import cache_root
+from deltaserve.cachedir import cache_root
 
 SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
@@ -66,6 +67,8 @@ def _build(cc: str) -> Path:
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    print(f"[deltaserve] compiling the native kernel (once per machine) into {out.parent} ...", file=sys.stderr,
+          flush=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         part = Path(tmp) / out.name
         r = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(part), "-lm"], capture_output=True, text=True,

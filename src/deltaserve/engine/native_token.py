@@ -16,11 +16,11 @@ import ctypes
 
 import torch
 
-from ..model.config import HybridConfig
-from ..model.weights import AttentionWeights, Weights
-from . import linear as lin
-from . import native
-from .state import DecodeState
+from deltaserve.model.config import HybridConfig
+from deltaserve.model.weights import AttentionWeights, Weights
+from deltaserve.engine import linear as lin
+from deltaserve.engine import native
+from deltaserve.engine.state import DecodeState
 
 P, I, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 MAX_SEGMENTS = 4
@@ -138,7 +138,7 @@ class TokenProgram:
         """f32 caches and states on the CPU, as the native step reads them."""
         return state.kv_dtype == torch.float32 and state.device.type == "cpu"
 
-    def decode(self, states: list[DecodeState], tokens: list[int]) -> torch.Tensor:
+    def decode(self, states: list[DecodeState], tokens: list[int], nthreads: int | None = None) -> torch.Tensor:
         """One token for each of B <= MAX_BATCH sequences at its state's position: logits [B, vocab]; each state
         advances by one. The caller checked the positions and the token ids."""
         w, b = self.weights, len(states)
@@ -156,7 +156,7 @@ class TokenProgram:
         cap = (ctypes.c_int * b)(*(st.capacity for st in states))
         logits = torch.empty(b, w.lm_head.out_features)
         if self.lib.ds_decode_tokens(ctypes.byref(self.model), b, x.data_ptr(), table, pos, cap, logits.data_ptr(),
-                                     torch.get_num_threads()) != 0:
+                                     nthreads or torch.get_num_threads()) != 0:
             raise MemoryError("the native token decode could not allocate its scratch")
         for st in states:
             st.length += 1

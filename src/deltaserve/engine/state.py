@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model.config import HybridConfig
+from deltaserve.model.config import HybridConfig
 
 
 class DecodeState:

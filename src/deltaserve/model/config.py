@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, asdict
 from typing import Any, Mapping
 
-from ..errors import ModelFormatError
+from deltaserve.errors import ModelFormatError
 
 ATTENTION = "full_attention"
 DELTANET = "linear_attention"

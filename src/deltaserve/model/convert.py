@@ -16,10 +16,10 @@ import gguf
 import numpy as np
 import torch
 
-from ..errors import ModelFormatError
-from .config import HybridConfig
-from .loader import HFSource, _hf_prefix
-from .weights import check_tensors
+from deltaserve.errors import DeltaserveError, ModelFormatError
+from deltaserve.model.config import HybridConfig
+from deltaserve.model.loader import HFSource, _hf_prefix
+from deltaserve.model.weights import check_tensors
 
 TYPES = {
     "f32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
@@ -87,7 +87,7 @@ def _encode(t: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
     if qtype == gguf.GGMLQuantizationType.BF16:
         return t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).copy()
     if qtype == gguf.GGMLQuantizationType.Q8_0:
-        from .quant import quantize_q8_0
+        from deltaserve.model.quant import quantize_q8_0
         return quantize_q8_0(t)
     raise ModelFormatError(f"cannot write tensors of type {qtype.name}")
 
@@ -145,13 +145,17 @@ def _interval(c: HybridConfig) -> int:
 def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "f32",
             progress: Callable[[str], None] | None = None) -> Path:
     """Write `out` (a GGUF) from the HF Qwen3.5 directory `hf_dir`. Returns the path written."""
-    from .tokenizer import Tokenizer
+    from deltaserve.model.tokenizer import Tokenizer
 
     src_dir, out = Path(hf_dir), Path(out)
     if out_type not in TYPES:
         raise ModelFormatError(f"unknown output type {out_type!r}; expected one of {', '.join(TYPES)}")
     if not (src_dir / "config.json").exists():
         raise ModelFormatError(f"{src_dir} has no config.json (expected an HF Qwen3.5 directory)")
+    if not out.parent.resolve().is_dir():
+        raise DeltaserveError(f"cannot write {out}: the directory {out.parent} does not exist")
+    if out.is_dir():
+        raise DeltaserveError(f"cannot write {out}: it is a directory (name the output file)")
     raw = json.loads((src_dir / "config.json").read_text())
     c = HybridConfig.from_hf(raw)
     if c.linear_key_head_dim != c.linear_value_head_dim:

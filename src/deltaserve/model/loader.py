@@ -14,16 +14,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ..engine import native
-from ..engine.linear import DenseLinear, Int8Linear, Linear
-from ..errors import ModelFormatError
-from . import quant
-from .config import HybridConfig
+from deltaserve.engine import native
+from deltaserve.engine.linear import DenseLinear, Int8Linear, Linear
+from deltaserve.errors import ModelFormatError
+from deltaserve.model import quant
+from deltaserve.model.config import HybridConfig
 
 if TYPE_CHECKING:
-    from .tokenizer import Tokenizer
-from .gguf import GGUFFile, is_gguf, read_gguf
-from .weights import Embedding, TensorSummary, Weights, build_weights
+    from deltaserve.model.tokenizer import Tokenizer
+from deltaserve.model.gguf import GGUFFile, is_gguf, read_gguf
+from deltaserve.model.weights import Embedding, TensorSummary, Weights, build_weights
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,7 +331,7 @@ def _tensor_sort_key(name: str):
 def load_host(path: str | os.PathLike, weights: str | None = None) -> HostModel:
     """Read a GGUF file or an HF directory into a host model, or raise ModelFormatError naming what is wrong.
     `weights`: "fast" or "exact" (see `weight_mode`)."""
-    from .tokenizer import Tokenizer
+    from deltaserve.model.tokenizer import Tokenizer
 
     t0 = time.perf_counter()
     mode = weight_mode(weights)

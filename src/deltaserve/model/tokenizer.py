@@ -44,7 +44,7 @@ import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
-from ..errors import DeltaserveError, ModelFormatError
+from deltaserve.errors import DeltaserveError, ModelFormatError
 
 if TYPE_CHECKING:  # pragma: no cover
     import gguf

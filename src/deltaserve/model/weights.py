@@ -13,9 +13,9 @@ from typing import Callable, Protocol
 
 import torch
 
-from ..engine.linear import DenseLinear, Int8Linear, Linear, StackedLinear
-from ..errors import ModelFormatError
-from .config import HybridConfig
+from deltaserve.engine.linear import DenseLinear, Int8Linear, Linear, StackedLinear
+from deltaserve.errors import ModelFormatError
+from deltaserve.model.config import HybridConfig
 
 
 class Embedding:

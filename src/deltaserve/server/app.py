@@ -8,8 +8,10 @@ state stays valid for the next request of that conversation.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -20,51 +22,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .. import __version__
-from ..engine.compute import ComputeThread, serial_here
-from ..errors import ContextError, DeltaserveError
-from .metrics import Metrics
-from .protocol import APIError, GenerationRequest, Limits, bad, parse_chat, parse_completion
-from .slots import QueueFull, SlotPool
-
-THINK_END = "</think>"
-
-
-class ReasoningSplitter:
-    """Splits generated text into reasoning (before </think>) and content, as it streams."""
-
-    def __init__(self, thinking: bool):
-        self.in_reasoning = thinking
-        self.buf = ""
-
-    def push(self, text: str) -> tuple[str, str]:
-        if not self.in_reasoning:
-            return "", text
-        self.buf += text
-        k = self.buf.find(THINK_END)
-        if k >= 0:
-            reasoning, rest = self.buf[:k], self.buf[k + len(THINK_END):].lstrip("\n")
-            self.buf, self.in_reasoning = "", False
-            return reasoning, rest
-        keep = 0  # hold back a tail that could be the start of </think>
-        for j in range(1, min(len(THINK_END), len(self.buf)) + 1):
-            if THINK_END.startswith(self.buf[-j:]):
-                keep = j
-        out, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
-        return out, ""
-
-    def flush(self) -> tuple[str, str]:
-        out, self.buf = self.buf, ""
-        return (out, "") if self.in_reasoning else ("", out)
-
-
-def split_reasoning(text: str, thinking: bool) -> tuple[str | None, str]:
-    s = ReasoningSplitter(thinking)
-    r1, c1 = s.push(text)
-    r2, c2 = s.flush()
-    reasoning = (r1 + r2).strip()
-    return (reasoning if thinking else None), (c1 + c2)
-
+from deltaserve import __version__
+from deltaserve.engine.compute import ComputeThread, serial_here
+from deltaserve.errors import ContextError, DeltaserveError
+from deltaserve.server.metrics import Metrics
+from deltaserve.server.protocol import APIError, GenerationRequest, Limits, bad, parse_chat, parse_completion
+from deltaserve.server.slots import QueueFull, SlotPool
+from deltaserve.text.stream import ReasoningSplitter, split_reasoning
 
 class Server:
     def __init__(self, model, slots: int = 2, queue: int = 16, api_key: str | None = None,
@@ -81,7 +45,7 @@ class Server:
         if compute is not None:  # the forwards on one thread, the slots' threads serial (see engine/compute.py)
             backend.use_compute_thread(compute)
         if guard is None and backend.accelerator:
-            from ..engine.guard import ParityGuard
+            from deltaserve.engine.guard import ParityGuard
             guard = ParityGuard()
         if slots > 1:
             backend.enable_batching()  # the slots' decode steps share one forward
@@ -137,10 +101,9 @@ class Server:
             return tok.encode(req.prompt), False
         thinking = req.enable_thinking if req.enable_thinking is not None else self.think_default
         try:
-            text = tok.apply_chat_template(req.messages, add_generation_prompt=True, enable_thinking=thinking)
+            return self.model.render(req.messages, thinking)
         except DeltaserveError as e:
             raise bad(f"the chat template refused the conversation: {e}", "messages") from None
-        return tok.encode(text), text.rstrip(" ").endswith("<think>\n")
 
     def budget(self, req: GenerationRequest, n: int) -> int:
         if n >= self.context:
@@ -296,7 +259,7 @@ class Server:
                        "capacity": s.session.capacity, "checkpoint": s.session.checkpoint_length,
                        "backend": s.session.backend.name, "requests": s.requests} for s in self.pool.slots],
             "queue": {"waiting": self.pool.waiting, "limit": self.pool.queue_size},
-            "notices": [n for s in self.pool.slots for n in s.session.notices],
+            "notices": list(dict.fromkeys(n for s in self.pool.slots for n in s.session.notices)),
         }
 
 
@@ -391,20 +354,17 @@ def wants_compute_thread(a) -> bool:
 def main(a) -> int:
     import uvicorn
 
-    from ..cli import _load
+    from deltaserve.cli import _load
 
     if a.slots < 1 or a.queue < 0:
         raise DeltaserveError(f"--slots must be at least 1 and --queue at least 0 (got {a.slots}, {a.queue})")
-    named = a.model is not None
     compute = ComputeThread() if wants_compute_thread(a) else None
     if compute is not None:  # the load and every forward on one thread (see engine/compute.py)
         model, load_s = compute.run(_load, a)
         serial_here()  # the event loop's own torch ops, if any, open no team
     else:
         model, load_s = _load(a)
-    think = {"on": True, "off": False, "auto": None}[a.think]
-    if a.think == "auto" and not named:
-        think = False  # the embedded demo model was trained with thinking off
+    think = {"on": True, "off": False, "auto": None}[a.think]  # None: the model's default (model.thinking_default)
     server = Server(model, slots=a.slots, queue=a.queue, api_key=a.api_key, model_name=a.model_name,
                     limits=Limits(max_tokens=a.max_tokens_limit, max_messages=a.max_messages, max_body=a.max_body),
                     device=a.device, think_default=think, context=a.ctx, compute=compute)
@@ -415,14 +375,38 @@ def main(a) -> int:
     say(f"model {model.path} ({server.model_name}), {c.num_layers} layers "
         f"({len(c.deltanet_layers)} Gated DeltaNet + {len(c.attention_layers)} attention), loaded in {load_s:.2f} s")
     say(f"backend {s0.backend.describe()}; declared context {c.context_length}, serving {server.context}")
-    say(f"chat template {template}; thinking {'default of the template' if think is None else ('on' if think else 'off')}")
+    default = model.thinking_default
+    say(f"chat template {template}; thinking " + (('on' if think else 'off') if think is not None else
+        ("the template's default" if default is None else f"{'on' if default else 'off'} (the model's default)")))
     say(("forwards on one compute thread" if compute is not None else "forwards on the slots' own threads") +
         f" (--compute-thread {a.compute_thread}"
         f"{': on for model files of 64 MiB and more' if a.compute_thread == 'auto' else ''})")
     say(f"{a.slots} slots, queue {a.queue}, max_tokens <= {a.max_tokens_limit}, body <= {a.max_body} bytes, "
         f"{'API key required' if a.api_key else 'no API key'}")
-    say(f"listening on http://{a.host}:{a.port}/v1")
+    sock = bind(a.host, a.port)
+    say(f"listening on http://{a.host}:{sock.getsockname()[1]}/v1")
     if a.host not in ("127.0.0.1", "localhost", "::1") and not a.api_key:
         say(f"warning: bound to {a.host} without --api-key: anyone who reaches this address can use the model")
-    uvicorn.run(create_app(server), host=a.host, port=a.port, log_level="warning", access_log=False)
+    config = uvicorn.Config(create_app(server), log_level="warning", access_log=False)
+    uvicorn.Server(config).run(sockets=[sock])
     return 0
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before anything says it listens; a port in use is one clear error."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise DeltaserveError(f"cannot listen on {host}:{port}: the address does not resolve ({e.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        why = "the port is in use (another server? pick one with --port)" if e.errno == errno.EADDRINUSE else e.strerror
+        raise DeltaserveError(f"cannot listen on {host}:{port}: {why}") from None
+    sock.set_inheritable(True)
+    return sock

@@ -1,0 +1,119 @@
+"""How many CPU threads a model's forwards take: the default of `--threads` follows the work.
+
+A decode step reads every weight once and ends many parallel regions (a product, a norm, a state update per
+layer), each on a barrier. Splitting a step over threads pays only where the work between two barriers is
+long against a barrier; where it is short, a second thread adds barriers and nothing else, and when the core
+under that thread is busy with another process each barrier waits for that thread's next time slice.
+Measured on this 2-core machine (AMD EPYC, `deltaserve bench threads`, benchmarks/threads.md): the 7.8 MB demo
+model decodes as fast on one thread as on two when quiet, and with one competing busy process two threads fell
+to a small fraction of that while one thread kept most of it. The 0.8B shape (500-800 MB read per token) is
+~1.6-1.9x faster on two threads and, with the native kernel's row tiles handed out dynamically, keeps a useful
+share of its quiet speed under a competitor.
+
+So: models that read less than `SPLIT_MIN_BYTES` per token run on one thread; larger ones on the cores this
+process may run on (`os.sched_getaffinity`, which honours taskset and cgroup cpusets, unlike `os.cpu_count`).
+"""
+
+from __future__ import annotations
+
+import os
+
+SPLIT_MIN_BYTES = 64 << 20  # the demo model (8 MB) stays on one thread; the 0.8B shape (500+ MB) splits
+
+
+def available_cores() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return max(len(os.sched_getaffinity(0)), 1)
+    except (AttributeError, OSError):
+        return max(os.cpu_count() or 1, 1)
+
+
+def plan_threads(weight_bytes: int, requested: int | None = None) -> tuple[int, str]:
+    """(threads, why) for a model whose forward reads `weight_bytes` per token."""
+    cores = available_cores()
+    if requested is not None:
+        if requested < 1:
+            raise ValueError(f"threads must be at least 1, got {requested}")
+        return requested, "asked for"
+    if weight_bytes < SPLIT_MIN_BYTES or cores == 1:
+        why = (f"{weight_bytes / (1 << 20):.0f} MiB of weights per token is too little to split"
+               if cores > 1 else "one core available")
+        return 1, why
+    return cores, f"the {cores} cores this process may use"
+
+
+def plural(n: int, word: str) -> str:
+    """'1 thread', '2 threads'."""
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+class ThreadGovernor:
+    """The thread count of the native decode, chosen by measuring it (see the module's docstring).
+
+    A step of a team of `most` threads waits at every barrier for its slowest thread; when another process
+    takes one of the cores, that thread runs a fraction of the time and the whole step waits for it (measured
+    on the 0.8B shape, 2 cores: 31.6 tok/s quiet, 4.4-8.9 with one competing busy process; one thread: 23.4 quiet,
+    19.1 with the competitor). So the decode times its steps and now and then tries the other count for a few
+    steps (`PROBE` of them; the first time after `PROBE` steps), keeping whichever was faster: `most` threads on a quiet machine, one thread while a
+    core is busy. A probe that loses doubles the wait before the next (from `EVERY` steps up to `EVERY_MAX`), so a
+    steady state costs a few percent (a probe of 4 steps every 64-512); steps that turn `SLOWED` times slower than
+    the best seen at the current count (a competitor arrived) probe at once.
+    """
+
+    PROBE = 4
+    EVERY = 64
+    EVERY_MAX = 512
+    SLOWED = 2.0  # steps this much slower than the best seen at the current count: probe now, not at the next turn
+
+    def __init__(self, most: int):
+        self.most = max(int(most), 1)
+        self.current = self.most
+        self._trial: int | None = None      # the count being probed, if a probe runs
+        self._times: dict[int, list[float]] = {}
+        self._best: dict[int, float] = {}   # the fastest median of PROBE steps seen per count
+        self._every = self.PROBE  # the first probe early: a busy core is found within a few steps of the start
+        self._steps = 0
+        self._rows = 0
+        self.switches = 0
+
+    def threads(self) -> int:
+        return self._trial if self._trial is not None else self.current
+
+    def record(self, seconds: float, rows: int) -> None:
+        """One decode step of `rows` sequences took `seconds` with `threads()` threads."""
+        if self.most == 1:
+            return
+        if rows != self._rows:  # times are compared between steps of one batch size only
+            self._rows, self._times, self._best, self._trial, self._steps = rows, {}, {}, None, 0
+        n = self.threads()
+        times = self._times.setdefault(n, [])
+        times.append(seconds)
+        del times[:-self.PROBE]
+        self._steps += 1
+        if len(times) < self.PROBE:
+            return
+        now = _median(times)
+        slowed = now > self.SLOWED * self._best.get(n, now)
+        self._best[n] = min(self._best.get(n, now), now)
+        if self._trial is not None:
+            if self._steps >= self.PROBE:
+                self._decide()
+        elif self._steps >= self._every or slowed:
+            self._trial = 1 if self.current == self.most else self.most
+            self._times[self._trial] = []
+            self._steps = 0
+
+    def _decide(self) -> None:
+        trial, base = self._trial, self.current
+        if _median(self._times[trial]) < _median(self._times[base]):
+            self.current, self._every = trial, self.EVERY
+            self.switches += 1
+        else:
+            self._every = min(self._every * 2, self.EVERY_MAX)
+        self._trial, self._steps = None, 0
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2]

@@ -1,0 +1,12 @@
+"""A conversation rendered with the model's chat template: the one place prompts are built from messages."""
+
+from __future__ import annotations
+
+from deltaserve.text.stream import opens_reasoning
+
+
+def render(tokenizer, messages, enable_thinking: bool | None = None) -> tuple[list[int], bool]:
+    """The prompt ids of `messages` with the generation header added, and whether the prompt leaves the model
+    inside a reasoning block. `enable_thinking` None leaves the template's own default."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=enable_thinking)
+    return tokenizer.encode(text), opens_reasoning(text)
