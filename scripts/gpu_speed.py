@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from deltaserve.bench.randmodel import random_weights
+from tools.bench.randmodel import random_weights
 from deltaserve.engine.forward import Forward
-from deltaserve.engine.guard import compare
+from deltaserve.runtime.guard import compare
 
 
 def timed(fn, repeats=3):

@@ -23,7 +23,7 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = Path(os.environ.get("TMPDIR", "/tmp")) / f"deltaserve-{self.port}.log"
-        cmd = [sys.executable, "-m", "deltaserve.cli", "serve", str(model), "--port", str(self.port),
+        cmd = [sys.executable, "-m", "deltaserve.frontends.cli", "serve", str(model), "--port", str(self.port),
                "--device", "cpu", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(self.log, "w"),
                                      env=dict(os.environ, **(env or {})))

@@ -16,7 +16,7 @@ from tests.gguf_edit import rewrite
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "deltaserve.cli", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "deltaserve.frontends.cli", *args], capture_output=True, text=True, timeout=300)
 
 
 def assert_one_clear_line(proc: subprocess.CompletedProcess, *needles: str) -> str:

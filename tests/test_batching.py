@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from deltaserve.engine.backend import CPUBackend
+from deltaserve.runtime.backend import CPUBackend
 
 
 def test_concurrent_sessions_batch_their_decode_steps_and_answer_as_if_alone(hybrid_model):
@@ -43,7 +43,8 @@ def test_a_lone_session_on_a_batching_backend_does_not_wait_for_company(hybrid_m
 def test_with_a_compute_thread_every_forward_of_every_session_runs_on_it_and_answers_stay_the_same(hybrid_model):
     import torch
 
-    from deltaserve.engine.compute import ComputeThread, serial_here
+    from deltaserve.kernels.cpu import serial_here
+    from deltaserve.runtime.compute import ComputeThread
 
     prompts = [[5, 6, 7, 8, 9 + i] for i in range(3)]
     want = [hybrid_model.generate(p, max_tokens=12).tokens for p in prompts]
@@ -81,7 +82,7 @@ def test_with_a_compute_thread_every_forward_of_every_session_runs_on_it_and_ans
 
 
 def test_an_error_inside_the_compute_thread_reaches_the_caller_and_the_thread_goes_on():
-    from deltaserve.engine.compute import ComputeThread
+    from deltaserve.runtime.compute import ComputeThread
 
     compute = ComputeThread()
     try:
@@ -96,7 +97,7 @@ def test_an_error_inside_the_compute_thread_reaches_the_caller_and_the_thread_go
 def test_the_server_takes_a_compute_thread_for_large_model_files_unless_told(tmp_path, hybrid_gguf):
     from argparse import Namespace
 
-    from deltaserve.server.app import COMPUTE_THREAD_MIN_BYTES, wants_compute_thread
+    from deltaserve.frontends.server.app import COMPUTE_THREAD_MIN_BYTES, wants_compute_thread
 
     big = tmp_path / "big.gguf"
     with open(big, "wb") as f:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import deltaserve
-from deltaserve.bench.export_hf import export_hf
+from tools.bench.export_hf import export_hf
 from tests.fixtures import models as fx
 
 
@@ -23,7 +23,7 @@ def test_a_gguf_exported_back_to_hf_gives_transformers_our_logits(tmp_path):
 
 
 def test_the_peak_memory_measure_counts_the_run_process_alone_not_the_larger_benchmark_that_forked_it():
-    from deltaserve.bench.peers import deltaserve_peak_rss
+    from tools.bench.peers import deltaserve_peak_rss
     from deltaserve.demo import DEMO_FILE
 
     ballast = torch.ones(3 * 2**30 // 4 // 2)  # 1.5 GiB touched in this (parent) process
@@ -35,7 +35,7 @@ def test_the_peak_memory_measure_counts_the_run_process_alone_not_the_larger_ben
 
 
 def test_repeated_chat_runs_report_the_median_of_each_turn_and_of_the_regenerate():
-    from deltaserve.bench.peers import chat_medians
+    from tools.bench.peers import chat_medians
 
     def run(ttfts, regen):
         return {"turns": [{"turn": i + 1, "ttft_s": t, "prompt_tokens": 10 * (i + 1), "cached_tokens": 0}
@@ -49,8 +49,8 @@ def test_repeated_chat_runs_report_the_median_of_each_turn_and_of_the_regenerate
 
 
 def test_the_report_names_how_many_conversations_each_chat_median_is_over(tmp_path):
-    from deltaserve.bench.peers import chat_medians
-    from deltaserve.bench.report import write_report
+    from tools.bench.peers import chat_medians
+    from tools.bench.report import write_report
 
     def run(t):
         return {"turns": [{"turn": 1, "ttft_s": t, "prompt_tokens": 10, "cached_tokens": 0}],
@@ -66,7 +66,7 @@ def test_the_report_names_how_many_conversations_each_chat_median_is_over(tmp_pa
 
 
 def test_an_engine_measure_runs_in_a_process_of_its_own_and_returns_its_numbers(hybrid_gguf):
-    from deltaserve.bench.peers import in_fresh_process
+    from tools.bench.peers import in_fresh_process
 
     r = in_fresh_process("deltaserve_pp_tg", hybrid_gguf, 1, 1)
     assert r["pp512"] > 0 and r["tg"] > 0 and len(r["pp_runs"]) == 1
@@ -79,8 +79,8 @@ def test_an_engine_measure_runs_in_a_process_of_its_own_and_returns_its_numbers(
 
 
 def test_the_decode_bound_takes_the_highest_read_bandwidth_measured_in_the_run(tmp_path):
-    from deltaserve.bench.peers import merge_runs
-    from deltaserve.bench.report import write_report
+    from tools.bench.peers import merge_runs
+    from tools.bench.report import write_report
 
     def run(tg, bw):
         return {"pp512": 100.0, "tg": tg, "pp_runs": [100.0], "tg_runs": [tg], "decode_bytes_per_token": 1e9,

@@ -8,9 +8,9 @@ import sys
 import pytest
 
 import deltaserve
-from deltaserve.engine import capacity as cap
-from deltaserve.engine.backend import Memory, cpu_memory
-from deltaserve.engine.state import DecodeState
+from tests.fakes import count_state_allocations
+from deltaserve.runtime import capacity as cap
+from deltaserve.runtime.capacity import Memory, cpu_memory
 from deltaserve.errors import CapacityError
 from tests.gguf_edit import rewrite
 
@@ -64,7 +64,7 @@ def test_a_plan_that_fits_is_not_refused(hybrid_model):
     assert p.fits and p.total < cpu_memory().free
 
 
-def test_a_session_that_cannot_grow_is_refused_before_it_allocates(hybrid_model):
+def test_a_session_that_cannot_grow_is_refused_before_it_allocates(hybrid_model, monkeypatch):
     c = hybrid_model.config
     # enough for 4096 positions; 8192 do not fit even counting the 4096-position state freed first
     old_state = 4096 * 512 + c.recurrent_state_bytes()
@@ -74,33 +74,33 @@ def test_a_session_that_cannot_grow_is_refused_before_it_allocates(hybrid_model)
     s = hybrid_model.session(quiet=True, plan_memory=tight)
     s.generate([1, 2, 3], max_tokens=2)
     assert s.capacity == 4096
-    before = DecodeState.allocations
+    allocations = count_state_allocations(monkeypatch)
     with pytest.raises(CapacityError, match="the plan for 8192 positions does not fit"):
         s.generate([5] * 4100, max_tokens=2)
-    assert DecodeState.allocations == before  # refused, not attempted
+    assert not allocations  # refused, not attempted
     assert s.state is not None and s.capacity == 4096  # and the old state is still there
 
 
-def test_a_cpu_context_larger_than_the_machine_is_refused_before_any_allocation(tmp_path, hybrid_gguf):
+def test_a_cpu_context_larger_than_the_machine_is_refused_before_any_allocation(tmp_path, hybrid_gguf, monkeypatch):
     huge = rewrite(hybrid_gguf, tmp_path / "huge-context.gguf", meta={"qwen35.context_length": 1 << 31})
     model = deltaserve.load(huge, cache=False)
-    before = DecodeState.allocations
+    allocations = count_state_allocations(monkeypatch)
     s = model.session(one_call=True, quiet=True)
     with pytest.raises(CapacityError) as e:
         s.generate([1, 2, 3], max_tokens=(1 << 31) - 10)
-    assert DecodeState.allocations == before
+    assert not allocations
     msg = str(e.value)
     positions = 3 + (1 << 31) - 10
     assert f"KV {round(positions * 512 / MiB)} MiB ({positions} positions x 0.5 KiB f32)" in msg
     assert "(cpu: MemAvailable)" in msg or "(cpu: cgroup limit)" in msg
-    proc = subprocess.run([sys.executable, "-m", "deltaserve.cli", "run", str(huge), "-p", "hi", "-n", str((1 << 31) - 10),
+    proc = subprocess.run([sys.executable, "-m", "deltaserve.frontends.cli", "run", str(huge), "-p", "hi", "-n", str((1 << 31) - 10),
                            "--device", "cpu"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "deltaserve: error: the plan for" in proc.stderr and "does not fit" in proc.stderr
 
 
 def test_inspect_prints_the_plan_for_a_context(hybrid_gguf):
-    proc = subprocess.run([sys.executable, "-m", "deltaserve.cli", "inspect", str(hybrid_gguf), "--ctx", "16384"],
+    proc = subprocess.run([sys.executable, "-m", "deltaserve.frontends.cli", "inspect", str(hybrid_gguf), "--ctx", "16384"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "capacity plan for 16384 positions: fits" in proc.stdout

@@ -8,12 +8,12 @@ import sys
 import pexpect
 import pytest
 
-STATS = re.compile(r"\[reused (\d+) \| prefilled (\d+) \| TTFT (\d+) ms \| ([\d.]+) tok/s \| (\d+) tokens, (\w+)[^|]* \| (\w+)\]")
+STATS = re.compile(r"\[reused (\d+) \| prefilled (\d+) \| TTFT (\d+) ms \| ([\d.]+) tok/s \| (\d+) tokens?, (\w+)[^|]* \| (\w+)\]")
 
 
 @pytest.fixture
 def repl(hybrid_gguf):
-    child = pexpect.spawn(sys.executable, ["-m", "deltaserve.cli", "chat", str(hybrid_gguf), "-n", "12", "--device", "cpu"],
+    child = pexpect.spawn(sys.executable, ["-m", "deltaserve", "chat", str(hybrid_gguf), "-n", "12", "--device", "cpu", "--think", "off"],
                           encoding="utf-8", timeout=120, dimensions=(50, 200))
     child.expect("/help for commands")
     child.expect("> ")

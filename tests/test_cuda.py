@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltaserve.engine.backend import CUDABackend
-from deltaserve.engine.guard import ParityGuard
+from deltaserve.runtime.backend import CUDABackend
+from deltaserve.runtime.guard import ParityGuard
 from deltaserve.session import FALLBACK_PREFIX
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -9,10 +9,10 @@ import uuid
 
 import pytest
 
-from deltaserve.engine import guard as guard_mod
-from deltaserve.engine.backend import FaultyBackend
-from deltaserve.engine.guard import ParityGuard
-from deltaserve.model import loader
+from deltaserve.runtime import guard as guard_mod
+from deltaserve.runtime.backend import FaultyBackend
+from deltaserve.runtime.guard import ParityGuard
+from deltaserve.formats import source
 from deltaserve.session import FALLBACK_PREFIX
 
 
@@ -68,7 +68,7 @@ def test_without_a_failure_the_test_accelerator_serves_the_whole_conversation(hy
 
 
 def test_a_capacity_refusal_is_an_error_not_a_fallback(hybrid_model):
-    from deltaserve.engine.backend import Memory
+    from deltaserve.runtime.capacity import Memory
     from deltaserve.errors import CapacityError
 
     with pytest.raises(CapacityError, match="does not fit"):
@@ -76,19 +76,22 @@ def test_a_capacity_refusal_is_an_error_not_a_fallback(hybrid_model):
                              plan_memory=Memory(free=1 << 20, total=1 << 30, source="faulty: test"))
 
 
-def test_the_model_file_is_hashed_once_per_process(hybrid_model):
-    before = loader.HASH_COUNT["computed"]
+def test_the_model_file_is_hashed_once_per_process(hybrid_model, monkeypatch):
+    hashed = []
+    real = source.hash_files
+    monkeypatch.setattr(source, "hash_files", lambda p: hashed.append(p) or real(p))
+    monkeypatch.setattr(source, "_HASHES", {})  # forget earlier tests' hashes: this process hashes it now
     for _ in range(3):
         s = hybrid_model.session(backend=FaultyBackend(hybrid_model.host, device_name=f"h-{uuid.uuid4().hex[:8]}"),
                                  guard=ParityGuard(revalidate=True), quiet=True)
         s.generate([1, 2, 3, 4], max_tokens=3)
         s.generate([1, 2, 3, 4, 5, 6], max_tokens=3)
-    assert loader.HASH_COUNT["computed"] - before <= 1
+    assert len(hashed) == 1
 
 
 def run_cli(*args, cache):
     env = dict(os.environ, DELTASERVE_CACHE_DIR=str(cache))
-    return subprocess.run([sys.executable, "-m", "deltaserve.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "deltaserve.frontends.cli", *args], capture_output=True, text=True,
                           timeout=300, env=env)
 
 

@@ -16,12 +16,11 @@ import pytest
 import torch
 
 import deltaserve
-from deltaserve.engine import forward as forward_mod
 from deltaserve.engine.forward import Forward
 from deltaserve.demo import DEMO_FILE
-from deltaserve.engine import linear as linear_mod
-from deltaserve.engine import native
-from deltaserve.engine.linear import DenseLinear, Int8Linear
+from deltaserve.kernels import linear as linear_mod
+from deltaserve.kernels import native
+from deltaserve.kernels.linear import DenseLinear, Int8Linear
 from tests import llama_oracle as oracle
 from tests.fixtures import models as fx
 
@@ -209,7 +208,7 @@ def test_the_native_kernel_reads_q4_k_and_q6_k_blocks_as_the_file_defines_them()
         pytest.skip(f"the native kernel does not run here: {native.status()[1]}")
     from gguf import GGMLQuantizationType
 
-    from deltaserve.model import quant
+    from deltaserve.formats import quant
 
     g = torch.Generator().manual_seed(4)
     for kind in ("Q4_K", "Q6_K"):
@@ -268,8 +267,7 @@ def test_the_native_deltanet_step_and_conv_follow_the_torch_versions_on_either_h
     ids = ids_for(m, n=24)
     runs = {}
     for on in (True, False):
-        monkeypatch.setattr(layers, "NATIVE_STEP", on)
-        f = Forward(m.config, m.host.weights)
+        f = Forward(m.config, m.host.weights, native=on)
         one, pair = f.new_state(64), [f.new_state(64), f.new_state(64)]
         rows = [f.decode(one, t) for t in ids]
         batched = [f.decode_batch(pair, [t, ids[-1 - i]]) for i, t in enumerate(ids)]
@@ -327,8 +325,8 @@ def test_each_product_size_takes_its_documented_path_on_the_cpu_and_an_accelerat
 
 def int8_everywhere(m):
     """A loaded float model's weights with every projection and the head as int8 tables (any head order)."""
-    from deltaserve.engine.linear import StackedLinear
-    from deltaserve.model.weights import AttentionWeights, LayerWeights, Weights
+    from deltaserve.kernels.linear import StackedLinear
+    from deltaserve.engine.weights import AttentionWeights, LayerWeights, Weights
 
     def q(lin):
         if isinstance(lin, StackedLinear):
@@ -444,9 +442,9 @@ def step_on_both_routes(f, products, states, tokens, monkeypatch):
     before = [copy_state(f, s) for s in states]
     mine = [copy_state(f, s) for s in states]
     one = len(states) == 1
-    monkeypatch.setattr(forward_mod, "NATIVE_DECODE", True)
+    monkeypatch.setattr(f, "one_call", True)
     ours = f.decode(mine[0], tokens[0])[None] if one else f.decode_batch(mine, tokens)
-    monkeypatch.setattr(forward_mod, "NATIVE_DECODE", False)
+    monkeypatch.setattr(f, "one_call", False)
     products.calls = []
     theirs = f.decode(states[0], tokens[0])[None] if one else f.decode_batch(states, tokens)
     calls, products.calls = products.calls, None

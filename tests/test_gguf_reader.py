@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from deltaserve.model.gguf import read_gguf
+from deltaserve.formats.gguf import read_gguf
 from tests.fixtures import models as fx
 
 

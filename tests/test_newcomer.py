@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import deltaserve
-from deltaserve.cli import build_parser
-from deltaserve.engine import threads as T
+from deltaserve.frontends.cli import build_parser
+from deltaserve.kernels import cpu as T
 from deltaserve.text.stream import ReasoningSplitter, StopCutter, split_reasoning
 
 
@@ -136,7 +136,7 @@ def test_serve_on_a_port_in_use_fails_in_one_line_and_never_says_it_listens():
 
 
 def test_the_first_build_of_the_native_kernel_is_said_once(tmp_path):
-    from deltaserve.engine import native
+    from deltaserve.kernels import native
 
     if not native.status()[0]:
         pytest.skip(f"the native kernel does not run here: {native.status()[1]}")
@@ -199,7 +199,7 @@ def test_ci_runs_the_readmes_test_command_and_every_llama_cpp_build_leaves_out_a
     import re
     from pathlib import Path
 
-    from deltaserve.bench.peers import LLAMA_CPU_FLAGS
+    from tools.bench.peers import LLAMA_CPU_FLAGS
 
     root = Path(__file__).resolve().parents[1]
     blocks = re.findall(r"```bash\n(.*?)\n```", (root / "README.md").read_text(), re.S)

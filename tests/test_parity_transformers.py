@@ -105,8 +105,7 @@ def test_a_prefill_in_several_forward_calls_equals_one_call():
     ids = prompt("deep", 230)
     f = Forward(m.config, m.host.weights)
     whole = f.prefill(f.new_state(230), ids, all_logits=True)
-    f.use_plan(rows=64, query_rows=16)
-    pieces = f.prefill(f.new_state(230), ids, all_logits=True)
+    pieces = f.prefill(f.new_state(230, prefill_rows=64, query_rows=16), ids, all_logits=True)
     assert (whole - pieces).abs().max().item() <= 1e-4
 
 

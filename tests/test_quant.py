@@ -1,4 +1,4 @@
-"""deltaserve.model.quant against gguf-py's reference (de)quantisation, bit for bit."""
+"""deltaserve.formats.quant against gguf-py's reference (de)quantisation, bit for bit."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from gguf import quants as ref_quants
 from gguf.constants import GGML_QUANT_SIZES
 
 from deltaserve.errors import ModelFormatError
-from deltaserve.model import quant
+from deltaserve.formats import quant
 
 ALL_TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K]
 BLOCK_TYPES = [T.Q8_0, T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K]

@@ -14,7 +14,7 @@ from deltaserve.sampling import Sampler, SamplingParams
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "deltaserve.cli", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "deltaserve.frontends.cli", *args], capture_output=True, text=True, timeout=300)
 
 
 def transformers_greedy(oracle, tokenizer, ids: list[int], n: int) -> str:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltaserve.engine.backend import CPUBackend, FaultyBackend
-from deltaserve.engine.state import DecodeState
+from deltaserve.runtime.backend import CPUBackend, FaultyBackend
+from tests.fakes import count_state_allocations
 from deltaserve.errors import BackendError, ContextError
 from deltaserve.session import MIN_CAPACITY, PREFILL_ENV, grown_capacity
 
@@ -57,7 +57,7 @@ def test_capacity_grows_from_4096_by_doubling_within_the_context():
     assert grown_capacity(777, 0, 0, 262144) == 777                 # a one-call session: exactly the call
 
 
-def test_a_session_sizes_its_state_by_the_rule_and_growing_drops_what_it_held(model):
+def test_a_session_sizes_its_state_by_the_rule_and_growing_drops_what_it_held(model, monkeypatch):
     s = model.session(context=8192, quiet=True)
     t = s.generate(words(model, 4100, 1), max_tokens=97)           # 4197 positions
     assert s.capacity == 8192 and t.generated == 97
@@ -65,9 +65,9 @@ def test_a_session_sizes_its_state_by_the_rule_and_growing_drops_what_it_held(mo
     big = model.session(quiet=True)                                 # declared context 32768
     big.generate(words(model, 8000, 2), max_tokens=8)
     assert big.capacity == 8192
-    before = DecodeState.allocations
+    allocations = count_state_allocations(monkeypatch)
     turn = big.generate(words(model, 8990, 3), max_tokens=10)      # 9000 positions
-    assert big.capacity == 16384 and DecodeState.allocations == before + 1
+    assert big.capacity == 16384 and len(allocations) == 1
     assert turn.start == "reset" and turn.reused == 0              # the new state started empty
 
 
@@ -77,12 +77,12 @@ def test_a_one_call_session_is_sized_to_the_call_exactly(model):
     assert s.capacity == 57
 
 
-def test_resetting_in_place_allocates_nothing(model):
+def test_resetting_in_place_allocates_nothing(model, monkeypatch):
     s = model.session(quiet=True)
     s.generate(words(model, 40, 5), max_tokens=4)
-    before = DecodeState.allocations
+    allocations = count_state_allocations(monkeypatch)
     turn = s.generate(words(model, 30, 6), max_tokens=4)          # diverges from the start
-    assert turn.start == "reset" and DecodeState.allocations == before
+    assert turn.start == "reset" and not allocations
 
 
 # -- b) extending what the state holds -------------------------------------------------------------

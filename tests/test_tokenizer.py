@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import tokenizers
 
-from deltaserve.model.gguf import read_gguf
+from deltaserve.formats.gguf import read_gguf
 
 from deltaserve.errors import ModelFormatError
-from deltaserve.model.tokenizer import (
+from deltaserve.text.tokenizer import (
     DEFAULT_CHAT_TEMPLATE,
     QWEN2_PRETOKENIZE_REGEX,
     QWEN35_PRETOKENIZE_REGEX,

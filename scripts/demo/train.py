@@ -41,8 +41,8 @@ import tokenizers  # noqa: E402
 from tokenizers import Regex, pre_tokenizers, trainers  # noqa: E402
 
 import corpus as C  # noqa: E402
-from deltaserve.model.convert import balanced_sections  # noqa: E402
-from deltaserve.model.tokenizer import QWEN35_PRETOKENIZE_REGEX, Tokenizer  # noqa: E402
+from deltaserve.formats.convert import balanced_sections  # noqa: E402
+from deltaserve.text.tokenizer import QWEN35_PRETOKENIZE_REGEX, Tokenizer  # noqa: E402
 from tests.fixtures.tokenizers import _add_qwen35_tokens, _bpe, _qwen35_layout, save_hf_tokenizer  # noqa: E402
 
 TEMPLATE = ROOT / "tests" / "data" / "qwen3_5_chat_template.jinja"
@@ -547,7 +547,7 @@ def main() -> int:
     model.eval()
     model.config.use_cache = True
     save_hf_tokenizer(raw_tok, hf, template)
-    from deltaserve.model.convert import convert
+    from deltaserve.formats.convert import convert
 
     ggufs = {}
     for t in ("f16", "f32"):

@@ -6,7 +6,7 @@
     turn = session.chat([{"role": "user", "content": "Hello"}])
 """
 
-__version__ = "0.1.0"
+from deltaserve.version import __version__
 
 
 def load(path=None, device: str = "cpu", threads: int | None = None, cache: bool = True, weights: str | None = None):

@@ -2,6 +2,6 @@
 
 import sys
 
-from deltaserve.cli import main
+from deltaserve.frontends.cli import main
 
 sys.exit(main())

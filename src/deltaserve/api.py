@@ -1,18 +1,22 @@
-"""The public entry points: `deltaserve.load(path)` and the model it returns."""
+"""The public entry points: `deltaserve.load(path)` and the model it returns. The one place that builds backends,
+parity guards and the sessions of a slot pool: the frontends ask it, never the runtime directly."""
 
 from __future__ import annotations
 
 import os
+import time
 from typing import Sequence
 
 import torch
 
-from deltaserve.engine.backend import Backend, select_backend
 from deltaserve.demo import default_model_path, is_demo
 from deltaserve.engine.forward import Forward
-from deltaserve.engine.threads import plan_threads
+from deltaserve.engine.host import HostModel, cached_host, load_host
 from deltaserve.errors import DeltaserveError
-from deltaserve.model.loader import HostModel, cached_host, load_host
+from deltaserve.kernels.cpu import plan_threads, serial_here
+from deltaserve.runtime.backend import Backend, select_backend
+from deltaserve.runtime.compute import ComputeThread
+from deltaserve.runtime.guard import ParityGuard
 from deltaserve.session import Session, Turn
 from deltaserve.text.chat_template import render
 
@@ -20,9 +24,11 @@ from deltaserve.text.chat_template import render
 class Model:
     """A loaded Qwen3.5 hybrid: config, tokenizer, host weights; sessions run on it."""
 
-    def __init__(self, host: HostModel, device: str = "cpu"):
+    def __init__(self, host: HostModel, device: str = "cpu", compute: ComputeThread | None = None):
         self.host = host
         self.device = device
+        self.compute = compute  # the thread CPU forwards run on, or None for the calling thread
+        self.load_seconds = 0.0
         self._cpu_forward: Forward | None = None
         self._accelerators: dict[str, Backend] = {}  # uploaded once per device, shared by sessions
         self.threads_why = ""  # why the CPU forwards take the threads they take (said in the backend line)
@@ -64,28 +70,46 @@ class Model:
         return f.prefill(state, ids, all_logits=True)
 
     def backend(self, device: str | None = None) -> tuple[Backend, str | None]:
-        """The backend for `device`; an accelerator's (weights uploaded) is made once and shared."""
+        """The backend for `device` and the notice saying why it is not the one asked for (None when it is); an
+        accelerator's (weights uploaded) is made once and shared. CPU work runs on the model's compute thread
+        when it has one."""
         backend, notice = select_backend(self.host, device or self.device)
         backend.threads_why = self.threads_why
         if backend.accelerator:
             backend = self._accelerators.setdefault(backend.name, backend)
+        backend.use_compute_thread(self.compute)
         return backend, notice
 
     def session(self, context: int | None = None, device: str | None = None, backend: Backend | None = None,
                 guard=None, quiet: bool = False, one_call: bool = False, plan_memory=None,
-                plan_positions: int | None = None) -> Session:
-        """A resident session: its state starts at 4096 positions and grows by doubling."""
+                plan_positions: int | None = None, revalidate: bool = False) -> Session:
+        """A resident session: its state starts at 4096 positions and grows by doubling. On an accelerator it
+        is guarded (`revalidate`: a new parity verdict even if one is cached)."""
         notice = None
         if backend is None:
             backend, notice = self.backend(device)
         if guard is None and backend.accelerator:
-            from deltaserve.engine.guard import ParityGuard
-            guard = ParityGuard()
+            guard = ParityGuard(revalidate=revalidate)
         s = Session(self.host, backend, context=context, one_call=one_call, guard=guard, quiet=quiet,
-                    plan_memory=plan_memory, plan_positions=plan_positions, thinking_default=self.thinking_default)
-        if notice:
-            s.notices.insert(0, notice)
+                    plan_memory=plan_memory, plan_positions=plan_positions, thinking_default=self.thinking_default,
+                    notice=notice)
         return s
+
+    def slots(self, n: int, context: int | None = None, device: str | None = None, revalidate: bool = False,
+              quiet: bool = False) -> list[Session]:
+        """`n` resident sessions on one backend (weights shared), their decode steps batched into one forward
+        when there are several, one parity guard for all (`revalidate` forces a new verdict)."""
+        backend, notice = self.backend(device)
+        guard = ParityGuard(revalidate=revalidate) if backend.accelerator else None
+        if n > 1:
+            backend.enable_batching()
+        return [Session(self.host, backend, context=context, guard=guard, quiet=quiet or i > 0,
+                        thinking_default=self.thinking_default, notice=notice) for i in range(n)]
+
+    def worker_initializer(self):
+        """What a thread that samples and streams for this model's sessions runs first: with a compute thread, its
+        own torch ops open no OpenMP team (runtime/compute.py)."""
+        return serial_here if self.compute is not None else None
 
     def generate(self, prompt_ids: Sequence[int], max_tokens: int = 256, **kwargs) -> Turn:
         """One call on a one-call session sized to the call exactly."""
@@ -95,18 +119,31 @@ class Model:
 
 
 def load(path: str | os.PathLike | None = None, device: str = "cpu", threads: int | None = None, cache: bool = True,
-         weights: str | None = None) -> Model:
+         weights: str | None = None, compute_thread: bool = False) -> Model:
     """Load a Qwen3.5 GGUF file or HF directory (no path: the embedded demo model). `threads`: CPU threads for
     the forwards (default: one for a model too small to split, else the cores this process may use; see
-    engine/threads.py). `weights`: "fast" (default: quantized tensors as int8 tables, 16-bit ones as bf16, f32
-    kept) or "exact" (all f32)."""
+    kernels/cpu.py). `weights`: "fast" (default: quantized tensors as int8 tables, 16-bit ones as bf16, f32
+    kept) or "exact" (all f32). `compute_thread`: the load and every CPU forward on one thread of their own
+    (for callers that run sessions on several threads, as the server does; see runtime/compute.py)."""
     if path is None:
         path = default_model_path()
     if threads is not None and int(threads) < 1:
         raise DeltaserveError(f"threads must be at least 1, got {threads}")
-    host = cached_host(path, weights) if cache else load_host(path, weights)
-    n, why = plan_threads(host.weights.nbytes, int(threads) if threads is not None else None)
-    torch.set_num_threads(n)
-    model = Model(host, device)
-    model.threads_why = why
+    t0 = time.perf_counter()
+    compute = ComputeThread() if compute_thread else None
+
+    def build() -> HostModel:
+        host = cached_host(path, weights) if cache else load_host(path, weights)
+        n, why = plan_threads(host.weights.nbytes, int(threads) if threads is not None else None)
+        torch.set_num_threads(n)
+        host_why[0] = why
+        return host
+
+    host_why = [""]
+    host = compute.run(build) if compute is not None else build()
+    if compute is not None:
+        serial_here()  # the calling thread's own torch ops, if any, open no team
+    model = Model(host, device, compute)
+    model.threads_why = host_why[0]
+    model.load_seconds = time.perf_counter() - t0
     return model

@@ -17,8 +17,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from deltaserve.engine import capacity as cap
-from deltaserve.engine.backend import AcceleratorFailure, Backend, CPUBackend
+from deltaserve.runtime import capacity as cap
+from deltaserve.runtime.backend import AcceleratorFailure, Backend, CPUBackend
 from deltaserve.engine.state import Checkpoint, DecodeState
 from deltaserve.errors import BackendError, ContextError, DeltaserveError
 from deltaserve.sampling import Sampler, SamplingParams
@@ -91,7 +91,7 @@ class Session:
 
     def __init__(self, host, backend: Backend | None = None, *, context: int | None = None,
                  one_call: bool = False, guard=None, quiet: bool = False, plan_memory=None,
-                 plan_positions: int | None = None, thinking_default: bool | None = None):
+                 plan_positions: int | None = None, thinking_default: bool | None = None, notice: str | None = None):
         self.host = host
         self.thinking_default = thinking_default  # enable_thinking when a chat turn does not say (None: the template's)
         self.tokenizer = host.tokenizer
@@ -102,6 +102,8 @@ class Session:
         self.min_capacity = 0 if one_call else MIN_CAPACITY
         self.notices: list[str] = []
         self.quiet = quiet
+        if notice:  # why the backend is not the one asked for, said before anything else
+            self.say(notice)
         if context is not None and context > declared:
             self.say(f"[deltaserve] a context of {context} positions was asked for and the model declares {declared}: "
                      f"serving {declared}")
@@ -137,19 +139,14 @@ class Session:
                 # A refusal is an error (CapacityError), never a fallback.
                 memory = self._plan_memory if self._plan_memory is not None else backend.memory()
                 cap.plan(self.host.config, min(plan_positions, self.context), memory,
-                         weights=self.host.weights.nbytes, overhead=cap.CUDA_OVERHEAD)
+                         weights=self.host.weights.nbytes, overhead=backend.overhead)
             backend.start()
         except AcceleratorFailure as e:
             self._say_fallback(str(e))
-            backend = self._cpu_backend(backend)
+            backend = backend.fallback()
             backend.start()
         self.say(f"Backend: {backend.describe()} [qwen35 hybrid, {self.host.config.num_layers} layers]")
         return backend
-
-    def _cpu_backend(self, leaving: Backend) -> Backend:
-        cpu = CPUBackend(self.host)
-        cpu.threads_why = leaving.threads_why
-        return cpu
 
     def _say_fallback(self, reason: str) -> None:
         self.say(f"{FALLBACK_PREFIX}, falling back to CPU: {reason}")
@@ -170,8 +167,7 @@ class Session:
         memory = self._memory()
         if self.state is not None:  # the old state is freed before the new one is allocated
             memory = type(memory)(memory.free + self.state.nbytes, memory.total, memory.source)
-        overhead = cap.CUDA_OVERHEAD if self.backend.accelerator else cap.CPU_OVERHEAD
-        p = cap.plan(self.host.config, capacity, memory, weights=0, overhead=overhead,
+        p = cap.plan(self.host.config, capacity, memory, weights=0, overhead=self.backend.overhead,
                      resident=self.host.weights.nbytes)
         if p.passed_over:
             self.say(f"[deltaserve] prefill plan for {capacity} positions: {'; '.join(p.passed_over)}; "
@@ -189,11 +185,10 @@ class Session:
         self.state = None
         while True:
             try:
-                self.state = self.backend.new_state(capacity)
+                self.state = self.backend.new_state(capacity, p.prefill)
                 break
             except AcceleratorFailure as e:
                 self._move_to_cpu(str(e), allocate=False)
-        self.backend.forward.use_plan(p.prefill.rows, p.prefill.query_rows)
         self.capacity = capacity
         self.allocations += 1
         return True
@@ -204,9 +199,7 @@ class Session:
 
     def _move_to_cpu(self, reason: str, allocate: bool = True) -> None:
         self._say_fallback(reason)
-        compute = self.backend.compute_for_cpu
-        self.backend = self._cpu_backend(self.backend)
-        self.backend.use_compute_thread(compute)
+        self.backend = self.backend.fallback()
         self.backend.start()
         self.say(f"Backend: {self.backend.describe()} [after the fallback]")
         self.held = []
@@ -214,8 +207,7 @@ class Session:
         self.state = None
         if allocate:
             p = self._plan(self.capacity)
-            self.state = self.backend.new_state(self.capacity)
-            self.backend.forward.use_plan(p.prefill.rows, p.prefill.query_rows)
+            self.state = self.backend.new_state(self.capacity, p.prefill)
             self.allocations += 1
 
     # -- where a prompt starts --------------------------------------------------------------------
@@ -379,7 +371,7 @@ class Session:
         if self._guard is not None and self.backend.accelerator:
             guard, self._guard = self._guard, None  # once per session
             try:
-                rejection = guard(self, prompt)
+                rejection = guard(self.backend, self.host, prompt, self.say)
             except AcceleratorFailure as e:
                 rejection = f"the parity probe failed: {e}"
             if rejection is not None:
@@ -392,15 +384,9 @@ class Session:
         if start == 0:
             start_kind = "reset"
 
-        batcher = self.backend.batcher  # the decode loop's steps join other sessions' in one forward
-        if batcher is not None:
-            batcher.enter()
-        try:
+        with self.backend.decoding():  # the decode loop's steps may join other sessions' in one forward
             tokens, text, finish, ttft, decode_s = self._decode(prompt, logits, budget, params, stop_ids,
                                                                 stop_texts, on_token, t0)
-        finally:
-            if batcher is not None:
-                batcher.leave()
         self.turns += 1
         return Turn(
             tokens=tokens, text=text, reused=start, prefilled=n - start, prompt_tokens=n,
@@ -463,7 +449,7 @@ class _TextStream:
     """Detokenises a generation as it goes and cuts it at the first stop string (not included)."""
 
     def __init__(self, tokenizer, stops: list[str]):
-        from deltaserve.model.tokenizer import StreamDecoder
+        from deltaserve.text.tokenizer import StreamDecoder
 
         self.dec = StreamDecoder(tokenizer)
         self.cut = StopCutter(stops)

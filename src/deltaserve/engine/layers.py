@@ -11,10 +11,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from deltaserve.engine import native
+from deltaserve.kernels import native as kernel
 
 CHUNK = 64  # the chunk length of the chunked gated delta rule
-NATIVE_STEP = True  # DeltaNet's one-token step, its prefill conv and its prefill delta rule on the native kernel
 #                     where it runs (tests compare both paths)
 
 
@@ -45,14 +44,14 @@ def mlp(x: torch.Tensor, gate_up, down) -> torch.Tensor:
 # Gated DeltaNet
 # ---------------------------------------------------------------------------------------------
 
-def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, native: bool = False) -> torch.Tensor:
     """Depthwise causal conv over time, then SiLU.
 
     x: [T, C] new inputs; conv_state: [K-1, C] the previous K-1 inputs (updated in place);
-    weight: [C, K]. Returns [T, C].
+    weight: [C, K]. Returns [T, C]. `native`: on the native kernel where it takes these tensors.
     """
-    if NATIVE_STEP:
-        out = native.causal_conv(x, conv_state, weight)
+    if native:
+        out = kernel.causal_conv(x, conv_state, weight)
         if out is not None:
             return out
     t = x.shape[0]
@@ -176,16 +175,17 @@ def _deltanet_out(o: torch.Tensor, z: torch.Tensor, w, cfg) -> torch.Tensor:
 
 
 def deltanet_mixer(x: torch.Tensor, w, cfg, conv_state: torch.Tensor, ssm_state: torch.Tensor,
-                   chunked: bool) -> torch.Tensor:
-    """A Gated DeltaNet layer's mixer over T new tokens of one sequence. x: [T, hidden] (already normed)."""
-    if not chunked and x.shape[0] == 1 and NATIVE_STEP:
+                   chunked: bool, native: bool = False) -> torch.Tensor:
+    """A Gated DeltaNet layer's mixer over T new tokens of one sequence. x: [T, hidden] (already normed).
+    `native`: the one-token step, the conv and the chunked delta rule on the native kernel where it takes them."""
+    if not chunked and x.shape[0] == 1 and native:
         out = deltanet_decode_native(x, w, cfg, [(conv_state, ssm_state)])
         if out is not None:
             return out
     qkv, z, beta, g = _deltanet_project(x, w)
-    q, k, v = _deltanet_heads(causal_conv(qkv, conv_state, w.conv), cfg)
+    q, k, v = _deltanet_heads(causal_conv(qkv, conv_state, w.conv, native), cfg)
     if chunked:
-        o = native.delta_rule(q, k, v, g, beta, ssm_state) if NATIVE_STEP else None
+        o = kernel.delta_rule(q, k, v, g, beta, ssm_state) if native else None
         if o is None:
             o = delta_rule_chunked(q, k, v, g, beta, ssm_state)
     else:
@@ -196,10 +196,10 @@ def deltanet_mixer(x: torch.Tensor, w, cfg, conv_state: torch.Tensor, ssm_state:
 def deltanet_decode_native(x: torch.Tensor, w, cfg, states: list[tuple[torch.Tensor, torch.Tensor]]):
     """One token each of B sequences through the native DeltaNet step (native.c), each sequence's
     (conv, ssm) state updated in place; None, with nothing touched, where the native kernel cannot take it."""
-    if not native.deltanet_ready(w, states):
+    if not kernel.deltanet_ready(w, states):
         return None
     qkv, z, b, a = w.in_proj.split(w.in_proj(x))
-    o = torch.stack([native.deltanet_step(qkv[j], z[j], b[j], a[j], w, cfg, conv, ssm)
+    o = torch.stack([kernel.deltanet_step(qkv[j], z[j], b[j], a[j], w, cfg, conv, ssm)
                      for j, (conv, ssm) in enumerate(states)])
     return w.out(o)
 

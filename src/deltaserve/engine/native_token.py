@@ -16,10 +16,10 @@ import ctypes
 
 import torch
 
-from deltaserve.model.config import HybridConfig
-from deltaserve.model.weights import AttentionWeights, Weights
-from deltaserve.engine import linear as lin
-from deltaserve.engine import native
+from deltaserve.formats.config import HybridConfig
+from deltaserve.engine.weights import AttentionWeights, Weights
+from deltaserve.kernels import linear as lin
+from deltaserve.kernels import native
 from deltaserve.engine.state import DecodeState
 
 P, I, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deltaserve.model.config import HybridConfig
+from deltaserve.formats.config import HybridConfig
 
 
 class DecodeState:
@@ -21,10 +21,8 @@ class DecodeState:
     `length` is the number of positions the state holds.
     """
 
-    allocations = 0  # class-wide count of states ever allocated (tests count allocations)
-
     def __init__(self, config: HybridConfig, capacity: int, device: torch.device | str = "cpu",
-                 kv_dtype: torch.dtype = torch.float32):
+                 kv_dtype: torch.dtype = torch.float32, prefill_rows: int = 2048, query_rows: int = 512):
         if capacity <= 0:
             raise ValueError(f"a decode state needs a positive capacity, got {capacity}")
         self.config = config
@@ -32,6 +30,9 @@ class DecodeState:
         self.device = torch.device(device)
         self.kv_dtype = kv_dtype
         self.length = 0
+        # the prefill plan of this state's session (capacity.py): tokens per forward call of a long prefill, and
+        # attention queries per score matrix
+        self.prefill_rows, self.query_rows = prefill_rows, query_rows
         c = config
         self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.conv: dict[int, torch.Tensor] = {}
@@ -45,7 +46,6 @@ class DecodeState:
                 self.conv[i] = torch.zeros((c.conv_kernel - 1, c.conv_dim), dtype=torch.float32, device=self.device)
                 self.ssm[i] = torch.zeros((c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim),
                                           dtype=torch.float32, device=self.device)
-        DecodeState.allocations += 1
 
     @staticmethod
     def bytes_for(config: HybridConfig, capacity: int, kv_dtype_bytes: int = 4) -> int:

@@ -17,7 +17,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from deltaserve.engine import native
+from deltaserve.kernels import native
 
 NATIVE_ROWS = 8  # up to this many input rows take the native kernel where it runs (beyond, int8 x int8 wins)
 BLOCK_ROWS = 1  # one row reads a Q4_K/Q6_K tensor's own blocks (fewer bytes); more rows: the int8 table (less unpacking)

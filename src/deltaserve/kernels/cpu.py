@@ -1,4 +1,7 @@
-"""How many CPU threads a model's forwards take: the default of `--threads` follows the work.
+"""The CPU under the kernels: how many threads a model's forwards take (the default of `--threads`, and the
+native decode's governor), OpenMP's per-thread team size, and glibc's handling of freed blocks.
+
+How many CPU threads a model's forwards take: the default of `--threads` follows the work.
 
 A decode step reads every weight once and ends many parallel regions (a product, a norm, a state update per
 layer), each on a barrier. Splitting a step over threads pays only where the work between two barriers is
@@ -12,11 +15,73 @@ share of its quiet speed under a competitor.
 
 So: models that read less than `SPLIT_MIN_BYTES` per token run on one thread; larger ones on the cores this
 process may run on (`os.sched_getaffinity`, which honours taskset and cgroup cpusets, unlike `os.cpu_count`).
+
+OpenMP: PyTorch's CPU build runs its parallel regions on libgomp, which gives every thread that opens a parallel
+region a team of worker threads of its own; `serial_here` lets a thread run its few torch ops without one
+(runtime/compute.py says why a server needs that).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+
+import torch
+
+_gomp = None
+_allocator_tuned = False
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+MMAP_THRESHOLD = 32 << 20  # glibc's largest
+
+
+def keep_freed_memory() -> bool:
+    """Let glibc keep freed blocks of up to 32 MiB for reuse instead of unmapping them (once per process).
+
+    A forward allocates and frees many temporaries of a few MiB to a few tens of MiB (a 512-row prefill:
+    [512, 8224] f32 products). By default glibc serves each from fresh mmap'd pages and returns them when
+    freed, so every one pays its page faults again: a Q8_0 0.8B-shape pp512 took 1.5-1.6 s that way and
+    1.06 s with the blocks kept. Memory the load frees is still handed back explicitly (malloc_trim)."""
+    global _allocator_tuned
+    if _allocator_tuned:
+        return True
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        ok = bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 1 << 30))
+    except (OSError, AttributeError):
+        ok = False
+    _allocator_tuned = ok
+    return ok
+
+
+def _libgomp():
+    """The libgomp torch loaded (found by its mapping), or None where torch uses another OpenMP runtime."""
+    global _gomp
+    if _gomp is None:
+        path = ""
+        try:
+            with open("/proc/self/maps") as f:
+                path = next((line.split()[-1] for line in f if "libgomp" in line and line.split()[-1].startswith("/")),
+                            "")
+        except OSError:
+            pass
+        try:
+            _gomp = ctypes.CDLL(path) if path else False
+        except OSError:
+            _gomp = False
+    return _gomp or None
+
+
+def serial_here() -> bool:
+    """Run the calling thread's torch ops without a parallel team, leaving every other thread as it is
+    (OpenMP's thread count is a per-thread setting; torch.set_num_threads would also change MKL's and the
+    default of threads started later). Returns whether it could."""
+    lib = _libgomp()
+    if lib is None:
+        return False
+    torch.get_num_threads()  # torch's own per-thread initialisation first, or it would undo this later
+    lib.omp_set_num_threads(1)
+    return True
 
 SPLIT_MIN_BYTES = 64 << 20  # the demo model (8 MB) stays on one thread; the 0.8B shape (500+ MB) splits
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 
-from deltaserve.model.tokenizer import QWEN35_PRETOKENIZE_REGEX, bpe_model, bytes_to_unicode
+from deltaserve.text.tokenizer import QWEN35_PRETOKENIZE_REGEX, bpe_model, bytes_to_unicode
 
 # Qwen3.5's added tokens, in id order from 248,044, with their `special` flag.
 QWEN35_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (

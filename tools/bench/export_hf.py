@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from deltaserve.model.config import HybridConfig
-from deltaserve.model.convert import reorder_value_heads
-from deltaserve.model.loader import _HF_LAYER_MAP
+from deltaserve.formats.config import HybridConfig
+from deltaserve.formats.convert import reorder_value_heads
+from deltaserve.formats.hf import _HF_LAYER_MAP
 
 
 def tiled_to_grouped(t: torch.Tensor, dim: int, num_key_heads: int, per_key: int, block: int) -> torch.Tensor:
@@ -74,7 +74,7 @@ def export_hf(host, out: Path, dtype=torch.bfloat16) -> Path:
     save_file({k: (v.float() if any(s in k for s in keep_f32) else v.to(dtype)).contiguous() for k, v in tensors.items()},
               str(out / "model.safetensors"))
     pairs = c.rotary_dim // 2
-    from deltaserve.model.convert import balanced_sections
+    from deltaserve.formats.convert import balanced_sections
     config = {
         "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "vocab_size": c.vocab_size,
         "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers,

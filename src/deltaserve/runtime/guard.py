@@ -12,10 +12,11 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from deltaserve import __version__
+from deltaserve.version import __version__
 from deltaserve.cachedir import cache_root
 from deltaserve.engine.forward import Forward
 
@@ -23,7 +24,6 @@ PROBE_MAX = 512
 COMPARE = 64
 COS_MIN = 0.999
 ARGMAX_MIN = 0.90
-COMPARISONS = {"count": 0}  # comparisons actually run in this process (tests read it)
 
 
 def cache_dir() -> Path:
@@ -47,17 +47,17 @@ class ParityGuard:
         safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in device_name)
         return (self.directory or cache_dir()) / f"{sha[:32]}-{__version__}-{safe}.json"
 
-    def __call__(self, session, prompt: list[int]) -> str | None:
-        """None when the accelerator is accepted, else the reason for the fallback.
-        An AcceleratorFailure raised while probing propagates (the session falls back on it too)."""
-        backend = session.backend
+    def __call__(self, backend, host, prompt: list[int], say: Callable[[str], None]) -> str | None:
+        """Compare `backend`'s logits for `prompt` with the CPU reference of `host`: None when the accelerator is
+        accepted, else the reason for the fallback. Every verdict is said through `say`. An AcceleratorFailure
+        raised while probing propagates (the caller falls back on it too)."""
         device_name = getattr(backend, "device_name", backend.name)
-        sha = session.host.sha256()
+        sha = host.sha256()
         path = self._path(sha, device_name)
         if not self.revalidate and path.exists():
             try:
                 v = json.loads(path.read_text())
-                session.say(f"[deltaserve] parity guard: cached verdict for {device_name}: "
+                say(f"[deltaserve] parity guard: cached verdict for {device_name}: "
                             f"{'accepted' if v['accepted'] else 'rejected'} (min cosine {v['min_cos']:.6f}, "
                             f"argmax agreement {v['argmax']:.0%}, {path})")
                 return None if v["accepted"] else f"the CPU-parity guard rejected {device_name} (cached verdict)"
@@ -70,11 +70,10 @@ class ParityGuard:
         if hasattr(backend, "guard_logits"):
             device_logits = backend.guard_logits(device_logits)
         del state
-        ref = Forward(session.host.config, session.host.weights, "cpu")
+        ref = Forward(host.config, host.weights, "cpu")
         ref_state = ref.new_state(len(probe))
         cpu_logits = ref.prefill(ref_state, probe, all_logits=True)[-COMPARE:]
         min_cos, agree = compare(device_logits, cpu_logits)
-        COMPARISONS["count"] += 1
         accepted = min_cos >= COS_MIN and agree >= ARGMAX_MIN
         verdict = {"accepted": accepted, "min_cos": min_cos, "argmax": agree, "positions": int(cpu_logits.shape[0]),
                    "probe_tokens": len(probe), "device": device_name, "version": __version__, "sha256": sha,
@@ -84,7 +83,7 @@ class ParityGuard:
             path.write_text(json.dumps(verdict, indent=1))
         except OSError:
             pass
-        session.say(f"[deltaserve] parity guard on {device_name}: {'accepted' if accepted else 'REJECTED'} "
+        say(f"[deltaserve] parity guard on {device_name}: {'accepted' if accepted else 'REJECTED'} "
                     f"(min cosine {min_cos:.6f} >= {COS_MIN}? argmax agreement {agree:.0%} >= {ARGMAX_MIN:.0%}? "
                     f"over {cpu_logits.shape[0]} positions)")
         if accepted:

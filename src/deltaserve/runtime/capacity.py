@@ -9,8 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from deltaserve.errors import CapacityError
-from deltaserve.model.config import HybridConfig
-from deltaserve.engine.backend import Memory
+from deltaserve.formats.config import HybridConfig
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -28,6 +27,41 @@ class PrefillPlan:
     @property
     def label(self) -> str:
         return f"prefill {self.rows} rows x attention {self.query_rows} query rows"
+
+
+@dataclass(frozen=True)
+class Memory:
+    free: int
+    total: int
+    source: str  # e.g. "cpu: MemAvailable" or "cuda:0: mem_get_info"
+
+
+def cpu_memory() -> Memory:
+    info = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, value = line.split(":", 1)
+                info[key] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    total = info.get("MemTotal", 0)
+    free = info.get("MemAvailable", info.get("MemFree", 0))
+    # a cgroup limit (containers) is the real ceiling when it is lower
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            raw = open(path).read().strip()
+            limit = int(raw) if raw != "max" else 0
+        except (OSError, ValueError):
+            continue
+        if 0 < limit < total:
+            used_path = path.replace("memory.max", "memory.current").replace("limit_in_bytes", "usage_in_bytes")
+            try:
+                used = int(open(used_path).read().strip())
+            except (OSError, ValueError):
+                used = 0
+            return Memory(min(free, max(limit - used, 0)), limit, "cpu: cgroup limit")
+    return Memory(free, total, "cpu: MemAvailable")
 
 
 PREFILL_PLANS = (PrefillPlan(2048, 512), PrefillPlan(512, 128), PrefillPlan(128, 32), PrefillPlan(64, 8))

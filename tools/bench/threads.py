@@ -84,7 +84,7 @@ def run(out: Path, models: list[tuple[str, str, int]], repeats: int = 5, rounds:
     lines = [f"# Decode by thread count, quiet and with one competing busy process ({meta['date']})", "",
              f"Command: `{meta['command']}`  ", f"CPU: {meta['cpu']}, {meta['cores']} cores. Each figure is the "
              f"median of {rounds} fresh processes x {repeats} decodes; the competitor is a process spinning on one "
-             "core. `auto` is the default thread policy (engine/threads.py). Goal: under one competitor, at least "
+             "core. `auto` is the default thread policy (kernels/cpu.py). Goal: under one competitor, at least "
              "40 % of the quiet throughput.", "",
              "| model | --threads | threads used | quiet tok/s | one competitor tok/s | kept |", "|---|---|---|---|---|---|"]
     for r in results:
@@ -106,7 +106,7 @@ def _cpu() -> str:
 
 
 def main(a) -> None:
-    from deltaserve.bench.run import model_file
+    from tools.bench.run import model_file
 
     models = [("demo (7.8 MB, F16)", "", 256)]
     if not a.quick:

@@ -7,55 +7,22 @@ failure of its own as `AcceleratorFailure`, which the session answers by moving 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from contextlib import contextmanager
 
 import torch
 
 from deltaserve.errors import DeltaserveError
-from deltaserve.model.loader import HostModel
+from deltaserve.runtime import capacity as cap
+from deltaserve.runtime.capacity import Memory, cpu_memory
+from deltaserve.engine.host import HostModel
 from deltaserve.engine.forward import Forward
-from deltaserve.engine.linear import Int8Linear, int8_route
+from deltaserve.kernels.linear import Int8Linear, int8_route
 from deltaserve.engine.state import Checkpoint, DecodeState
-from deltaserve.engine.threads import plural
+from deltaserve.kernels.cpu import plural
 
 
 class AcceleratorFailure(Exception):
     """Something on the accelerator failed; the session falls back to the CPU with this reason."""
-
-
-@dataclass(frozen=True)
-class Memory:
-    free: int
-    total: int
-    source: str  # e.g. "cpu: MemAvailable" or "cuda:0: mem_get_info"
-
-
-def cpu_memory() -> Memory:
-    info = {}
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                key, value = line.split(":", 1)
-                info[key] = int(value.split()[0]) * 1024
-    except OSError:
-        pass
-    total = info.get("MemTotal", 0)
-    free = info.get("MemAvailable", info.get("MemFree", 0))
-    # a cgroup limit (containers) is the real ceiling when it is lower
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            raw = open(path).read().strip()
-            limit = int(raw) if raw != "max" else 0
-        except (OSError, ValueError):
-            continue
-        if 0 < limit < total:
-            used_path = path.replace("memory.max", "memory.current").replace("limit_in_bytes", "usage_in_bytes")
-            try:
-                used = int(open(used_path).read().strip())
-            except (OSError, ValueError):
-                used = 0
-            return Memory(min(free, max(limit - used, 0)), limit, "cpu: cgroup limit")
-    return Memory(free, total, "cpu: MemAvailable")
 
 
 class Backend:
@@ -63,17 +30,42 @@ class Backend:
 
     accelerator = False
     name = "cpu"
+    overhead = cap.CPU_OVERHEAD  # what the capacity plan adds for the runtime on this device
 
     def __init__(self, host: HostModel):
         self.host = host
         self.forward: Forward | None = None
         self.batcher = None  # a DecodeBatcher when sessions sharing this backend batch their decode steps
         self.compute_for_cpu = None  # a ComputeThread for CPU work, when threads share the backend (compute.py)
-        self.threads_why = ""  # why the CPU forwards take the threads they do (threads.py), for the route line
+        self.threads_why = ""  # why the CPU forwards take the threads they do (kernels/cpu.py), for the route line
+
+    def fallback(self) -> "Backend":
+        """The CPU backend a session moves to when this one fails: it keeps the compute thread and thread note."""
+        cpu = CPUBackend(self.host)
+        cpu.threads_why = self.threads_why
+        cpu.use_compute_thread(self.compute_for_cpu)
+        return cpu
+
+    @contextmanager
+    def decoding(self):
+        """A session's decode loop: while inside, its steps may be batched with other sessions' (batching.py)."""
+        if self.batcher is None:
+            yield
+            return
+        self.batcher.enter()
+        try:
+            yield
+        finally:
+            self.batcher.leave()
+
+    def stats(self) -> dict:
+        """What the operator sees of this backend (GET /health)."""
+        b = self.batcher
+        return {"name": self.name, "batched_decode": {"batches": b.batches, "rows": b.batched_rows} if b else None}
 
     def enable_batching(self) -> None:
         """Gather the decode steps of the sessions sharing this backend into batched forwards."""
-        from deltaserve.engine.batching import DecodeBatcher
+        from deltaserve.runtime.batching import DecodeBatcher
 
         self.start()
         if self.batcher is None:
@@ -119,8 +111,10 @@ class Backend:
         return f"CPU ({plural(torch.get_num_threads(), 'thread')}{why}{route})"
 
     # -- state ------------------------------------------------------------------------------------
-    def new_state(self, capacity: int) -> DecodeState:
-        return self._on_compute(self.forward.new_state, capacity)
+    def new_state(self, capacity: int, plan: cap.PrefillPlan | None = None) -> DecodeState:
+        """A state of `capacity` positions whose prefills follow `plan` (rows per call, attention query rows)."""
+        plan = plan or cap.PREFILL_PLANS[0]
+        return self._on_compute(self.forward.new_state, capacity, torch.float32, plan.rows, plan.query_rows)
 
     def reset(self, state: DecodeState) -> None:
         self._on_compute(state.reset)
@@ -149,6 +143,7 @@ class CUDABackend(Backend):
     """The same forward on a CUDA device: weights uploaded once, state on the device."""
 
     accelerator = True
+    overhead = cap.CUDA_OVERHEAD
 
     def __init__(self, host: HostModel, index: int = 0):
         super().__init__(host)
@@ -202,8 +197,8 @@ class CUDABackend(Backend):
         except Exception as e:  # noqa: BLE001
             raise AcceleratorFailure(f"{what} failed on {self.name}: {e}") from e
 
-    def new_state(self, capacity):
-        return self._guarded(f"a decode state for {capacity} positions", super().new_state, capacity)
+    def new_state(self, capacity, plan=None):
+        return self._guarded(f"a decode state for {capacity} positions", super().new_state, capacity, plan)
 
     def reset(self, state):
         return self._guarded("the state reset", super().reset, state)
@@ -262,9 +257,9 @@ class FaultyBackend(Backend):
     def describe(self) -> str:
         return f"test accelerator ({self.device_name})"
 
-    def new_state(self, capacity):
+    def new_state(self, capacity, plan=None):
         self._hit("alloc")
-        return super().new_state(capacity)
+        return super().new_state(capacity, plan)
 
     def restore(self, state, ck, valid_prefix):
         self._hit("restore")

@@ -17,9 +17,9 @@ import numpy as np
 import torch
 
 from deltaserve.errors import DeltaserveError, ModelFormatError
-from deltaserve.model.config import HybridConfig
-from deltaserve.model.loader import HFSource, _hf_prefix
-from deltaserve.model.weights import check_tensors
+from deltaserve.formats.config import HybridConfig
+from deltaserve.formats.hf import HFSource, hf_prefix
+from deltaserve.formats.layout import check_tensors
 
 TYPES = {
     "f32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
@@ -87,7 +87,7 @@ def _encode(t: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
     if qtype == gguf.GGMLQuantizationType.BF16:
         return t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).copy()
     if qtype == gguf.GGMLQuantizationType.Q8_0:
-        from deltaserve.model.quant import quantize_q8_0
+        from deltaserve.formats.quant import quantize_q8_0
         return quantize_q8_0(t)
     raise ModelFormatError(f"cannot write tensors of type {qtype.name}")
 
@@ -145,7 +145,7 @@ def _interval(c: HybridConfig) -> int:
 def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "f32",
             progress: Callable[[str], None] | None = None) -> Path:
     """Write `out` (a GGUF) from the HF Qwen3.5 directory `hf_dir`. Returns the path written."""
-    from deltaserve.model.tokenizer import Tokenizer
+    from deltaserve.text.tokenizer import Tokenizer
 
     src_dir, out = Path(hf_dir), Path(out)
     if out_type not in TYPES:
@@ -161,7 +161,7 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "
     if c.linear_key_head_dim != c.linear_value_head_dim:
         raise ModelFormatError(f"GGUF qwen35 needs equal DeltaNet key and value head dims, found "
                                f"{c.linear_key_head_dim} and {c.linear_value_head_dim}")
-    src = HFSource(src_dir, _hf_prefix(raw))
+    src = HFSource(src_dir, hf_prefix(raw))
     check_tensors(c, src, src_dir.name)
     tokenizer = Tokenizer.from_hf_dir(src_dir)
     want, file_type = TYPES[out_type]

@@ -1,4 +1,4 @@
-"""The host model's weights, in one layout whatever the file: GGUF tensor names and conventions.
+"""The forward's weights, built from a tensor source (formats/): one layout whatever the file, GGUF conventions.
 
 Conventions (those of llama.cpp's converter): norm weights are multiplicative (HF's zero-centred
 `w` is stored as `1 + w`), except the DeltaNet output norm which is plain in both; `ssm_a` is
@@ -8,14 +8,18 @@ Conventions (those of llama.cpp's converter): norm weights are multiplicative (H
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Protocol
+import ctypes
+import os
+from dataclasses import dataclass
 
 import torch
 
-from deltaserve.engine.linear import DenseLinear, Int8Linear, Linear, StackedLinear
 from deltaserve.errors import ModelFormatError
-from deltaserve.model.config import HybridConfig
+from deltaserve.formats import quant
+from deltaserve.formats.config import HybridConfig
+from deltaserve.formats.layout import TensorSource, check_tensors
+from deltaserve.kernels.linear import DenseLinear, Int8Linear, Linear, StackedLinear
+from deltaserve.kernels.native import BLOCK_TYPES
 
 
 class Embedding:
@@ -141,71 +145,74 @@ class Weights:
         return total
 
 
-class TensorSource(Protocol):
-    """Where the builder reads tensors from, by GGUF name, already in GGUF conventions."""
-
-    def names(self) -> set[str]: ...
-    def shape(self, name: str) -> tuple[int, ...]: ...
-    def dense(self, name: str) -> torch.Tensor: ...      # float32
-    def linear(self, name: str) -> Linear: ...
-    def embedding(self, name: str) -> Embedding: ...
-    def type_name(self, name: str) -> str: ...
+WEIGHT_MODES = ("fast", "exact")
+CHUNK_ELEMENTS = 1 << 21  # a big tensor converts this many elements at a time (bounds the f32 transient)
 
 
-def expected_shapes(c: HybridConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a qwen35 file must hold (GGUF names, numpy order), except the optional `output.weight`."""
-    h, inter = c.hidden_size, c.intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {
-        "token_embd.weight": (c.vocab_size, h),
-        "output_norm.weight": (h,),
-    }
-    for i in range(c.num_layers):
-        p = f"blk.{i}."
-        shapes.update({
-            p + "attn_norm.weight": (h,),
-            p + "post_attention_norm.weight": (h,),
-            p + "ffn_gate.weight": (inter, h),
-            p + "ffn_up.weight": (inter, h),
-            p + "ffn_down.weight": (h, inter),
-        })
-        if c.is_attention(i):
-            nh, nkv, hd = c.num_attention_heads, c.num_kv_heads, c.head_dim
-            shapes.update({
-                p + "attn_q.weight": (nh * hd * 2, h),
-                p + "attn_k.weight": (nkv * hd, h),
-                p + "attn_v.weight": (nkv * hd, h),
-                p + "attn_output.weight": (h, nh * hd),
-                p + "attn_q_norm.weight": (hd,),
-                p + "attn_k_norm.weight": (hd,),
-            })
-        else:
-            nv, dv = c.linear_num_value_heads, c.linear_value_head_dim
-            shapes.update({
-                p + "attn_qkv.weight": (c.conv_dim, h),
-                p + "attn_gate.weight": (nv * dv, h),
-                p + "ssm_beta.weight": (nv, h),
-                p + "ssm_alpha.weight": (nv, h),
-                p + "ssm_conv1d.weight": (c.conv_dim, c.conv_kernel),
-                p + "ssm_dt.bias": (nv,),
-                p + "ssm_a": (nv,),
-                p + "ssm_norm.weight": (dv,),
-                p + "ssm_out.weight": (h, nv * dv),
-            })
-    return shapes
+def weight_mode(mode: str | None = None) -> str:
+    """"fast" (default): quantized tensors become int8 per-row tables, f16/bf16 become bf16, f32 stays f32;
+    "exact": every tensor dequantized to f32 (the parity reference). DELTASERVE_WEIGHTS picks it too."""
+    mode = mode or os.environ.get("DELTASERVE_WEIGHTS", "fast")
+    if mode not in WEIGHT_MODES:
+        raise ModelFormatError(f"unknown weight mode {mode!r}; expected one of {', '.join(WEIGHT_MODES)}")
+    return mode
 
 
-def check_tensors(c: HybridConfig, src: TensorSource, where: str) -> None:
-    """Every expected tensor present with its expected shape, or one clear error naming both."""
-    have = src.names()
-    for name, shape in expected_shapes(c).items():
-        if name not in have:
-            raise ModelFormatError(f"{where}: missing tensor {name} (expected shape {shape} for this config)")
-        found = src.shape(name)
-        if tuple(found) != tuple(shape):
-            raise ModelFormatError(f"{where}: tensor {name} has shape {tuple(found)}, expected {shape}")
-    if "output.weight" in have and tuple(src.shape("output.weight")) != (c.vocab_size, c.hidden_size):
-        raise ModelFormatError(f"{where}: tensor output.weight has shape {tuple(src.shape('output.weight'))}, "
-                               f"expected {(c.vocab_size, c.hidden_size)}")
+def make_linear(w: torch.Tensor, source_type: str, mode: str) -> Linear:
+    """The Linear a tensor of `source_type` (a GGUF type name or a torch dtype name) becomes in `mode`."""
+    if mode == "exact" or source_type in ("F32", "float32", "torch.float32"):
+        return DenseLinear(w.float())
+    if source_type in ("F16", "BF16", "float16", "bfloat16", "torch.float16", "torch.bfloat16"):
+        return DenseLinear(w.to(torch.bfloat16))
+    return Int8Linear.from_float(w)
+
+
+def load_linear(src: TensorSource, name: str, mode: str) -> Linear:
+    """One matrix of `src` as the Linear `mode` makes of it. A file's tensor converts a chunk of rows at a time
+    (each chunk's file pages given back once converted); a Q4_K/Q6_K tensor's own blocks are kept too, as a view
+    of the mapping, for the native decode (its pages come back from the page cache when decode reads them)."""
+    kind, (rows, cols) = src.type_name(name), src.shape(name)
+    data = src.blocks(name)
+    step = max(1, CHUNK_ELEMENTS // cols)
+    if data is None or rows <= step:
+        out = make_linear(src.dense(name), kind, mode)
+        trim_heap()  # the f32 transient's pages back now, not left as holes under the next tensors
+    else:
+        row_bytes = data.shape[1]
+        out = None
+        for r in range(0, rows, step):
+            r1 = min(rows, r + step)
+            part = make_linear(quant.dequantize(data[r:r1].reshape(-1), kind, (r1 - r, cols)), kind, mode)
+            if out is None:  # the whole table, filled chunk by chunk (no concatenation copy)
+                out = Int8Linear(torch.empty((rows, cols), dtype=torch.int8), torch.empty(rows)) \
+                    if isinstance(part, Int8Linear) else \
+                    DenseLinear(torch.empty((rows, cols), dtype=part.weight.dtype))
+            if isinstance(out, Int8Linear):
+                out.q[r:r1], out.scale[r:r1] = part.q, part.scale
+            else:
+                out.weight[r:r1] = part.weight
+            del part
+            src.release(name, r * row_bytes, r1 * row_bytes)  # this chunk's file pages, now converted
+            trim_heap()
+        if isinstance(out, Int8Linear):
+            out.scale_bf16 = out.scale.to(torch.bfloat16)
+    if data is not None and isinstance(out, Int8Linear) and kind in BLOCK_TYPES and cols % 256 == 0:
+        out.keep_blocks([(kind, torch.from_numpy(data))])
+    src.release(name)
+    return out
+
+
+def load_embedding(src: TensorSource, name: str, mode: str) -> Embedding:
+    table = load_linear(src, name, mode)
+    return Embedding(table if isinstance(table, Int8Linear) else table.weight)
+
+
+def trim_heap() -> None:
+    """Hand freed heap memory back to the OS (glibc keeps it otherwise): the load's transients are gone."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _down_projection(down: Linear) -> Linear:
@@ -217,41 +224,36 @@ def _down_projection(down: Linear) -> Linear:
     return down
 
 
-def build_weights(c: HybridConfig, src: TensorSource, where: str,
-                  progress: Callable[[int, int], None] | None = None) -> Weights:
+def build_weights(c: HybridConfig, src: TensorSource, where: str, mode: str | None = None) -> Weights:
+    """The forward's weights from a source, every matrix made what `mode` (see `weight_mode`) makes of it."""
+    mode = weight_mode(mode)
     check_tensors(c, src, where)
     layers = []
+
+    def linear(name: str) -> Linear:
+        return load_linear(src, name, mode)
+
     for i in range(c.num_layers):
         p = f"blk.{i}."
+
         def stacked(*names: str) -> StackedLinear:
-            return StackedLinear([src.linear(p + n) for n in names])
+            return StackedLinear([linear(p + n) for n in names])
 
         if c.is_attention(i):
             mixer: AttentionWeights | DeltaNetWeights = AttentionWeights(
-                qkv=stacked("attn_q.weight", "attn_k.weight", "attn_v.weight"), o=src.linear(p + "attn_output.weight"),
+                qkv=stacked("attn_q.weight", "attn_k.weight", "attn_v.weight"), o=linear(p + "attn_output.weight"),
                 q_norm=src.dense(p + "attn_q_norm.weight"), k_norm=src.dense(p + "attn_k_norm.weight"))
         else:
             mixer = DeltaNetWeights(
                 in_proj=stacked("attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight"),
-                out=src.linear(p + "ssm_out.weight"), conv=src.dense(p + "ssm_conv1d.weight"),
+                out=linear(p + "ssm_out.weight"), conv=src.dense(p + "ssm_conv1d.weight"),
                 dt_bias=src.dense(p + "ssm_dt.bias"), a_neg=src.dense(p + "ssm_a"),
                 norm=src.dense(p + "ssm_norm.weight"))
         layers.append(LayerWeights(
             attn_norm=src.dense(p + "attn_norm.weight"), post_norm=src.dense(p + "post_attention_norm.weight"),
             mixer=mixer, gate_up=stacked("ffn_gate.weight", "ffn_up.weight"),
-            down=_down_projection(src.linear(p + "ffn_down.weight"))))
-        if progress:
-            progress(i + 1, c.num_layers)
-    embed = src.embedding("token_embd.weight")
+            down=_down_projection(linear(p + "ffn_down.weight"))))
+    embed = load_embedding(src, "token_embd.weight", mode)
     tied = "output.weight" not in src.names()
-    head = embed.as_linear() if tied else src.linear("output.weight")
+    head = embed.as_linear() if tied else linear("output.weight")
     return Weights(embed, layers, src.dense("output_norm.weight"), head, tied)
-
-
-@dataclass
-class TensorSummary:
-    name: str
-    type: str
-    shape: tuple[int, ...]
-    nbytes: int
-    extra: dict = field(default_factory=dict)

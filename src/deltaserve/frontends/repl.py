@@ -11,6 +11,8 @@ import importlib
 import sys
 
 from deltaserve.errors import DeltaserveError
+from deltaserve.frontends.common import load_model, sampling_kwargs, thinking
+from deltaserve.kernels.cpu import plural
 
 HELP = """commands:
   /clear          forget the conversation (keeps the system message)
@@ -24,7 +26,7 @@ multi-line: end a line with \\ to continue it, or wrap a block in \"\"\" ... \"\
 
 
 class ChatREPL:
-    def __init__(self, model, session, sampling: dict, max_tokens: int, system: str | None, thinking: bool,
+    def __init__(self, model, session, sampling: dict, max_tokens: int, system: str | None, thinking: bool | None,
                  out=sys.stdout):
         self.model = model
         self.session = session
@@ -34,7 +36,6 @@ class ChatREPL:
         self.thinking = thinking
         self.messages: list[dict] = []
         self.out = out
-        self.last_turn = None
 
     def conversation(self) -> list[dict]:
         return ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
@@ -58,23 +59,31 @@ class ChatREPL:
         return "\n".join(lines)
 
     def answer(self) -> None:
-        """Generate the assistant's reply to the conversation as it stands, streaming it."""
-        tok = self.model.tokenizer
-        text = tok.apply_chat_template(self.conversation(), add_generation_prompt=True, enable_thinking=self.thinking)
-        ids = tok.encode(text)
+        """Generate the assistant's reply to the conversation as it stands, streaming it; what the model reasons
+        first is shown apart, under [thinking], and never enters the history."""
+        shown = {"reasoning": False}
+
+        def on_reasoning(piece):
+            if not shown["reasoning"]:
+                self.out.write("[thinking] ")
+                shown["reasoning"] = True
+            self.out.write(piece)
+            self.out.flush()
 
         def on_token(_tid, piece):
-            if piece:
-                self.out.write(piece)
-                self.out.flush()
+            if shown["reasoning"] is True:
+                self.out.write("\n[/thinking]\n")
+                shown["reasoning"] = "closed"
+            self.out.write(piece)
+            self.out.flush()
 
-        turn = self.session.generate(ids, max_tokens=self.max_tokens, on_token=on_token, **self.sampling)
+        turn = self.session.chat(self.conversation(), max_tokens=self.max_tokens, enable_thinking=self.thinking,
+                                 on_token=on_token, on_reasoning=on_reasoning, **self.sampling)
         self.out.write("\n")
         self.messages.append({"role": "assistant", "content": turn.text})
-        self.last_turn = turn
         capped = ", cut by the context" if turn.context_capped else ""
         self.out.write(f"[reused {turn.reused} | prefilled {turn.prefilled} | TTFT {turn.timings.ttft_s * 1000:.0f} ms | "
-                       f"{turn.decode_tok_s:.1f} tok/s | {turn.generated} tokens, {turn.finish_reason}{capped} | "
+                       f"{turn.decode_tok_s:.1f} tok/s | {plural(turn.generated, 'token')}, {turn.finish_reason}{capped} | "
                        f"{turn.start}]\n")
         self.out.flush()
 
@@ -149,18 +158,12 @@ class ChatREPL:
 
 
 def main(a) -> int:
-    from deltaserve.cli import _guard, _load, _sampling_kwargs, _thinking
-
-    model, load_s = _load(a)
-    backend, notice = model.backend(a.device)
-    if notice:
-        print(notice, file=sys.stderr)
-    session = model.session(context=a.ctx, backend=backend, guard=_guard(a) if backend.accelerator else None)
+    model = load_model(a)
+    session = model.session(context=a.ctx, device=a.device, revalidate=a.revalidate)
     c = model.config
-    print(f"[deltaserve] {model.path.name}: {c.num_layers} layers, context {session.context}, loaded in {load_s:.2f} s",
-          file=sys.stderr)
-    thinking = _thinking(a)
-    repl = ChatREPL(model, session, _sampling_kwargs(a), a.max_tokens, a.system, bool(thinking))
+    print(f"[deltaserve] {model.path.name}: {c.num_layers} layers, context {session.context}, loaded in "
+          f"{model.load_seconds:.2f} s", file=sys.stderr)
+    repl = ChatREPL(model, session, sampling_kwargs(a), a.max_tokens, a.system, thinking(a))
     try:
         importlib.import_module("readline")  # line editing and history for input()
     except ImportError:

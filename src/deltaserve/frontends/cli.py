@@ -6,13 +6,16 @@ Every error a user can cause prints one line and exits non-zero; a traceback onl
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import time
+from pathlib import Path
 
-from deltaserve import __version__
-from deltaserve.engine.threads import plural
+from deltaserve.version import __version__
+from deltaserve.kernels.cpu import plural
 from deltaserve.errors import DeltaserveError
+from deltaserve.frontends.common import load_model, resolve_model, sampling_kwargs, thinking
 from deltaserve.text.stream import ReasoningSplitter
 
 
@@ -55,44 +58,10 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
 
 
-def _sampling_kwargs(a) -> dict:
-    return dict(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
-                repetition_penalty=a.repetition_penalty, seed=a.seed)
-
-
-def _thinking(a) -> bool | None:
-    """--think on|off|auto; auto (None) is the model's default (the embedded demo model's is off)."""
-    return {"on": True, "off": False, "auto": None}[a.think]
-
-
 def _add_think(p: argparse.ArgumentParser) -> None:
     p.add_argument("--think", choices=["on", "off", "auto"], default="auto",
                    help="thinking in the chat template (default auto: the model's own default; off for the "
                         "embedded demo model); reasoning is kept apart from the answer")
-
-
-def resolve_model(path: str | None) -> str:
-    if path:
-        return path
-    from deltaserve.demo import default_model_path
-
-    found = default_model_path()
-    print(f"[deltaserve] no model named: using the embedded demo model ({found})", file=sys.stderr)
-    return str(found)
-
-
-def _load(a):
-    from deltaserve.api import load
-
-    t0 = time.perf_counter()
-    model = load(resolve_model(a.model), device=a.device, threads=a.threads)
-    return model, time.perf_counter() - t0
-
-
-def _guard(a):
-    from deltaserve.engine.guard import ParityGuard
-
-    return ParityGuard(revalidate=a.revalidate)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,14 +73,6 @@ def _stream(_tid, piece: str) -> None:
     if piece:
         sys.stdout.write(piece)
         sys.stdout.flush()
-
-
-def _route(a, model):
-    """The backend `--device` asks for (its notice printed) and, on an accelerator, the parity guard."""
-    backend, notice = model.backend(a.device)
-    if notice:
-        print(notice, file=sys.stderr)
-    return backend, _guard(a) if backend.accelerator else None
 
 
 def _show(reasoning: str, content: str) -> None:
@@ -129,7 +90,8 @@ def cmd_run(a) -> int:
     if len(prompts) > 1 and a.chat is False:
         raise DeltaserveError(f"{len(prompts)} prompts given: several -p are the turns of one conversation and "
                               "need the chat template (leave out --raw)")
-    model, load_s = _load(a)
+    model = load_model(a)
+    load_s = model.load_seconds
     if a.chat is None:  # neither --chat nor --raw: a model that carries a chat template is a chat model
         a.chat = bool(model.tokenizer.chat_template)
         if a.chat:
@@ -147,16 +109,16 @@ def cmd_run(a) -> int:
         text = sys.stdin.read()
     if a.chat:
         messages = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": text}]
-        ids, thinking = model.render(messages, _thinking(a))
+        ids, reasoning_open = model.render(messages, thinking(a))
     else:
-        ids, thinking = model.tokenizer.encode(text), False
-    backend, guard = _route(a, model)
+        ids, reasoning_open = model.tokenizer.encode(text), False
     context = min(a.ctx or model.config.context_length, model.config.context_length)
     positions = len(ids) + min(a.max_tokens, max(context - len(ids), 0))
-    session = model.session(context=a.ctx, backend=backend, one_call=True, plan_positions=positions, guard=guard)
-    splitter = ReasoningSplitter(thinking)
+    session = model.session(context=a.ctx, device=a.device, one_call=True, plan_positions=positions,
+                            revalidate=a.revalidate)
+    splitter = ReasoningSplitter(reasoning_open)
     turn = session.generate(ids, max_tokens=a.max_tokens, on_token=lambda t, piece: _show(*splitter.push(piece)),
-                            **_sampling_kwargs(a))
+                            **sampling_kwargs(a))
     _show(*splitter.flush())
     print(flush=True)
     capped = " (cut by the context)" if turn.context_capped else ""
@@ -169,14 +131,13 @@ def cmd_run(a) -> int:
 def _run_turns(a, model, prompts: list[str], load_s: float) -> int:
     """Several -p: the user turns of one conversation on one resident session, each reply streamed,
     each turn's reuse said on stderr (a later turn prefills only what the history added)."""
-    backend, guard = _route(a, model)
-    session = model.session(context=a.ctx, backend=backend, guard=guard)
+    session = model.session(context=a.ctx, device=a.device, revalidate=a.revalidate)
     messages = [{"role": "system", "content": a.system}] if a.system else []
     for k, text in enumerate(prompts, 1):
         messages.append({"role": "user", "content": text})
         print(f"> {text}", flush=True)
-        turn = session.chat(messages, max_tokens=a.max_tokens, enable_thinking=_thinking(a), on_token=_stream,
-                            on_reasoning=lambda r: _show(r, ""), **_sampling_kwargs(a))
+        turn = session.chat(messages, max_tokens=a.max_tokens, enable_thinking=thinking(a), on_token=_stream,
+                            on_reasoning=lambda r: _show(r, ""), **sampling_kwargs(a))
         print(flush=True)
         messages.append({"role": "assistant", "content": turn.text})
         print(f"[stats] turn {k}: prompt {plural(turn.prompt_tokens, 'token')}, reused {turn.reused}, prefilled {turn.prefilled}, "
@@ -191,7 +152,7 @@ def _run_turns(a, model, prompts: list[str], load_s: float) -> int:
 # ---------------------------------------------------------------------------------------------
 
 def cmd_convert(a) -> int:
-    from deltaserve.model.convert import convert
+    from deltaserve.formats.convert import convert
 
     t0 = time.perf_counter()
     out = convert(a.hf_dir, a.out, a.type, progress=(lambda m: print(m, file=sys.stderr)) if a.verbose else None)
@@ -200,9 +161,9 @@ def cmd_convert(a) -> int:
 
 
 def cmd_inspect(a) -> int:
-    from deltaserve.engine import capacity
-    from deltaserve.engine.backend import cpu_memory
-    from deltaserve.model.loader import load_host
+    from deltaserve.runtime import capacity
+    from deltaserve.runtime.capacity import cpu_memory
+    from deltaserve.engine.host import load_host
 
     host = load_host(resolve_model(a.model))
     c = host.config
@@ -233,6 +194,20 @@ def cmd_inspect(a) -> int:
             print(f"capacity plan for {positions} positions: REFUSED\n  {e}")
             return 1
     return 0
+
+
+def cmd_bench(a) -> int:
+    """The benchmarks live in the repository's tools/ (outside the wheel): they need a checkout and the test
+    extras, and say so in one line when either is missing."""
+    root = Path(__file__).resolve().parents[3]
+    if not (root / "tools" / "bench" / "run.py").exists():
+        raise DeltaserveError("deltaserve bench runs from a checkout of the repository (its tools/bench is not part "
+                              "of the installed package): clone it and pip install -e '.[test]' there")
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    from tools.bench.run import main as bench_main
+
+    return bench_main(a)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -267,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_think(c)
     _add_sampling(c)
     _add_runtime(c)
-    c.set_defaults(func=lambda a: __import__("deltaserve.chat", fromlist=["main"]).main(a))
+    c.set_defaults(func=lambda a: importlib.import_module("deltaserve.frontends.repl").main(a))
 
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server",
                        description="Serve a model over an OpenAI-compatible HTTP API on resident sessions.")
@@ -286,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run every forward on one thread (auto: for model files of 64 MiB and more, where "
                         "a forward is long against a thread hand-off)")
     _add_runtime(s)
-    s.set_defaults(func=lambda a: __import__("deltaserve.server.app", fromlist=["main"]).main(a))
+    s.set_defaults(func=lambda a: importlib.import_module("deltaserve.frontends.server.app").main(a))
 
     v = sub.add_parser("convert", help="HF Qwen3.5 directory -> GGUF",
                        description="Convert an HF Qwen3.5 directory to a GGUF file llama.cpp loads.")
@@ -316,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--threads", type=positive_int, default=2, help="CPU threads for every engine (default 2)")
     b.add_argument("--repeats", type=int, default=3, help="repetitions; medians are reported (default 3)")
     b.add_argument("--quick", action="store_true", help="a smaller, faster run")
-    b.set_defaults(func=lambda a: __import__("deltaserve.bench.run", fromlist=["main"]).main(a))
+    b.set_defaults(func=cmd_bench)
     return p
 
 

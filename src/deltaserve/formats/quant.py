@@ -42,6 +42,8 @@ _CUDA_CHUNK_ELEMS = 1 << 24
 def _as_qtype(qtype: Any) -> GGMLQuantizationType:
     if isinstance(qtype, GGMLQuantizationType):
         return qtype
+    if isinstance(qtype, str) and qtype in GGMLQuantizationType.__members__:  # a type name: "Q8_0"
+        return GGMLQuantizationType[qtype]
     try:
         return GGMLQuantizationType(int(qtype))
     except (ValueError, TypeError):

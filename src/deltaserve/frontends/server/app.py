@@ -22,43 +22,30 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deltaserve import __version__
-from deltaserve.engine.compute import ComputeThread, serial_here
+from deltaserve.version import __version__
+from deltaserve.frontends.common import load_model
 from deltaserve.errors import ContextError, DeltaserveError
-from deltaserve.server.metrics import Metrics
-from deltaserve.server.protocol import APIError, GenerationRequest, Limits, bad, parse_chat, parse_completion
-from deltaserve.server.slots import QueueFull, SlotPool
+from deltaserve.frontends.server.metrics import Metrics
+from deltaserve.frontends.server.protocol import APIError, GenerationRequest, Limits, bad, parse_chat, parse_completion
+from deltaserve.frontends.server.slots import QueueFull, SlotPool
 from deltaserve.text.stream import ReasoningSplitter, split_reasoning
 
 class Server:
     def __init__(self, model, slots: int = 2, queue: int = 16, api_key: str | None = None,
                  limits: Limits | None = None, model_name: str | None = None, device: str = "auto",
-                 think_default: bool | None = None, context: int | None = None, quiet: bool = False, guard=None,
-                 compute=None):
+                 think_default: bool | None = None, context: int | None = None, quiet: bool = False,
+                 revalidate: bool = False):
         self.model = model
         self.limits = limits or Limits()
         self.api_key = api_key
         self.model_name = model_name or model.path.name
         self.think_default = think_default
         self.metrics = Metrics()
-        backend, notice = model.backend(device)
-        if compute is not None:  # the forwards on one thread, the slots' threads serial (see engine/compute.py)
-            backend.use_compute_thread(compute)
-        if guard is None and backend.accelerator:
-            from deltaserve.engine.guard import ParityGuard
-            guard = ParityGuard()
-        if slots > 1:
-            backend.enable_batching()  # the slots' decode steps share one forward
-        sessions = []
-        for i in range(slots):
-            s = model.session(context=context, backend=backend, guard=guard, quiet=quiet or i > 0)
-            if notice:
-                s.notices.insert(0, notice)
-            sessions.append(s)
+        sessions = model.slots(slots, context=context, device=device, revalidate=revalidate, quiet=quiet)
         self.pool = SlotPool(sessions, queue)
         self.context = sessions[0].context
         self.executor = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="deltaserve-slot",
-                                           initializer=serial_here if compute is not None else None)
+                                           initializer=model.worker_initializer())
         self.started = time.time()
         try:  # compile the chat template now, not in the first request's time to first token
             model.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
@@ -252,8 +239,7 @@ class Server:
         return {
             "status": "ok", "model": self.model_name, "path": str(self.model.path), "version": __version__,
             "backend": s0.backend.name, "layers": self.model.config.num_layers,
-            "batched_decode": ({"batches": b.batches, "rows": b.batched_rows}
-                               if (b := s0.backend.batcher) is not None else None),
+            "batched_decode": s0.backend.stats()["batched_decode"],
             "declared_context": self.model.config.context_length, "context": self.context,
             "slots": [{"index": s.index, "busy": s.busy, "held_tokens": len(s.session.held),
                        "capacity": s.session.capacity, "checkpoint": s.session.checkpoint_length,
@@ -354,20 +340,15 @@ def wants_compute_thread(a) -> bool:
 def main(a) -> int:
     import uvicorn
 
-    from deltaserve.cli import _load
-
     if a.slots < 1 or a.queue < 0:
         raise DeltaserveError(f"--slots must be at least 1 and --queue at least 0 (got {a.slots}, {a.queue})")
-    compute = ComputeThread() if wants_compute_thread(a) else None
-    if compute is not None:  # the load and every forward on one thread (see engine/compute.py)
-        model, load_s = compute.run(_load, a)
-        serial_here()  # the event loop's own torch ops, if any, open no team
-    else:
-        model, load_s = _load(a)
+    compute = wants_compute_thread(a)  # the load and every forward on one thread (see runtime/compute.py)
+    model = load_model(a, compute_thread=compute)
+    load_s = model.load_seconds
     think = {"on": True, "off": False, "auto": None}[a.think]  # None: the model's default (model.thinking_default)
     server = Server(model, slots=a.slots, queue=a.queue, api_key=a.api_key, model_name=a.model_name,
                     limits=Limits(max_tokens=a.max_tokens_limit, max_messages=a.max_messages, max_body=a.max_body),
-                    device=a.device, think_default=think, context=a.ctx, compute=compute)
+                    device=a.device, think_default=think, context=a.ctx, revalidate=a.revalidate)
     c = model.config
     s0 = server.pool.slots[0].session
     template = "from the model file" if model.tokenizer.chat_template else "built-in ChatML"
@@ -378,7 +359,7 @@ def main(a) -> int:
     default = model.thinking_default
     say(f"chat template {template}; thinking " + (('on' if think else 'off') if think is not None else
         ("the template's default" if default is None else f"{'on' if default else 'off'} (the model's default)")))
-    say(("forwards on one compute thread" if compute is not None else "forwards on the slots' own threads") +
+    say(("forwards on one compute thread" if compute else "forwards on the slots' own threads") +
         f" (--compute-thread {a.compute_thread}"
         f"{': on for model files of 64 MiB and more' if a.compute_thread == 'auto' else ''})")
     say(f"{a.slots} slots, queue {a.queue}, max_tokens <= {a.max_tokens_limit}, body <= {a.max_body} bytes, "

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from deltaserve.bench.run import CACHE, model_file
+from tools.bench.run import CACHE, REPO, model_file
 
 PP = 512
 # llama.cpp built for AVX512 explicitly, never GGML_NATIVE: a native build on an Intel Xeon that reports AMX compiles
@@ -52,7 +52,7 @@ def read_bandwidth(threads: int, gib: float = 1.0) -> float:
 _FRESH_RUNNER = """
 import json, sys
 from pathlib import Path
-from deltaserve.bench import peers
+from tools.bench import peers
 args = json.loads(sys.argv[1])
 print("[result] " + json.dumps(getattr(peers, args["fn"])(Path(args["path"]), *args["args"])))
 """
@@ -63,7 +63,7 @@ def in_fresh_process(fn: str, path: Path, *args) -> dict:
     the benchmark's threads (each thread that ran torch or llama.cpp work before would keep an OpenMP team,
     and with more team threads than CPUs libgomp parks them between regions: see engine/compute.py)."""
     payload = json.dumps({"fn": fn, "path": str(path), "args": list(args)})
-    proc = subprocess.run([sys.executable, "-c", _FRESH_RUNNER, payload], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", _FRESH_RUNNER, payload], capture_output=True, text=True, cwd=REPO)
     value = _tagged(proc.stdout, "[result] ")
     if proc.returncode != 0 or value is None:
         raise RuntimeError(f"{fn} failed (exit {proc.returncode}): {proc.stderr[-800:]}")
@@ -122,8 +122,9 @@ def deltaserve_aggregate(path: Path, threads: int, conversations: int = 8, token
     import threading
 
     import deltaserve
-    from deltaserve.engine.backend import CPUBackend
-    from deltaserve.engine.compute import ComputeThread, serial_here
+    from deltaserve.runtime.backend import CPUBackend
+    from deltaserve.kernels.cpu import serial_here
+    from deltaserve.runtime.compute import ComputeThread
 
     compute = ComputeThread()  # as the server runs them: every forward on one thread
     m = compute.run(deltaserve.load, path, threads=threads)
@@ -157,7 +158,7 @@ def deltaserve_aggregate(path: Path, threads: int, conversations: int = 8, token
 
 _PEAK_RSS_RUNNER = """
 import sys
-from deltaserve.cli import main
+from deltaserve.frontends.cli import main
 try:
     rc = main(sys.argv[1:])
 finally:
@@ -242,7 +243,7 @@ def transformers_pp_tg(path: Path, threads: int, repeats: int, tg_tokens: int = 
     import deltaserve
     from transformers import AutoModelForCausalLM
 
-    from deltaserve.bench.export_hf import export_hf
+    from tools.bench.export_hf import export_hf
 
     torch.set_num_threads(threads)
     hf_dir = CACHE / (path.stem + "-hf-bf16")
@@ -273,7 +274,7 @@ def transformers_pp_tg(path: Path, threads: int, repeats: int, tg_tokens: int = 
 def _user_text(k: int) -> str:
     import random
 
-    from deltaserve.bench.session_turns import WORDS
+    from tools.bench.session_turns import WORDS
 
     rng = random.Random(1000 + k)
     return " ".join(rng.choice(WORDS) for _ in range(70)).capitalize() + "?"
@@ -330,7 +331,7 @@ def chat_measure(engine: str, path: Path, threads: int, turns: int = 12, max_tok
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     if engine == "deltaserve":
-        cmd = [sys.executable, "-m", "deltaserve.cli", "serve", str(path), "--port", str(port), "--slots", "1",
+        cmd = [sys.executable, "-m", "deltaserve.frontends.cli", "serve", str(path), "--port", str(port), "--slots", "1",
                "--threads", str(threads), "--device", "cpu", "--ctx", "8192"]
     else:
         cmd = [str(llama_server_binary()), "-m", str(path), "--port", str(port), "-t", str(threads), "-tb",
@@ -410,7 +411,7 @@ def main(a) -> None:
                 runs[engine].append(chat_measure(engine, files["q8_0"], threads))
         results["chat"] = {engine: chat_medians(rs) for engine, rs in runs.items()}
     (out / "results.json").write_text(json.dumps(results, indent=1))
-    from deltaserve.bench.report import write_report
+    from tools.bench.report import write_report
 
     print(write_report(results, out))
 

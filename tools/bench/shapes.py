@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from deltaserve.model.config import HybridConfig
+from deltaserve.formats.config import HybridConfig
 
 # text_config of Qwen/Qwen3.5-0.8B and Qwen/Qwen3.5-9B (vocab 248,320; context 262,144; rope theta 1e7;
 # partial rotary 0.25; full attention every 4th layer)

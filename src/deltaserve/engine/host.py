@@ -1,0 +1,65 @@
+"""The host model: a model file opened (formats/) and its weights built for the forward (engine/weights.py),
+once per (path, size, mtime, weight mode) in a process."""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from deltaserve.engine.weights import Weights, build_weights, trim_heap, weight_mode
+from deltaserve.errors import ModelFormatError
+from deltaserve.formats.config import HybridConfig
+from deltaserve.formats.layout import TensorSummary, summaries
+from deltaserve.formats.source import file_identity, model_sha256, open_model
+from deltaserve.text.tokenizer import Tokenizer
+
+
+@dataclass
+class HostModel:
+    path: Path
+    format: str                      # "gguf" | "hf"
+    config: HybridConfig
+    weights: Weights
+    tokenizer: Tokenizer
+    tensor_summary: list[TensorSummary]
+    file_bytes: int
+    metadata: dict[str, Any] = field(default_factory=dict)
+    weight_mode: str = "fast"
+
+    def sha256(self) -> str:
+        """The model's content hash, computed once per process per (path, size, mtime)."""
+        return model_sha256(self.path)
+
+
+def load_host(path: str | os.PathLike, weights: str | None = None) -> HostModel:
+    """Read a GGUF file or an HF directory into a host model, or raise ModelFormatError naming what is wrong.
+    `weights`: "fast" or "exact" (see `engine.weights.weight_mode`)."""
+    mode = weight_mode(weights)
+    m = open_model(path)
+    built = build_weights(m.config, m.source, m.path.name, mode)
+    host = HostModel(m.path, m.format, m.config, built, m.tokenizer, summaries(m.source), m.file_bytes, m.metadata,
+                     mode)
+    del m
+    trim_heap()
+    return host
+
+
+_HOSTS: dict[tuple, HostModel] = {}
+_HOSTS_LOCK = threading.Lock()
+
+
+def cached_host(path: str | os.PathLike, weights: str | None = None) -> HostModel:
+    """load_host once per (path, size, mtime, weight mode) in this process: a file rewritten in place is
+    read again."""
+    if not Path(path).exists():
+        raise ModelFormatError(f"no such model: {path}")
+    key = (*file_identity(Path(path)), weight_mode(weights))
+    with _HOSTS_LOCK:
+        host = _HOSTS.get(key)
+        if host is None:
+            host = load_host(path, weights)
+            _HOSTS[key] = host
+        return host

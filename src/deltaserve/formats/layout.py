@@ -1,0 +1,104 @@
+"""The qwen35 tensor layout: which tensors a file must hold, at which shapes, and the reading of a source.
+
+Names and conventions are GGUF's (llama.cpp's converter): norm weights are multiplicative (HF's zero-centred `w`
+is stored as `1 + w`) except the DeltaNet output norm, `ssm_a` is `-exp(A_log)`, conv weights are [channels, K].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from deltaserve.errors import ModelFormatError
+from deltaserve.formats.config import HybridConfig
+
+
+class TensorSource(Protocol):
+    """Tensors by GGUF name, already in GGUF conventions (a GGUF file, or an HF directory renamed on read)."""
+
+    def names(self) -> set[str]: ...
+    def shape(self, name: str) -> tuple[int, ...]: ...
+    def type_name(self, name: str) -> str: ...     # a GGUF type name (Q8_0, F16...) or a torch dtype name
+    def stored_bytes(self, name: str) -> int: ...
+    def dense(self, name: str) -> torch.Tensor: ...  # float32
+    def blocks(self, name: str) -> np.ndarray | None: ...  # the file's own bytes [rows, row bytes] (GGUF), else None
+    def release(self, name: str, lo_byte: int = 0, hi_byte: int | None = None) -> None: ...  # pages not needed again
+
+
+@dataclass
+class TensorSummary:
+    name: str
+    type: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def expected_shapes(c: HybridConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a qwen35 file must hold (GGUF names, numpy order), except the optional `output.weight`."""
+    h, inter = c.hidden_size, c.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "token_embd.weight": (c.vocab_size, h),
+        "output_norm.weight": (h,),
+    }
+    for i in range(c.num_layers):
+        p = f"blk.{i}."
+        shapes.update({
+            p + "attn_norm.weight": (h,),
+            p + "post_attention_norm.weight": (h,),
+            p + "ffn_gate.weight": (inter, h),
+            p + "ffn_up.weight": (inter, h),
+            p + "ffn_down.weight": (h, inter),
+        })
+        if c.is_attention(i):
+            nh, nkv, hd = c.num_attention_heads, c.num_kv_heads, c.head_dim
+            shapes.update({
+                p + "attn_q.weight": (nh * hd * 2, h),
+                p + "attn_k.weight": (nkv * hd, h),
+                p + "attn_v.weight": (nkv * hd, h),
+                p + "attn_output.weight": (h, nh * hd),
+                p + "attn_q_norm.weight": (hd,),
+                p + "attn_k_norm.weight": (hd,),
+            })
+        else:
+            nv, dv = c.linear_num_value_heads, c.linear_value_head_dim
+            shapes.update({
+                p + "attn_qkv.weight": (c.conv_dim, h),
+                p + "attn_gate.weight": (nv * dv, h),
+                p + "ssm_beta.weight": (nv, h),
+                p + "ssm_alpha.weight": (nv, h),
+                p + "ssm_conv1d.weight": (c.conv_dim, c.conv_kernel),
+                p + "ssm_dt.bias": (nv,),
+                p + "ssm_a": (nv,),
+                p + "ssm_norm.weight": (dv,),
+                p + "ssm_out.weight": (h, nv * dv),
+            })
+    return shapes
+
+
+def check_tensors(c: HybridConfig, src: TensorSource, where: str) -> None:
+    """Every expected tensor present with its expected shape, or one clear error naming both."""
+    have = src.names()
+    for name, shape in expected_shapes(c).items():
+        if name not in have:
+            raise ModelFormatError(f"{where}: missing tensor {name} (expected shape {shape} for this config)")
+        found = src.shape(name)
+        if tuple(found) != tuple(shape):
+            raise ModelFormatError(f"{where}: tensor {name} has shape {tuple(found)}, expected {shape}")
+    if "output.weight" in have and tuple(src.shape("output.weight")) != (c.vocab_size, c.hidden_size):
+        raise ModelFormatError(f"{where}: tensor output.weight has shape {tuple(src.shape('output.weight'))}, "
+                               f"expected {(c.vocab_size, c.hidden_size)}")
+
+
+def summaries(src: TensorSource) -> list[TensorSummary]:
+    return [TensorSummary(name, src.type_name(name), tuple(src.shape(name)), src.stored_bytes(name))
+            for name in sorted(src.names(), key=tensor_sort_key)]
+
+
+def tensor_sort_key(name: str):
+    if name.startswith("blk."):
+        _, i, rest = name.split(".", 2)
+        return (1, int(i), rest)
+    return (0 if name.startswith("token") else 2, 0, name)

@@ -1,0 +1,1 @@
+"""Frontends: the command line, the interactive chat, the OpenAI-compatible server."""
