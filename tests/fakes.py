@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from deltaserve import session as session_mod
 from deltaserve.engine.state import DecodeState
 
 
@@ -16,3 +17,18 @@ def count_state_allocations(monkeypatch) -> list:
 
     monkeypatch.setattr(DecodeState, "__init__", counting)
     return made
+
+
+def record_prompt_logits(monkeypatch) -> list:
+    """A list that gains, per turn from now on, the logits its first token was sampled from (the prompt's last)."""
+    seen: list = []
+    real = session_mod.Sampler
+
+    class Recording(real):
+        def __call__(self, logits, prompt, generated):
+            if not generated:
+                seen.append(logits.detach().float().clone())
+            return super().__call__(logits, prompt, generated)
+
+    monkeypatch.setattr(session_mod, "Sampler", Recording)
+    return seen

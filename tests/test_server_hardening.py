@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -12,6 +13,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from deltaserve.frontends.server.protocol import ChatCompletionRequest, CompletionRequest
 from tests.server_proc import ServerProcess
 
 KEY = "sk-test-0123456789"
@@ -80,6 +82,24 @@ BAD = [
      "logprobs"),
     ("tools asked for", "POST", "/v1/chat/completions",
      {"messages": OK_MSGS, "tools": [{"type": "function", "function": {"name": "f"}}]}, AUTH, 400, "tools"),
+    ("model a number", "POST", "/v1/chat/completions", {"messages": OK_MSGS, "model": 3}, AUTH, 400, "model"),
+    ("user a number", "POST", "/v1/chat/completions", {"messages": OK_MSGS, "user": 3}, AUTH, 400, "user"),
+    ("include_usage a string", "POST", "/v1/chat/completions",
+     {"messages": OK_MSGS, "stream": True, "stream_options": {"include_usage": "yes"}}, AUTH, 400,
+     "stream_options.include_usage"),
+    ("top_logprobs asked for", "POST", "/v1/chat/completions", {"messages": OK_MSGS, "top_logprobs": 2}, AUTH, 400,
+     "top_logprobs"),
+    ("logit_bias asked for", "POST", "/v1/chat/completions", {"messages": OK_MSGS, "logit_bias": {"1": 5}}, AUTH,
+     400, "logit_bias"),
+    ("tool_choice asked for", "POST", "/v1/chat/completions", {"messages": OK_MSGS, "tool_choice": "auto"}, AUTH,
+     400, "tool_choice"),
+    ("JSON response_format", "POST", "/v1/chat/completions",
+     {"messages": OK_MSGS, "response_format": {"type": "json_object"}}, AUTH, 400, "response_format"),
+    ("reasoning_content a number", "POST", "/v1/chat/completions",
+     {"messages": [{"role": "assistant", "content": "a", "reasoning_content": 1}] + OK_MSGS}, AUTH, 400,
+     "messages[0].reasoning_content"),
+    ("unknown chat_template_kwargs", "POST", "/v1/chat/completions",
+     {"messages": OK_MSGS, "chat_template_kwargs": {"add_vision_id": True}}, AUTH, 400, "chat_template_kwargs"),
     ("enable_thinking a string", "POST", "/v1/chat/completions",
      {"messages": OK_MSGS, "chat_template_kwargs": {"enable_thinking": "yes"}}, AUTH, 400,
      "chat_template_kwargs.enable_thinking"),
@@ -91,6 +111,8 @@ BAD = [
     ("completion prompt a dict", "POST", "/v1/completions", {"prompt": {"a": 1}}, AUTH, 400, "prompt"),
     ("completion token id out of range", "POST", "/v1/completions", {"prompt": [1, 2, 10 ** 9]}, AUTH, 400, "prompt"),
     ("completion empty prompt", "POST", "/v1/completions", {"prompt": ""}, AUTH, 400, "prompt"),
+    ("completion echo asked for", "POST", "/v1/completions", {"prompt": "x", "echo": True}, AUTH, 400, "echo"),
+    ("completion suffix asked for", "POST", "/v1/completions", {"prompt": "x", "suffix": "y"}, AUTH, 400, "suffix"),
     ("no API key", "POST", "/v1/chat/completions", {"messages": OK_MSGS}, {}, 401, None),
     ("wrong API key", "POST", "/v1/chat/completions", {"messages": OK_MSGS}, {"Authorization": "Bearer nope"}, 401,
      None),
@@ -117,8 +139,48 @@ def send(server, method, path, body, headers):
     return httpx.request(method, server.url + path, content=content, headers=h, timeout=60)
 
 
-def test_the_table_has_at_least_thirty_bad_requests():
-    assert len(BAD) >= 30
+MODELS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
+
+
+def schema_fields(model) -> set[tuple[str, ...]]:
+    """The fields a request model declares (its JSON schema's properties), and one level down the fields of
+    the objects they hold (messages[].role, stream_options.include_usage, ...), as name paths."""
+    schema = model.model_json_schema()
+    defs = schema.get("$defs", {})
+
+    def objects(s: dict):  # the $defs a property's schema refers to, through anyOf and array items
+        if "$ref" in s:
+            yield defs[s["$ref"].rsplit("/", 1)[-1]]
+        for sub in s.get("anyOf", []) + ([s["items"]] if isinstance(s.get("items"), dict) else []):
+            yield from objects(sub)
+
+    out = set()
+    for name, prop in schema["properties"].items():
+        out.add((name,))
+        for obj in objects(prop):
+            out |= {(name, inner) for inner in obj.get("properties", {})}
+    return out
+
+
+def param_path(param: str) -> tuple[str, ...]:
+    return tuple(re.sub(r"\[\d+\]", "", param).split("."))
+
+
+# Guards the table against the request models: every field ChatCompletionRequest / CompletionRequest declare
+# (top-level, and the fields of the objects they hold) must be refused by at least one row of BAD whose param
+# names it, on an endpoint whose model has the field, so a field added to a model without a bad-request case
+# fails here; and every 400 row must name a field its endpoint's model declares, so a renamed or removed
+# field cannot leave a row that tests nothing.
+def test_every_field_of_the_request_models_has_a_bad_request_case():
+    fields = {path: schema_fields(model) for path, model in MODELS.items()}
+    assert ("messages", "role") in fields["/v1/chat/completions"] and ("prompt",) in fields["/v1/completions"]
+    rows = [(path, param_path(param)) for _, _, path, _, _, status, param in BAD
+            if status == 400 and param is not None and path in MODELS]
+    for path, p in rows:
+        assert p[:1] in {f[:1] for f in fields[path]}, f"a row on {path} names {'.'.join(p)}, no field there"
+    missing = sorted(".".join(f) for f in set().union(*fields.values())
+                     if not any(f in fields[path] and p[:len(f)] == f for path, p in rows))
+    assert not missing, f"fields without a bad-request case in BAD: {missing}"
 
 
 @pytest.mark.parametrize("name,method,path,body,headers,status,param", BAD, ids=[b[0] for b in BAD])

@@ -57,7 +57,6 @@ class Turn:
     start: str                    # "extend" | "checkpoint" | "reset"
     timings: Timings = field(default_factory=Timings)
     reasoning: str | None = None  # what a chat turn reasoned before its answer (None: the prompt opened no reasoning)
-    prompt_logits: torch.Tensor | None = field(default=None, repr=False)  # at the prompt's last position
 
     @property
     def generated(self) -> int:
@@ -71,6 +70,19 @@ class Turn:
     def decode_tok_s(self) -> float:
         steps = max(len(self.tokens) - 1, 0)
         return steps / self.timings.decode_s if self.timings.decode_s > 0 else 0.0
+
+
+def check_prompt(prompt: Sequence[int], vocab_size: int, context: int) -> None:
+    """The one check of a prompt before a turn (the session's, and the server's before a request takes a slot):
+    not empty, every id in the vocabulary, and shorter than the context, or refused whole with the numbers."""
+    n = len(prompt)
+    if n == 0:
+        raise ContextError("the prompt is empty: a turn needs at least one token")
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        raise DeltaserveError(f"the prompt holds a token id outside 0..{vocab_size - 1}")
+    if n >= context:
+        raise ContextError(f"the prompt has {n} tokens and the context holds {context}: refused whole "
+                           f"(nothing is truncated; shorten the conversation)")
 
 
 def grown_capacity(positions: int, current: int, min_capacity: int, context: int) -> int:
@@ -347,16 +359,9 @@ class Session:
     def _turn(self, prompt: list[int], max_tokens: int, params: SamplingParams, stop, on_token) -> Turn:
         t0 = time.perf_counter()
         n = len(prompt)
-        if n == 0:
-            raise ContextError("the prompt is empty: a turn needs at least one token")
-        if n >= self.context:
-            raise ContextError(f"the prompt has {n} tokens and the context holds {self.context}: "
-                               f"refused whole (nothing is truncated)")
+        check_prompt(prompt, self.host.config.vocab_size, self.context)
         if max_tokens < 1:
             raise DeltaserveError(f"max_tokens must be at least 1, got {max_tokens}")
-        vocab = self.host.config.vocab_size
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise DeltaserveError(f"the prompt has a token id outside 0..{vocab - 1}")
         budget = min(max_tokens, self.context - n)
         limited = budget < max_tokens
         stop_ids, stop_texts = set(self.stop_ids), []
@@ -392,7 +397,7 @@ class Session:
             tokens=tokens, text=text, reused=start, prefilled=n - start, prompt_tokens=n,
             finish_reason=finish, context_capped=finish == "length" and limited,
             backend=self.backend.name, start=start_kind,
-            timings=Timings(prefill_s=prefill_s, ttft_s=ttft, decode_s=decode_s), prompt_logits=logits)
+            timings=Timings(prefill_s=prefill_s, ttft_s=ttft, decode_s=decode_s))
 
     def _decode(self, prompt, logits, budget, params, stop_ids, stop_texts, on_token, t0):
         """Sample, hand out, feed back; until a stop token or string, the budget, or a cancel."""

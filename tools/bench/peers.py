@@ -61,7 +61,7 @@ print("[result] " + json.dumps(getattr(peers, args["fn"])(Path(args["path"]), *a
 def in_fresh_process(fn: str, path: Path, *args) -> dict:
     """peers.<fn>(path, *args) in a process of its own, as a user runs an engine: the measures do not share
     the benchmark's threads (each thread that ran torch or llama.cpp work before would keep an OpenMP team,
-    and with more team threads than CPUs libgomp parks them between regions: see engine/compute.py)."""
+    and with more team threads than CPUs libgomp parks them between regions: see runtime/compute.py)."""
     payload = json.dumps({"fn": fn, "path": str(path), "args": list(args)})
     proc = subprocess.run([sys.executable, "-c", _FRESH_RUNNER, payload], capture_output=True, text=True, cwd=REPO)
     value = _tagged(proc.stdout, "[result] ")
@@ -139,7 +139,7 @@ def deltaserve_aggregate(path: Path, threads: int, conversations: int = 8, token
         done = []
 
         def go(s, p):
-            serial_here()  # this thread's own torch ops (sampling) open no OpenMP team (see engine/compute.py)
+            serial_here()  # this thread's own torch ops (sampling) open no OpenMP team (see runtime/compute.py)
             s.generate(p, max_tokens=1)  # prefilled, so the timed part is decode
             barrier.wait()
             turn = s.generate(p + [5], max_tokens=tokens, stop=[])

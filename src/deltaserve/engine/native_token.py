@@ -22,29 +22,9 @@ from deltaserve.kernels import linear as lin
 from deltaserve.kernels import native
 from deltaserve.engine.state import DecodeState
 
-P, I, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-MAX_SEGMENTS = 4
-
-
-class Seg(ctypes.Structure):
-    _fields_ = [("type", I), ("rows", I), ("data", P), ("scale", P)]
-
-
-class Lin(ctypes.Structure):
-    _fields_ = [("nseg", I), ("K", I), ("seg", Seg * MAX_SEGMENTS)]
-
-
-class Layer(ctypes.Structure):
-    _fields_ = [("attention", I), ("attn_norm", P), ("post_norm", P),
-                ("mix_in", Lin), ("mix_out", Lin), ("gate_up", Lin), ("down", Lin),
-                ("conv_w", P), ("a_neg", P), ("dt_bias", P), ("norm_w", P), ("q_norm", P), ("k_norm", P)]
-
-
-class Model(ctypes.Structure):
-    _fields_ = [("n_layers", I), ("hidden", I), ("inter", I),
-                ("nk", I), ("dk", I), ("nv", I), ("dv", I), ("Kc", I), ("tiled", I),
-                ("nh", I), ("nkv", I), ("hd", I), ("rotary", I),
-                ("eps", F), ("theta", F), ("final_norm", P), ("head", Lin), ("layers", ctypes.POINTER(Layer))]
+# native.c's structs, read from kernels/native.h (declared once, there)
+Seg, Lin, Layer, Model = (native.STRUCTS[n] for n in ("seg_t", "lin_t", "layer_t", "model_t"))
+MAX_SEGMENTS = native.CONSTANTS["DS_MAX_SEGMENTS"]
 
 
 class NotNative(Exception):
@@ -87,8 +67,8 @@ class TokenProgram:
 
     def __init__(self, config: HybridConfig, weights: Weights):
         c = config
-        if lin.ACTIVATIONS != "int8":
-            raise NotNative(f"DELTASERVE_ACTIVATIONS={lin.ACTIVATIONS}")
+        if lin.activations() != "int8":
+            raise NotNative(f"DELTASERVE_ACTIVATIONS={lin.activations()}")
         ok, why = native.status()
         if not ok:
             raise NotNative(why)
@@ -132,7 +112,7 @@ class TokenProgram:
         except NotNative as e:
             return None, f"decode through torch ops (native token decode not used: {e})"
 
-    MAX_BATCH = 8  # sequences per call (the products' row limit)
+    MAX_BATCH = native.MAX_ROWS  # sequences per call (the products' row limit)
 
     def takes(self, state: DecodeState) -> bool:
         """f32 caches and states on the CPU, as the native step reads them."""

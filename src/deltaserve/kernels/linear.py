@@ -19,10 +19,16 @@ import torch.nn.functional as F
 
 from deltaserve.kernels import native
 
-NATIVE_ROWS = 8  # up to this many input rows take the native kernel where it runs (beyond, int8 x int8 wins)
+NATIVE_ROWS = native.MAX_ROWS  # up to this many input rows take the native kernel (beyond, int8 x int8 wins)
 BLOCK_ROWS = 1  # one row reads a Q4_K/Q6_K tensor's own blocks (fewer bytes); more rows: the int8 table (less unpacking)
 DECODE_ROWS = 4  # up to this many input rows take the weight-only int8 kernel; more: int8 x int8
-ACTIVATIONS = os.environ.get("DELTASERVE_ACTIVATIONS", "int8")  # of the many-row path: "int8" | "bf16"
+
+
+def activations() -> str:
+    """DELTASERVE_ACTIVATIONS: "int8" (default) or "bf16" (every product the bf16 way, none on the native kernel),
+    read when a product is routed (so a process may change it)."""
+    return os.environ.get("DELTASERVE_ACTIVATIONS", "int8")
+
 BF16_GEMM_ROWS = 64  # the bf16 path (dequantize, GEMM) only above this many rows: oneDNN's small-M bf16 GEMM
 #                      is slow here (16 ms for 8 x 1024 x 8224), the weight-only kernel is not
 
@@ -163,9 +169,10 @@ class Int8Linear(Linear):
         (int8 x int8, activations int8 per row) or "bf16" (the weight dequantized, a bf16 GEMM)."""
         if self.q.device.type != "cpu":  # an accelerator: its bf16 GEMM is fast, and torch._int_mm on CUDA
             return "weight-only" if rows <= 16 else "bf16"  # refuses 16 rows or fewer
-        if rows <= NATIVE_ROWS and ACTIVATIONS == "int8" and native.takes(self.in_features):
+        int8 = activations() == "int8"
+        if rows <= NATIVE_ROWS and int8 and native.takes(self.in_features):
             return "native"  # per-block activation scales: also fine for the down projection's outliers
-        int8 = self.int8_activations and ACTIVATIONS == "int8"
+        int8 = self.int8_activations and int8
         if rows <= DECODE_ROWS or (rows <= BF16_GEMM_ROWS and not int8):
             return "weight-only"
         return "int8" if int8 else "bf16"
@@ -205,8 +212,8 @@ class Int8Linear(Linear):
 
 def int8_route() -> str:
     """What a CPU decode product of an int8 table runs on, said in the backend's description."""
-    if ACTIVATIONS != "int8":
-        return f"int8 tables with bf16 activations (DELTASERVE_ACTIVATIONS={ACTIVATIONS})"
+    if activations() != "int8":
+        return f"int8 tables with bf16 activations (DELTASERVE_ACTIVATIONS={activations()})"
     ok, why = native.status()
     if ok:
         return f"int8 decode products on the native kernel ({why})"

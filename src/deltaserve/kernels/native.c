@@ -1,7 +1,7 @@
 /* deltaserve's native CPU products: int8 weight tables, or a file's own Q4_K / Q6_K blocks, times a few
  * activation rows (decode, batched decode).
  *
- * Built by engine/native.py with the system C compiler (-O3 -march=native -fopenmp) the first time a CPU
+ * Built by kernels/native.py with the system C compiler (-O3 -march=native -fopenmp) the first time a CPU
  * forward needs it; it is linked against the libgomp torch already loaded (same soname), so its parallel
  * regions run on the same OpenMP runtime as torch's.
  *
@@ -20,10 +20,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "native.h"
+
 #define QB 32
 #define PREFETCH 8192
 
-int ds_abi_version(void) { return 10; }
+int ds_abi_version(void) { return DS_ABI; }
 
 /* One activation row: q (int8), lane scales dv (one per 4 elements: the scale of the element's block, so a
  * 64-byte chunk's 16 int32 lanes are scaled by one vector) and the correction 128 * sum(dv * q). */
@@ -127,8 +129,8 @@ int ds_linear_i8(const float *x, int M, int K, long ldx, const int8_t *W, const 
  * Q6_K: v = d*sc*(q - 32) (q in 0..63): the offset is 32 * sum over sub-blocks of sc * sum(x).
  * No int16 or int32 sum can overflow: |pair| <= 2*63*127, |sc| <= 127, 128 pairs per block.
  * ------------------------------------------------------------------------------------------------------- */
-#define MAXM 8
-#define Q6K 14
+#define MAXM DS_MAX_ROWS
+#define Q6K DS_Q6K
 
 typedef struct {
     const int8_t *q;     /* [K] int8 activations */
@@ -233,7 +235,7 @@ static inline __attribute__((always_inline)) void rows_q6k(const uint8_t *row0, 
  * half are one 64-bit pattern broadcast across the register, and the activations are put in the same order
  * once per product (q4kr_source). Byte p of half h: lane = p / 2, sub-block s = 4h + lane % 4, value
  * i = 2 (lane / 4) + p % 2 of it in the low nibble and value 16 + i in the high nibble. */
-#define Q4KR 112
+#define Q4KR DS_Q4KR
 #define Q4KR_BYTES 152
 
 int ds_repack_q4k(const uint8_t *src, long nblocks, uint8_t *dst) {
@@ -559,35 +561,7 @@ int ds_scale_product(const int32_t *acc, int M, int N, const float *col, const f
  * Python or per-op dispatch between the ~25 operations of a layer. The products are the ones above: int8
  * tables (activations int8 per 32) or Q4_K/Q6_K blocks (activations int8 per 256).
  * ------------------------------------------------------------------------------------------------------- */
-typedef struct {
-    int type;            /* 0: int8 table with per-row scales; 14: Q6_K blocks; 112: repacked Q4_K blocks */
-    int rows;            /* output rows of this segment (segments follow each other along the output) */
-    const void *data;
-    const float *scale;  /* the int8 table's row scales */
-} seg_t;
-
-typedef struct {
-    int nseg, K;
-    seg_t seg[4];
-} lin_t;
-
-typedef struct {
-    int attention;                              /* 1: gated attention; 0: Gated DeltaNet */
-    const float *attn_norm, *post_norm;
-    lin_t mix_in, mix_out, gate_up, down;
-    const float *conv_w, *a_neg, *dt_bias, *norm_w;  /* DeltaNet */
-    const float *q_norm, *k_norm;                     /* attention */
-} layer_t;
-
-typedef struct {
-    int n_layers, hidden, inter;
-    int nk, dk, nv, dv, Kc, tiled;              /* DeltaNet */
-    int nh, nkv, hd, rotary;                    /* attention */
-    float eps, theta;
-    const float *final_norm;
-    lin_t head;
-    const layer_t *layers;
-} model_t;
+/* seg_t, lin_t, layer_t, model_t: native.h */
 
 typedef struct {           /* a product's quantized activations, for up to MAXM rows */
     int8_t *q, *qp;

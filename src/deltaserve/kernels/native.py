@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -30,9 +31,38 @@ import torch
 from deltaserve.cachedir import cache_root
 
 SOURCE = Path(__file__).with_name("native.c")
+HEADER = Path(__file__).with_name("native.h")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 NEEDS = ("avx512f", "avx512bw", "avx512_vnni")
-ABI = 10
+
+
+def _header() -> tuple[dict[str, int], dict[str, type]]:
+    """native.h's DS_ constants and its structs as ctypes Structures (the one declaration of both)."""
+    text = re.sub(r"/\*.*?\*/", "", HEADER.read_text(), flags=re.S)
+    consts = {k: int(v) for k, v in re.findall(r"#define\s+(DS_\w+)\s+(\d+)", text)}
+    structs: dict[str, type] = {}
+    scalars = {"int": ctypes.c_int, "float": ctypes.c_float}
+    for body, name in re.findall(r"typedef struct\s*\{(.*?)\}\s*(\w+)\s*;", text, re.S):
+        fields = []
+        for decl in filter(None, (d.strip() for d in body.split(";"))):
+            m = re.fullmatch(r"(?:const\s+)?(\w+)\s*(\*?)\s*(\w+)(?:\[(\w+)\])?", decl)
+            if m is None:
+                raise RuntimeError(f"native.h: a member this reader does not know: {decl!r}")
+            ctype, pointer, member, length = m.groups()
+            if pointer:
+                kind = ctypes.POINTER(structs[ctype]) if ctype in structs else ctypes.c_void_p
+            else:
+                kind = scalars.get(ctype) or structs[ctype]
+            if length:
+                kind = kind * (consts[length] if length in consts else int(length))
+            fields.append((member, kind))
+        structs[name] = type(name, (ctypes.Structure,), {"_fields_": fields})
+    return consts, structs
+
+
+CONSTANTS, STRUCTS = _header()
+ABI = CONSTANTS["DS_ABI"]
+MAX_ROWS = CONSTANTS["DS_MAX_ROWS"]  # activation rows per product, sequences per batched decode call
 
 _lock = threading.Lock()
 _state: dict = {}
@@ -60,7 +90,7 @@ def _compiler() -> str | None:
 
 def _build(cc: str) -> Path:
     """The shared library for this source, compiler and CPU, built if not cached. Raises RuntimeError."""
-    src = SOURCE.read_bytes()
+    src = SOURCE.read_bytes() + HEADER.read_bytes()
     flags = sorted(_cpu_flags())
     key = hashlib.sha256(src + cc.encode() + " ".join(FLAGS + flags).encode()).hexdigest()[:16]
     out = cache_dir() / f"native-{key}.so"
@@ -71,7 +101,8 @@ def _build(cc: str) -> Path:
           flush=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         part = Path(tmp) / out.name
-        r = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(part), "-lm"], capture_output=True, text=True,
+        r = subprocess.run([cc, *FLAGS, f"-I{HEADER.parent}", str(SOURCE), "-o", str(part), "-lm"],
+                           capture_output=True, text=True,
                            timeout=120)
         if r.returncode != 0:
             first = (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[0]
@@ -138,8 +169,8 @@ def library() -> ctypes.CDLL | None:
     return _state["lib"]
 
 
-BLOCK_TYPES = {"Q4_K": (12, 144), "Q6_K": (14, 210),  # GGUF type id, bytes per block of 256 values
-               "Q4_K/r": (112, 152)}  # Q4_K repacked at load (its scale bits unpacked; see native.c)
+BLOCK_TYPES = {"Q4_K": (12, 144), "Q6_K": (CONSTANTS["DS_Q6K"], 210),  # GGUF type id, bytes per block of 256
+               "Q4_K/r": (CONSTANTS["DS_Q4KR"], 152)}  # Q4_K repacked at load (its scale bits unpacked; native.c)
 
 
 def for_products(kind: str, blocks: torch.Tensor) -> tuple[str, torch.Tensor]:
@@ -160,7 +191,7 @@ def linear_blocks(x: torch.Tensor, kind: str, blocks: torch.Tensor, out_features
     block bytes]): f32 [M, N]; None when the kernel cannot take it (more than 8 rows, no library)."""
     lib = library()
     M, K = x.shape
-    if lib is None or M > 8 or K % 256 or kind not in BLOCK_TYPES:
+    if lib is None or M > MAX_ROWS or K % 256 or kind not in BLOCK_TYPES:
         return None
     kind, blocks = for_products(kind, blocks)  # the kernel reads Q4_K repacked (done once at load for a model)
     if x.dtype != torch.float32 or x.stride(1) != 1:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import codecs
 import json
-import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -424,9 +423,6 @@ class Tokenizer:
         table = self._table()
         return table[id] if 0 <= id < len(table) else b""
 
-    def is_special(self, id: int) -> bool:  # noqa: A002
-        return id in self.special_ids
-
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         """Text of `ids`: their bytes concatenated, read as UTF-8 (U+FFFD for broken sequences).
 
@@ -780,5 +776,3 @@ class StreamDecoder:
 
 
 # NFC is applied by the backend's normaliser; exposed for callers that compare texts.
-def nfc(text: str) -> str:
-    return unicodedata.normalize("NFC", text)

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from deltaserve.version import __version__
 from deltaserve.frontends.common import load_model
 from deltaserve.errors import ContextError, DeltaserveError
+from deltaserve.session import check_prompt
 from deltaserve.frontends.server.metrics import Metrics
 from deltaserve.frontends.server.protocol import APIError, GenerationRequest, Limits, bad, parse_chat, parse_completion
 from deltaserve.frontends.server.slots import QueueFull, SlotPool
@@ -81,9 +82,6 @@ class Server:
         tok = self.model.tokenizer
         if req.prompt is not None:
             if isinstance(req.prompt, list):
-                vocab = self.model.config.vocab_size
-                if min(req.prompt) < 0 or max(req.prompt) >= vocab:
-                    raise bad(f"'prompt' holds a token id outside 0..{vocab - 1}", "prompt")
                 return list(req.prompt), False
             return tok.encode(req.prompt), False
         thinking = req.enable_thinking if req.enable_thinking is not None else self.think_default
@@ -92,11 +90,17 @@ class Server:
         except DeltaserveError as e:
             raise bad(f"the chat template refused the conversation: {e}", "messages") from None
 
+    def check(self, ids: list[int], endpoint: str) -> None:
+        """The session's own prompt check, before the request takes a slot: a 400 naming the parameter."""
+        param = "messages" if endpoint == "chat" else "prompt"
+        try:
+            check_prompt(ids, self.model.config.vocab_size, self.context)
+        except ContextError as e:
+            raise bad(str(e), param, "context_length_exceeded" if ids else None) from None
+        except DeltaserveError as e:
+            raise bad(str(e), param) from None
+
     def budget(self, req: GenerationRequest, n: int) -> int:
-        if n >= self.context:
-            raise bad(f"This model's maximum context length is {self.context} tokens. However, your prompt has "
-                      f"{n} tokens. Nothing was truncated: shorten the conversation.", "messages",
-                      "context_length_exceeded")
         room = self.context - n
         return min(req.max_tokens, room) if req.max_tokens else min(self.limits.max_tokens, room)
 
@@ -284,8 +288,7 @@ def create_app(server: Server) -> FastAPI:
         body = await server.read_json(request)
         req = parse_chat(body, server.limits) if endpoint == "chat" else parse_completion(body, server.limits)
         ids, thinking = server.prompt_ids(req)
-        if not ids:
-            raise bad("the prompt encodes to no tokens", "prompt")
+        server.check(ids, endpoint)
         return await server.complete(endpoint, req, ids, thinking, t0)
 
     @app.post("/v1/chat/completions")
@@ -310,7 +313,7 @@ def create_app(server: Server) -> FastAPI:
     async def metrics(request: Request):
         server.check_auth(request)
         return PlainTextResponse(server.metrics.render(server.pool.waiting, server.pool.busy, len(server.pool.slots)),
-                                 media_type="text/plain; version=0.0.4")
+                                 media_type=server.metrics.CONTENT_TYPE)
 
     return app
 

@@ -1,70 +1,54 @@
-"""Prometheus text exposition of the server's counters and histograms (no client library needed)."""
+"""The server's Prometheus metrics, on prometheus_client, in a registry of each server's own."""
 
 from __future__ import annotations
 
 import threading
 
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
 
 class Metrics:
     TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
     DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+    CONTENT_TYPE = CONTENT_TYPE_LATEST
 
     def __init__(self):
-        self._lock = threading.Lock()
-        self.requests: dict[tuple[str, str], int] = {}    # (endpoint, status) -> count
-        self.prompt_tokens = 0
-        self.cached_tokens = 0
-        self.generated_tokens = 0
-        self.hist = {"ttft": self._empty(self.TTFT_BUCKETS), "duration": self._empty(self.DURATION_BUCKETS)}
-
-    @staticmethod
-    def _empty(buckets):
-        return {"buckets": buckets, "counts": [0] * len(buckets), "sum": 0.0, "count": 0}
+        # a registry per server, never the process-wide default: several servers may live in one process
+        self.registry = reg = CollectorRegistry()
+        self._render_lock = threading.Lock()
+        # prometheus_client names a counter `x` and exposes it as x_total
+        self.requests = Counter("deltaserve_requests", "Requests answered, by endpoint and status.",
+                                ["endpoint", "status"], registry=reg)
+        self.prompt_tokens = Counter("deltaserve_prompt_tokens", "Prompt tokens of completed generations.",
+                                     registry=reg)
+        self.cached_tokens = Counter("deltaserve_cached_tokens", "Prompt tokens a session reused instead of prefilling.",
+                                     registry=reg)
+        self.generated_tokens = Counter("deltaserve_generated_tokens", "Tokens generated.", registry=reg)
+        self.hist = {
+            "ttft": Histogram("deltaserve_time_to_first_token_seconds", "Time to first token.",
+                              buckets=self.TTFT_BUCKETS, registry=reg),
+            "duration": Histogram("deltaserve_request_duration_seconds", "Request duration.",
+                                  buckets=self.DURATION_BUCKETS, registry=reg),
+        }
+        self.queue_depth = Gauge("deltaserve_queue_depth", "Requests waiting for a slot.", registry=reg)
+        self.busy_slots = Gauge("deltaserve_busy_slots", "Slots running a generation.", registry=reg)
+        self.slots = Gauge("deltaserve_slots", "Resident sessions.", registry=reg)
 
     def request(self, endpoint: str, status: int) -> None:
-        with self._lock:
-            key = (endpoint, str(status))
-            self.requests[key] = self.requests.get(key, 0) + 1
+        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
 
     def tokens(self, prompt: int, cached: int, generated: int) -> None:
-        with self._lock:
-            self.prompt_tokens += prompt
-            self.cached_tokens += cached
-            self.generated_tokens += generated
+        self.prompt_tokens.inc(prompt)
+        self.cached_tokens.inc(cached)
+        self.generated_tokens.inc(generated)
 
     def observe(self, name: str, seconds: float) -> None:
-        with self._lock:
-            h = self.hist[name]
-            for i, b in enumerate(h["buckets"]):
-                if seconds <= b:
-                    h["counts"][i] += 1
-            h["sum"] += seconds
-            h["count"] += 1
+        self.hist[name].observe(seconds)
 
-    def render(self, queue_depth: int, busy_slots: int, slots: int) -> str:
-        with self._lock:
-            out = ["# HELP deltaserve_requests_total Requests answered, by endpoint and status.",
-                   "# TYPE deltaserve_requests_total counter"]
-            for (endpoint, status), n in sorted(self.requests.items()):
-                out.append(f'deltaserve_requests_total{{endpoint="{endpoint}",status="{status}"}} {n}')
-            for name, value, text in (
-                    ("prompt_tokens", self.prompt_tokens, "Prompt tokens of completed generations."),
-                    ("cached_tokens", self.cached_tokens, "Prompt tokens a session reused instead of prefilling."),
-                    ("generated_tokens", self.generated_tokens, "Tokens generated.")):
-                out += [f"# HELP deltaserve_{name}_total {text}", f"# TYPE deltaserve_{name}_total counter",
-                        f"deltaserve_{name}_total {value}"]
-            for name, text in (("ttft", "Time to first token."), ("duration", "Request duration.")):
-                h = self.hist[name]
-                metric = f"deltaserve_{'time_to_first_token' if name == 'ttft' else 'request_duration'}_seconds"
-                out += [f"# HELP {metric} {text}", f"# TYPE {metric} histogram"]
-                for b, c in zip(h["buckets"], h["counts"]):
-                    out.append(f'{metric}_bucket{{le="{b}"}} {c}')
-                out += [f'{metric}_bucket{{le="+Inf"}} {h["count"]}', f"{metric}_sum {h['sum']:.6f}",
-                        f"{metric}_count {h['count']}"]
-            out += ["# HELP deltaserve_queue_depth Requests waiting for a slot.", "# TYPE deltaserve_queue_depth gauge",
-                    f"deltaserve_queue_depth {queue_depth}",
-                    "# HELP deltaserve_busy_slots Slots running a generation.", "# TYPE deltaserve_busy_slots gauge",
-                    f"deltaserve_busy_slots {busy_slots}",
-                    "# HELP deltaserve_slots Resident sessions.", "# TYPE deltaserve_slots gauge",
-                    f"deltaserve_slots {slots}"]
-            return "\n".join(out) + "\n"
+    def render(self, queue_depth: int, busy_slots: int, slots: int) -> bytes:
+        """The exposition (text format, served as CONTENT_TYPE), the gauges set to the pool's state now."""
+        with self._render_lock:  # two scrapes at once each show the state they set
+            self.queue_depth.set(queue_depth)
+            self.busy_slots.set(busy_slots)
+            self.slots.set(slots)
+            return generate_latest(self.registry)

@@ -1,10 +1,20 @@
-"""The OpenAI request schema, validated by hand so every mistake is a 400 naming the parameter."""
+"""The OpenAI request schema, as pydantic models; every mistake is a 400 naming the parameter.
+
+`ChatCompletionRequest` and `CompletionRequest` declare what the server accepts (types, ranges, defaults);
+`parse_chat` / `parse_completion` validate a parsed JSON body against them and turn the first validation
+error into the OpenAI error object (`APIError`), then hand the engine a `GenerationRequest`. Fields OpenAI
+defines that this server does not know are ignored, as OpenAI ignores them; a null field means "absent".
+The per-server limits (`Limits`) travel in the validation context.
+"""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, WrapValidator,
+                      field_validator, model_validator)
+from pydantic_core import PydanticCustomError
 
 
 class APIError(Exception):
@@ -34,6 +44,7 @@ class Limits:
 
 @dataclass
 class GenerationRequest:
+    """A validated request, as the engine reads it."""
     model: str | None
     max_tokens: int | None
     temperature: float
@@ -58,172 +69,282 @@ class GenerationRequest:
                     presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
 
 
-def _number(body: dict, key: str, default, lo: float, hi: float, integer: bool = False):
-    """body[key] checked to be a number (an integer when `integer`) in [lo, hi]; `default` when absent or null."""
-    if body.get(key) is None:
-        return default
-    v = body[key]
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
-        kind = "an integer" if integer else "a number"
-        raise bad(f"'{key}' must be {kind}, got {type(v).__name__} {v!r}"[:300], key)
-    if isinstance(v, float) and not math.isfinite(v):
-        raise bad(f"'{key}' must be finite, got {v}", key)
-    if not lo <= v <= hi:
-        raise bad(f"'{key}' must be between {lo} and {hi}, got {v}", key)
-    return v
+# -- custom errors ------------------------------------------------------------------------------------
+# A custom error's message says the problem after the parameter's name ("'n' must be 1 ..."), unless its ctx
+# says "whole" (the message stands as it is); ctx may also carry "code" (the OpenAI error code) and "param"
+# (the parameter's name, for an error the model raises as a whole).
+
+def _problem(message: str, **ctx) -> PydanticCustomError:
+    return PydanticCustomError("deltaserve", message, ctx or None)
 
 
-def _common(body: dict, limits: Limits) -> dict:
-    if not isinstance(body, dict):
-        raise bad(f"the request body must be a JSON object, got {type(body).__name__}")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise bad(f"'model' must be a string, got {type(model).__name__}", "model")
-    n = body.get("n", 1)
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int)):
-        raise bad(f"'n' must be an integer, got {type(n).__name__}", "n")
-    if n not in (None, 1):
-        raise bad(f"'n' must be 1 (one choice per request), got {n}", "n")
-    mt_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _number(body, mt_key, None, 1, limits.max_tokens, integer=True)
-    if body.get("max_completion_tokens") is not None and body.get("max_tokens") is not None:
-        _number(body, "max_tokens", None, 1, limits.max_tokens, integer=True)
-    stop = body.get("stop")
-    if stop is None:
-        stops: list[str] = []
-    elif isinstance(stop, str):
-        stops = [stop]
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        stops = list(stop)
-    else:
-        raise bad("'stop' must be a string or a list of strings", "stop")
-    if len(stops) > limits.max_stop:
-        raise bad(f"'stop' may hold at most {limits.max_stop} sequences, got {len(stops)}", "stop")
-    if any(not s for s in stops):
-        raise bad("'stop' sequences must not be empty", "stop")
-    stream = body.get("stream", False)
-    if stream is not None and not isinstance(stream, bool):
-        raise bad(f"'stream' must be a boolean, got {type(stream).__name__}", "stream")
-    opts = body.get("stream_options")
-    include_usage = False
-    if opts is not None:
-        if not isinstance(opts, dict):
-            raise bad("'stream_options' must be an object", "stream_options")
-        if not stream:
-            raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
-        iu = opts.get("include_usage", False)
-        if not isinstance(iu, bool):
-            raise bad("'stream_options.include_usage' must be a boolean", "stream_options.include_usage")
-        include_usage = iu
-    for key in ("logprobs", "echo"):
-        if body.get(key) not in (None, False):
-            raise bad(f"'{key}' is not supported by this server", key, "unsupported_parameter")
-    if body.get("top_logprobs") is not None:
-        raise bad("'top_logprobs' is not supported by this server", "top_logprobs", "unsupported_parameter")
-    if body.get("logit_bias") not in (None, {}):
-        raise bad("'logit_bias' is not supported by this server", "logit_bias", "unsupported_parameter")
-    if body.get("tools") not in (None, []) or body.get("tool_choice") not in (None, "none"):
-        raise bad("tools are not supported by this server", "tools", "unsupported_parameter")
-    rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise bad("'response_format' other than text is not supported", "response_format", "unsupported_parameter")
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise bad("'user' must be a string", "user")
-    seed = _number(body, "seed", None, -(2 ** 63), 2 ** 63 - 1, integer=True)
-    return dict(
-        model=model, max_tokens=max_tokens, stop=stops, stream=bool(stream), include_usage=include_usage, user=user,
-        temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
-        top_p=_number(body, "top_p", None, 0.0, 1.0),
-        top_k=_number(body, "top_k", None, -1, 1 << 20, integer=True),
-        min_p=_number(body, "min_p", None, 0.0, 1.0),
-        seed=seed,
-        repetition_penalty=float(_number(body, "repetition_penalty", 1.0, 0.01, 10.0)),
-        presence_penalty=float(_number(body, "presence_penalty", 0.0, -2.0, 2.0)),
-        frequency_penalty=float(_number(body, "frequency_penalty", 0.0, -2.0, 2.0)),
-    )
+def _limits(info: ValidationInfo) -> Limits:
+    return (info.context or {}).get("limits") or Limits()
 
 
-def _fix_sampling(d: dict) -> dict:
-    if d["top_k"] is not None and d["top_k"] <= 0:  # -1 / 0: disabled, as vLLM reads it
-        d["top_k"] = None
-    if d["top_p"] is not None and d["top_p"] <= 0:
-        raise bad(f"'top_p' must be greater than 0, got {d['top_p']}", "top_p")
-    return d
+def _one_error(problem: str) -> WrapValidator:
+    """Any failure of a union type as one error, not one per member of the union."""
+    def wrap(v, handler):
+        try:
+            return handler(v)
+        except ValidationError:
+            raise _problem(f"{problem}, got {_kind(v)}") from None
+    return WrapValidator(wrap)
 
 
+def _refused_unless(*allowed, message: str | None = None) -> WrapValidator:
+    """A parameter this server does not implement: any value but those `allowed` (which mean "off") is refused."""
+    def wrap(v, handler):
+        if v in allowed:
+            return v
+        if message:
+            raise _problem(message, code="unsupported_parameter", whole=True)
+        raise _problem("is not supported by this server", code="unsupported_parameter")
+    return WrapValidator(wrap)
+
+
+def _text_format(v, handler):
+    if isinstance(v, dict) and v.get("type") == "text":
+        return handler(v)
+    raise _problem("'response_format' other than text is not supported", code="unsupported_parameter", whole=True)
+
+
+def _text_parts(v, handler):
+    try:
+        return handler(v)
+    except ValidationError as e:
+        if isinstance(v, list):
+            j = next((loc[1] for err in e.errors() if len(loc := err["loc"]) > 1 and isinstance(loc[1], int)), 0)
+            raise _problem(f"must hold text parts only, and part {j} is not one (this server reads text only)") from None
+        raise _problem(f"must be a string or a list of text parts, got {_kind(v)}") from None
+
+
+def _prompt(v, handler):
+    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], str):
+        v = v[0]  # a batch of one prompt
+    if isinstance(v, str) and not v:
+        raise _problem("must not be empty")
+    try:
+        return handler(v)
+    except ValidationError:
+        raise _problem(f"must be a string, a list of one string, or a list of token ids, got {_kind(v)}") from None
+
+
+# -- the models -----------------------------------------------------------------------------------
+Unit = Annotated[float, Field(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 ROLES = ("system", "user", "assistant", "tool", "developer")
+NO_TOOLS = "tools are not supported by this server"
+
+
+class _Strict(BaseModel):
+    # strict: "1" is not an integer, "yes" not a boolean, true not a number; NaN and infinities are refused
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal[ROLES]
+    content: Annotated[str | list[TextPart] | None, WrapValidator(_text_parts)] = Field(None, validate_default=True)
+    reasoning_content: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_present(cls, v, info: ValidationInfo):
+        if v is None and info.data.get("role") not in ("assistant", None):
+            raise _problem("is required")
+        return v
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatTemplateKwargs(_Strict):
+    model_config = ConfigDict(extra="allow")
+    enable_thinking: bool | None = None
+
+    @model_validator(mode="after")
+    def _only_known(self):
+        if self.model_extra:
+            raise _problem(f"may only hold enable_thinking, got {sorted(self.model_extra)}")
+        return self
+
+
+class _Request(_Strict):
+    """The fields /v1/chat/completions and /v1/completions share."""
+    model: str | None = None
+    n: int = 1
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    stop: Annotated[str | list[str] | None, _one_error("must be a string or a list of strings")] = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: Annotated[bool | None, _refused_unless(None, False)] = None
+    echo: Annotated[bool | None, _refused_unless(None, False)] = None
+    top_logprobs: Annotated[int | None, _refused_unless(None)] = None
+    logit_bias: Annotated[dict[str, float] | None, _refused_unless(None, {})] = None
+    tools: Annotated[list[dict] | None, _refused_unless(None, [], message=NO_TOOLS)] = None
+    tool_choice: Annotated[str | dict | None, _refused_unless(None, "none", message=NO_TOOLS)] = None
+    response_format: Annotated[dict | None, WrapValidator(_text_format)] = None
+    user: str | None = None
+    seed: Annotated[int, Field(ge=-(2 ** 63), le=2 ** 63 - 1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=1 << 20)] | None = None  # -1 / 0: disabled, as vLLM reads it
+    min_p: Unit | None = None
+    repetition_penalty: Annotated[float, Field(ge=0.01, le=10.0)] = 1.0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, body: Any):
+        if isinstance(body, dict):
+            return {k: v for k, v in body.items() if v is not None}
+        return body
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v):
+        if v != 1:
+            raise _problem(f"must be 1 (one choice per request), got {v}")
+        return v
+
+    @field_validator("max_tokens", "max_completion_tokens")
+    @classmethod
+    def _within_limit(cls, v, info: ValidationInfo):
+        limit = _limits(info).max_tokens
+        if v is not None and v > limit:
+            raise _problem(f"must be at most {limit} (this server's limit), got {v}")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v, info: ValidationInfo):
+        stops = [v] if isinstance(v, str) else list(v or [])
+        limit = _limits(info).max_stop
+        if len(stops) > limit:
+            raise _problem(f"may hold at most {limit} sequences, got {len(stops)}")
+        if any(not s for s in stops):
+            raise _problem("sequences must not be empty")
+        return v
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise _problem("is only allowed when 'stream' is true", param="stream_options")
+        return self
+
+    def _common(self) -> dict:
+        top_k = self.top_k if self.top_k is not None and self.top_k > 0 else None
+        return dict(
+            model=self.model, stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            max_tokens=self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens,
+            stream=self.stream, include_usage=bool(self.stream_options and self.stream_options.include_usage),
+            user=self.user, temperature=float(self.temperature), top_p=self.top_p, top_k=top_k, min_p=self.min_p,
+            seed=self.seed, repetition_penalty=float(self.repetition_penalty),
+            presence_penalty=float(self.presence_penalty), frequency_penalty=float(self.frequency_penalty))
+
+
+class ChatCompletionRequest(_Request):
+    """POST /v1/chat/completions."""
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _not_too_many(cls, v, info: ValidationInfo):
+        limit = _limits(info).max_messages
+        if isinstance(v, list) and len(v) > limit:
+            raise _problem(f"holds {len(v)} messages, more than the limit of {limit}")
+        return v
+
+    def generation(self) -> GenerationRequest:
+        messages = []
+        for m in self.messages:
+            entry = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            if m.reasoning_content is not None:
+                entry["reasoning_content"] = m.reasoning_content
+            messages.append(entry)
+        thinking = self.chat_template_kwargs.enable_thinking if self.chat_template_kwargs else None
+        return GenerationRequest(messages=messages, enable_thinking=thinking, **self._common())
+
+
+class CompletionRequest(_Request):
+    """POST /v1/completions."""
+    prompt: Annotated[str | Annotated[list[int], Field(min_length=1)], WrapValidator(_prompt)]
+    suffix: Annotated[str | None, _refused_unless(None)] = None
+
+    def generation(self) -> GenerationRequest:
+        return GenerationRequest(prompt=self.prompt, **self._common())
+
+
+# -- validation errors as OpenAI error objects ----------------------------------------------------------
+_JSON_KINDS = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object",
+               type(None): "null"}
+
+
+def _kind(v: Any) -> str:
+    kind = _JSON_KINDS.get(type(v), type(v).__name__)
+    return kind if isinstance(v, (list, dict, type(None))) else f"{kind} {v!r}"
+
+
+def _where(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+_SAYS = {  # pydantic's error type -> what the message says after the parameter's name
+    "model_type": "must be an object", "model_attributes_type": "must be an object", "dict_type": "must be an object",
+    "list_type": "must be a list", "string_type": "must be a string", "int_type": "must be an integer",
+    "float_type": "must be a number", "bool_type": "must be a boolean", "finite_number": "must be finite",
+    "greater_than_equal": "must be at least {ge}", "greater_than": "must be greater than {gt}",
+    "less_than_equal": "must be at most {le}", "less_than": "must be less than {lt}",
+    "too_short": "must hold at least {min_length} item(s)", "string_too_short": "must not be empty",
+    "literal_error": "must be {expected}",
+}
+
+
+def api_error(e: ValidationError) -> APIError:
+    """The first of a ValidationError's errors as the OpenAI error object (400, naming the parameter)."""
+    err = e.errors(include_url=False)[0]
+    ctx = err.get("ctx") or {}
+    param = ctx.get("param") or _where(err["loc"]) or None
+    if err["type"] == "model_type" and not err["loc"]:
+        return bad(f"the request body must be a JSON object, got {_kind(err['input']).split()[0]}")
+    if err["type"] == "deltaserve":
+        message = err["msg"] if ctx.get("whole") else f"'{param}' {err['msg']}"
+    elif err["type"] == "missing":
+        message = f"'{param}' is required"
+    else:
+        says = _SAYS.get(err["type"])
+        says = says.format(**ctx) if says else err["msg"][:1].lower() + err["msg"][1:]
+        message = f"'{param}' {says}, got {_kind(err['input'])}"
+    return bad(message[:300], param, ctx.get("code"))
+
+
+def _parse(model: type[_Request], body: Any, limits: Limits) -> GenerationRequest:
+    try:
+        return model.model_validate(body, context={"limits": limits}).generation()
+    except ValidationError as e:
+        raise api_error(e) from None
 
 
 def parse_chat(body: Any, limits: Limits) -> GenerationRequest:
-    d = _fix_sampling(_common(body, limits))
-    messages = body.get("messages")
-    if messages is None:
-        raise bad("'messages' is required", "messages")
-    if not isinstance(messages, list):
-        raise bad(f"'messages' must be a list, got {type(messages).__name__}", "messages")
-    if not messages:
-        raise bad("'messages' must hold at least one message", "messages")
-    if len(messages) > limits.max_messages:
-        raise bad(f"'messages' holds {len(messages)} messages, more than the limit of {limits.max_messages}", "messages")
-    clean = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad(f"{where} must be an object", where)
-        role = m.get("role")
-        if role not in ROLES:
-            raise bad(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}"[:300], f"{where}.role")
-        content = m.get("content")
-        if isinstance(content, list):
-            parts = []
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise bad(f"{where}.content[{j}] must be a text part (this server reads text only)",
-                              f"{where}.content")
-                parts.append(part["text"])
-            content = "".join(parts)
-        if content is None and role != "assistant":
-            raise bad(f"{where}.content is required", f"{where}.content")
-        if content is not None and not isinstance(content, str):
-            raise bad(f"{where}.content must be a string or a list of text parts", f"{where}.content")
-        entry = {"role": "system" if role == "developer" else role, "content": content or ""}
-        rc = m.get("reasoning_content")
-        if rc is not None:
-            if not isinstance(rc, str):
-                raise bad(f"{where}.reasoning_content must be a string", f"{where}.reasoning_content")
-            entry["reasoning_content"] = rc
-        clean.append(entry)
-    thinking = None
-    kw = body.get("chat_template_kwargs")
-    if kw is not None:
-        if not isinstance(kw, dict):
-            raise bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
-        unknown = set(kw) - {"enable_thinking"}
-        if unknown:
-            raise bad(f"'chat_template_kwargs' may only hold enable_thinking, got {sorted(unknown)}",
-                      "chat_template_kwargs")
-        thinking = kw.get("enable_thinking")
-        if thinking is not None and not isinstance(thinking, bool):
-            raise bad("'chat_template_kwargs.enable_thinking' must be a boolean",
-                      "chat_template_kwargs.enable_thinking")
-    return GenerationRequest(messages=clean, enable_thinking=thinking, **d)
+    return _parse(ChatCompletionRequest, body, limits)
 
 
 def parse_completion(body: Any, limits: Limits) -> GenerationRequest:
-    d = _fix_sampling(_common(body, limits))
-    prompt = body.get("prompt")
-    if prompt is None:
-        raise bad("'prompt' is required", "prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, list):
-        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise bad("'prompt' must be a string, a list of one string, or a list of token ids", "prompt")
-    elif not isinstance(prompt, str):
-        raise bad(f"'prompt' must be a string, got {type(prompt).__name__}", "prompt")
-    if isinstance(prompt, str) and not prompt:
-        raise bad("'prompt' must not be empty", "prompt")
-    if body.get("suffix") is not None:
-        raise bad("'suffix' is not supported by this server", "suffix", "unsupported_parameter")
-    return GenerationRequest(prompt=prompt, **d)
+    return _parse(CompletionRequest, body, limits)

@@ -1,0 +1,64 @@
+/* native.h: the constants and structs that native.c and Python share. kernels/native.py reads this file and
+ * builds its ctypes structs and constants from it, so nothing here is declared twice. Keep to the forms it
+ * reads: `#define DS_NAME number`, and `typedef struct { ... } name_t;` whose members are `int`, `float`,
+ * pointers, another struct of this file, or an array of one with a DS_ constant as its length. */
+#ifndef DS_NATIVE_H
+#define DS_NATIVE_H
+
+#define DS_ABI 11           /* the library's interface version: a cached library of another one is rebuilt */
+#define DS_MAX_ROWS 8       /* activation rows per product, and sequences per batched decode call */
+#define DS_MAX_SEGMENTS 4   /* parts of a stacked linear that keep their own block kinds */
+#define DS_Q6K 14           /* GGUF Q6_K blocks, read as the file has them */
+#define DS_Q4KR 112         /* Q4_K blocks repacked at load (scale bits unpacked) */
+
+typedef struct {
+    int type;               /* 0: int8 table with per-row scales; DS_Q6K; DS_Q4KR */
+    int rows;               /* output rows of this segment (segments follow each other along the output) */
+    const void *data;
+    const float *scale;     /* the int8 table's row scales */
+} seg_t;
+
+typedef struct {
+    int nseg;
+    int K;
+    seg_t seg[DS_MAX_SEGMENTS];
+} lin_t;
+
+typedef struct {
+    int attention;          /* 1: gated attention; 0: Gated DeltaNet */
+    const float *attn_norm;
+    const float *post_norm;
+    lin_t mix_in;
+    lin_t mix_out;
+    lin_t gate_up;
+    lin_t down;
+    const float *conv_w;    /* DeltaNet */
+    const float *a_neg;
+    const float *dt_bias;
+    const float *norm_w;
+    const float *q_norm;    /* attention */
+    const float *k_norm;
+} layer_t;
+
+typedef struct {
+    int n_layers;
+    int hidden;
+    int inter;
+    int nk;                 /* DeltaNet */
+    int dk;
+    int nv;
+    int dv;
+    int Kc;
+    int tiled;
+    int nh;                 /* attention */
+    int nkv;
+    int hd;
+    int rotary;
+    float eps;
+    float theta;
+    const float *final_norm;
+    lin_t head;
+    const layer_t *layers;
+} model_t;
+
+#endif
