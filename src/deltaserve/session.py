@@ -135,6 +135,8 @@ class Session:
             self.say(f"[deltaserve] {PREFILL_ENV}=per-token: prompts prefill one token at a time, not batched")
         self.im_start = self.tokenizer.im_start_id
         self.stop_ids = frozenset(self.tokenizer.stop_ids) | frozenset(host.config.eos_token_ids)
+        if guard is not None and backend is not None and backend.accelerator:
+            host.sha256()  # the guard's cache key, computed now: never inside the first turn's time to first token
         self.backend = self._start(backend or CPUBackend(host), plan_positions)
 
     # -- notices ----------------------------------------------------------------------------------
@@ -255,6 +257,10 @@ class Session:
             except AcceleratorFailure as e:
                 self._move_to_cpu(f"the device checkpoint would not restore: {e}")
                 return "reset", 0
+            except Exception as e:  # noqa: BLE001 - a half-restored state and its checkpoint are never reused
+                self._forget()
+                raise BackendError(f"the checkpoint of {len(ck)} tokens would not restore: "
+                                   f"{type(e).__name__}: {e}") from e
             self.held = list(ck)
         elif kind == "reset":
             self._reset_in_place()

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from tools.bench.peers import _cpu_name
 
 _MEASURE = r"""
 import json, sys, time
@@ -78,7 +79,7 @@ def run(out: Path, models: list[tuple[str, str, int]], repeats: int = 5, rounds:
             print(f"[bench] threads: {label} {threads}: quiet {row['quiet']:.1f}, one competitor "
                   f"{row['contended']:.1f} tok/s ({row['kept']:.0%})", file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": _cpu(), "cores": os.cpu_count(),
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": _cpu_name(), "cores": os.cpu_count(),
             "command": "deltaserve " + " ".join(sys.argv[1:]), "repeats": repeats, "rounds": rounds}
     (out / "threads.json").write_text(json.dumps({**meta, "results": results}, indent=1))
     lines = [f"# Decode by thread count, quiet and with one competing busy process ({meta['date']})", "",
@@ -93,16 +94,6 @@ def run(out: Path, models: list[tuple[str, str, int]], repeats: int = 5, rounds:
     md = out / "threads.md"
     md.write_text("\n".join(lines) + "\n")
     return md
-
-
-def _cpu() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def main(a) -> None:

@@ -129,6 +129,7 @@ class ThreadGovernor:
     PROBE = 4
     EVERY = 64
     EVERY_MAX = 512
+    MARGIN = 0.85  # a probe must be this much faster to take over (a few noisy steps must not move a quiet decode)
     SLOWED = 2.0  # steps this much slower than the best seen at the current count: probe now, not at the next turn
 
     def __init__(self, most: int):
@@ -171,11 +172,11 @@ class ThreadGovernor:
 
     def _decide(self) -> None:
         trial, base = self._trial, self.current
-        if _median(self._times[trial]) < _median(self._times[base]):
+        if _median(self._times[trial]) < self.MARGIN * _median(self._times[base]):
             self.current, self._every = trial, self.EVERY
             self.switches += 1
         else:
-            self._every = min(self._every * 2, self.EVERY_MAX)
+            self._every = min(max(self._every * 2, self.EVERY), self.EVERY_MAX)
         self._trial, self._steps = None, 0
 
 

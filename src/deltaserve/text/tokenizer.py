@@ -302,6 +302,17 @@ def _compile_template(source: str) -> jinja2.Template:
         raise ChatTemplateError(f"chat template: expected valid Jinja, found {type(e).__name__}: {e}") from None
 
 
+class TextError(DeltaserveError, ValueError):
+    """Text that cannot be tokenized as given (not valid Unicode)."""
+
+
+def _check_unicode(text: str) -> None:
+    for i, ch in enumerate(text):
+        if "\ud800" <= ch <= "\udfff":
+            raise TextError(f"the text holds a lone surrogate (U+{ord(ch):04X} at character {i}): it is not valid "
+                            "Unicode; send the character itself or its surrogate pair")
+
+
 def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
@@ -398,11 +409,21 @@ class Tokenizer:
         return self._backend
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`: NFC-normalised, added tokens written in the text recognised, no BOS added."""
-        return self._backend.encode(text, add_special_tokens=False).ids
+        """Token ids of `text`: NFC-normalised, added tokens written in the text recognised, no BOS added.
+        Text that is not Unicode (a lone surrogate, as JSON's "\\ud800" can carry) is refused by name."""
+        try:
+            return self._backend.encode(text, add_special_tokens=False).ids
+        except TypeError:
+            _check_unicode(text)
+            raise
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
+        try:
+            return [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
+        except TypeError:
+            for t in texts:
+                _check_unicode(t)
+            raise
 
     def _table(self) -> list[bytes]:
         if self._bytes is None:

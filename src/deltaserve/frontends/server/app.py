@@ -77,18 +77,23 @@ class Server:
             return json.loads(body)
         except (ValueError, UnicodeDecodeError) as e:
             raise bad(f"the request body is not valid JSON: {e}"[:300]) from None
+        except RecursionError:
+            raise bad("the request body nests its JSON too deeply") from None
 
     def prompt_ids(self, req: GenerationRequest) -> tuple[list[int], bool]:
         tok = self.model.tokenizer
         if req.prompt is not None:
             if isinstance(req.prompt, list):
                 return list(req.prompt), False
-            return tok.encode(req.prompt), False
+            try:
+                return tok.encode(req.prompt), False
+            except DeltaserveError as e:
+                raise bad(str(e), "prompt") from None
         thinking = req.enable_thinking if req.enable_thinking is not None else self.think_default
         try:
             return self.model.render(req.messages, thinking)
         except DeltaserveError as e:
-            raise bad(f"the chat template refused the conversation: {e}", "messages") from None
+            raise bad(str(e), "messages") from None  # the tokenizer's message names the template already
 
     def check(self, ids: list[int], endpoint: str) -> None:
         """The session's own prompt check, before the request takes a slot: a 400 naming the parameter."""
