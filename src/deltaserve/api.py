@@ -132,18 +132,16 @@ def load(path: str | os.PathLike | None = None, device: str = "cpu", threads: in
     t0 = time.perf_counter()
     compute = ComputeThread() if compute_thread else None
 
-    def build() -> HostModel:
+    def build() -> tuple[HostModel, str]:
         host = cached_host(path, weights) if cache else load_host(path, weights)
         n, why = plan_threads(host.weights.nbytes, int(threads) if threads is not None else None)
-        torch.set_num_threads(n)
-        host_why[0] = why
-        return host
+        torch.set_num_threads(n)  # on the thread that runs the forwards (OpenMP's count is per thread)
+        return host, why
 
-    host_why = [""]
-    host = compute.run(build) if compute is not None else build()
+    host, why = compute.run(build) if compute is not None else build()
     if compute is not None:
         serial_here()  # the calling thread's own torch ops, if any, open no team
     model = Model(host, device, compute)
-    model.threads_why = host_why[0]
+    model.threads_why = why
     model.load_seconds = time.perf_counter() - t0
     return model
