@@ -89,3 +89,52 @@ def test_the_no_cuda_notice_is_kept_and_said_through_the_python_api(hybrid_model
     s = hybrid_model.session(device="auto")
     assert any("no CUDA device visible" in n for n in s.notices)
     assert "no CUDA device visible" in capsys.readouterr().err
+
+
+def test_a_4_mb_request_stalls_neither_a_running_stream_nor_health(server):
+    import json as _json
+    import threading
+    import time
+
+    big = {"messages": [{"role": "user", "content": "word " * (4 * 1024 * 1024 // 5 - 100)}], "max_tokens": 4}
+    raw = _json.dumps(big).encode()
+    assert 3.9e6 < len(raw) < 4 << 20  # under the default --max-body
+    gaps, stop, streams = [], threading.Event(), [0]
+
+    def stream():  # streams one after another until the large requests are answered: some overlap them
+        body = {"prompt": "Once upon a time", "max_tokens": 200, "stream": True}
+        while not stop.is_set():
+            last = None
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+                for _ in r.iter_lines():
+                    now = time.perf_counter()
+                    if last is not None:
+                        gaps.append(now - last)
+                    last = now
+            streams[0] += 1
+
+    t = threading.Thread(target=stream)
+    t.start()
+    time.sleep(0.3)
+    health = []
+    for n in (1, 3):  # one 4 MB request, then three at once
+        answers = []
+        senders = [threading.Thread(target=lambda: answers.append(
+            httpx.post(server.url + "/v1/chat/completions", content=raw, timeout=120,
+                       headers={"Content-Type": "application/json"}))) for _ in range(n)]
+        for s in senders:
+            s.start()
+        while any(s.is_alive() for s in senders):
+            t0 = time.perf_counter()
+            assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+            health.append(time.perf_counter() - t0)
+            time.sleep(0.02)
+        for s in senders:
+            s.join()
+        assert [a.status_code for a in answers] == [400] * n
+        assert all(a.json()["error"]["code"] == "context_length_exceeded" for a in answers)
+    stop.set()
+    t.join(120)
+    assert gaps and streams[0] >= 1
+    assert max(health) < 0.2, f"/health took {max(health):.3f} s at worst"
+    assert max(gaps) < 0.2, f"the stream paused {max(gaps):.3f} s at worst"

@@ -18,7 +18,7 @@ from deltaserve.runtime.backend import Backend, select_backend
 from deltaserve.runtime.compute import ComputeThread
 from deltaserve.runtime.guard import ParityGuard
 from deltaserve.session import Session, Turn
-from deltaserve.text.chat_template import render
+from deltaserve.text.chat_template import render, render_text
 
 
 class Model:
@@ -54,6 +54,11 @@ class Model:
     def render(self, messages, enable_thinking: bool | None = None) -> tuple[list[int], bool]:
         """A conversation's prompt ids (generation header added) and whether it leaves the model reasoning."""
         return render(self.tokenizer, messages, self.thinking_default if enable_thinking is None else enable_thinking)
+
+    def render_text(self, messages, enable_thinking: bool | None = None) -> str:
+        """A conversation's prompt text (generation header added), not yet tokenized."""
+        return render_text(self.tokenizer, messages,
+                           self.thinking_default if enable_thinking is None else enable_thinking)
 
     def _reference_forward(self) -> Forward:
         if self._cpu_forward is None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -372,6 +373,7 @@ class Tokenizer:
         self.vocab_size: int = (max(known) + 1) if known else 0
         self._vocab_strings: dict[str, int] | None = vocab
         self._bytes: list[bytes] | None = None
+        self._longest: int | None = None  # bytes of the longest token (fewest_tokens)
 
         def find(content: str) -> int | None:
             i = backend.token_to_id(content)
@@ -438,6 +440,13 @@ class Tokenizer:
             self._bytes = table
             self._vocab_strings = None  # only needed to build the table
         return self._bytes
+
+    def fewest_tokens(self, text: str) -> int:
+        """A lower bound on len(encode(text)) found without encoding: no token stands for more bytes than the
+        vocabulary's longest, so the (NFC-normalised) text's UTF-8 bytes need at least that many tokens."""
+        if self._longest is None:
+            self._longest = max((len(b) for b in self._table()), default=1) or 1
+        return -(-len(unicodedata.normalize("NFC", text).encode("utf-8", "surrogatepass")) // self._longest)
 
     def token_bytes(self, id: int) -> bytes:  # noqa: A002 - the brief's name
         """The raw bytes token `id` stands for; an added token's UTF-8 text; b"" for padding or unknown ids."""

@@ -29,7 +29,7 @@ from deltaserve.session import check_prompt
 from deltaserve.frontends.server.metrics import Metrics
 from deltaserve.frontends.server.protocol import APIError, GenerationRequest, Limits, bad, parse_chat, parse_completion
 from deltaserve.frontends.server.slots import QueueFull, SlotPool
-from deltaserve.text.stream import ReasoningSplitter, split_reasoning
+from deltaserve.text.stream import ReasoningSplitter, opens_reasoning, split_reasoning
 
 class Server:
     def __init__(self, model, slots: int = 2, queue: int = 16, api_key: str | None = None,
@@ -47,7 +47,11 @@ class Server:
         self.context = sessions[0].context
         self.executor = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="deltaserve-slot",
                                            initializer=model.worker_initializer())
+        # templates and tokenizers run here, not on the event loop (one large request must not stall the others)
+        self.text_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="deltaserve-text",
+                                            initializer=model.worker_initializer())
         self.started = time.time()
+        model.tokenizer.fewest_tokens("")  # the vocabulary's byte table now, not in the first request
         try:  # compile the chat template now, not in the first request's time to first token
             model.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
         except DeltaserveError:
@@ -81,19 +85,28 @@ class Server:
             raise bad("the request body nests its JSON too deeply") from None
 
     def prompt_ids(self, req: GenerationRequest) -> tuple[list[int], bool]:
-        tok = self.model.tokenizer
-        if req.prompt is not None:
-            if isinstance(req.prompt, list):
-                return list(req.prompt), False
-            try:
-                return tok.encode(req.prompt), False
-            except DeltaserveError as e:
-                raise bad(str(e), "prompt") from None
-        thinking = req.enable_thinking if req.enable_thinking is not None else self.think_default
+        """The request's prompt ids and whether they leave the model reasoning. Runs off the event loop (a large
+        request's template and tokenizer take seconds); text that surely cannot fit the context is refused
+        before it is tokenized, from a lower bound on its token count (`Tokenizer.fewest_tokens`)."""
+        if isinstance(req.prompt, list):
+            return list(req.prompt), False
+        param = "prompt" if req.prompt is not None else "messages"
         try:
-            return self.model.render(req.messages, thinking)
+            if req.prompt is not None:
+                text, thinking = req.prompt, False
+            else:
+                think = req.enable_thinking if req.enable_thinking is not None else self.think_default
+                text = self.model.render_text(req.messages, think)
+                thinking = opens_reasoning(text)
+            least = self.model.tokenizer.fewest_tokens(text)
+            if least >= self.context:
+                raise ContextError(f"the prompt has at least {least} tokens and the context holds {self.context}: "
+                                   f"refused whole (nothing is truncated; shorten the conversation)")
+            return self.model.tokenizer.encode(text), thinking
+        except ContextError as e:
+            raise bad(str(e), param, "context_length_exceeded") from None
         except DeltaserveError as e:
-            raise bad(str(e), "messages") from None  # the tokenizer's message names the template already
+            raise bad(str(e), param) from None  # the tokenizer's and the template's messages name themselves
 
     def check(self, ids: list[int], endpoint: str) -> None:
         """The session's own prompt check, before the request takes a slot: a 400 naming the parameter."""
@@ -292,7 +305,7 @@ def create_app(server: Server) -> FastAPI:
         server.check_auth(request)
         body = await server.read_json(request)
         req = parse_chat(body, server.limits) if endpoint == "chat" else parse_completion(body, server.limits)
-        ids, thinking = server.prompt_ids(req)
+        ids, thinking = await asyncio.get_running_loop().run_in_executor(server.text_pool, server.prompt_ids, req)
         server.check(ids, endpoint)
         return await server.complete(endpoint, req, ids, thinking, t0)
 
