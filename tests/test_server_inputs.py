@@ -138,3 +138,38 @@ def test_a_4_mb_request_stalls_neither_a_running_stream_nor_health(server):
     assert gaps and streams[0] >= 1
     assert max(health) < 0.2, f"/health took {max(health):.3f} s at worst"
     assert max(gaps) < 0.2, f"the stream paused {max(gaps):.3f} s at worst"
+
+
+def test_a_request_whose_client_left_stops_waiting_within_a_poll():
+    """The watcher a non-streamed request (and one queued for a slot) waits under: the awaited work is cancelled,
+    and ClientGone raised, once the client is seen gone. (An end-to-end check needs a generation that outlasts a
+    poll; the random fixtures stop within a fraction of a second, so it is left to the next session.)"""
+    import asyncio
+    import time
+
+    from deltaserve.frontends.server.app import ClientGone, until_gone
+
+    class Leaving:
+        def __init__(self, after: float):
+            self.at = time.perf_counter() + after
+
+        async def is_disconnected(self) -> bool:
+            return time.perf_counter() >= self.at
+
+    async def scenario():
+        work = asyncio.ensure_future(asyncio.sleep(30))
+        t0 = time.perf_counter()
+        with pytest.raises(ClientGone):
+            await until_gone(asyncio.shield(work), Leaving(0.2))
+        waited = time.perf_counter() - t0
+        assert not work.cancelled()  # the generation itself is stopped through its cancel flag, not cancelled here
+        work.cancel()
+        queued = asyncio.ensure_future(asyncio.sleep(30))
+        with pytest.raises(ClientGone):
+            await until_gone(queued, Leaving(0.1))
+        await asyncio.sleep(0)
+        assert queued.cancelled()  # a place in the queue is given up
+        assert await until_gone(asyncio.sleep(0.01, result="done"), Leaving(10)) == "done"
+        return waited
+
+    assert asyncio.run(scenario()) < 1.0

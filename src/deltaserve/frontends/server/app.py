@@ -19,7 +19,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deltaserve.version import __version__
@@ -30,6 +30,29 @@ from deltaserve.frontends.server.metrics import Metrics
 from deltaserve.frontends.server.protocol import APIError, GenerationRequest, Limits, bad, parse_chat, parse_completion
 from deltaserve.frontends.server.slots import QueueFull, SlotPool
 from deltaserve.text.stream import ReasoningSplitter, opens_reasoning, split_reasoning
+
+class ClientGone(Exception):
+    """The client closed its connection while its request waited (in the queue, or for a whole answer)."""
+
+
+async def until_gone(awaitable, request: Request | None, every_s: float = 0.05):
+    """`await awaitable`, or ClientGone (the awaitable cancelled) once the client has disconnected: a request
+    that is not streaming is not cancelled by the server when its client leaves, so it watches for itself."""
+    task = asyncio.ensure_future(awaitable)
+    if request is None:
+        return await task
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=every_s)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                raise ClientGone()
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+
 
 class Server:
     def __init__(self, model, slots: int = 2, queue: int = 16, api_key: str | None = None,
@@ -123,10 +146,11 @@ class Server:
         return min(req.max_tokens, room) if req.max_tokens else min(self.limits.max_tokens, room)
 
     # -- one generation ----------------------------------------------------------------------------
-    async def generate(self, endpoint: str, req: GenerationRequest, ids: list[int], thinking: bool, t0: float):
+    async def generate(self, endpoint: str, req: GenerationRequest, ids: list[int], thinking: bool, t0: float,
+                       request: Request | None = None):
         max_tokens = self.budget(req, len(ids))
         try:
-            slot = await self.pool.acquire(ids)
+            slot = await until_gone(self.pool.acquire(ids), request)  # a client gone while queued leaves the queue
         except QueueFull:
             raise APIError(503, f"all {len(self.pool.slots)} slots are busy and {self.pool.queue_size} requests are "
                            "already waiting; retry shortly", "server_overloaded", None, "server_busy",
@@ -174,15 +198,16 @@ class Server:
                 "total_tokens": n_prompt + turn.generated,
                 "prompt_tokens_details": {"cached_tokens": turn.reused}}
 
-    async def complete(self, endpoint: str, req: GenerationRequest, ids: list[int], thinking: bool, t0: float):
-        fut, pieces, cancel = await self.generate(endpoint, req, ids, thinking, t0)
+    async def complete(self, endpoint: str, req: GenerationRequest, ids: list[int], thinking: bool, t0: float,
+                       request: Request | None = None):
+        fut, pieces, cancel = await self.generate(endpoint, req, ids, thinking, t0, request)
         rid = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if not req.stream:
             try:
-                turn = await asyncio.shield(fut)
-            except asyncio.CancelledError:
-                cancel.set()
+                turn = await until_gone(asyncio.shield(fut), request)
+            except (asyncio.CancelledError, ClientGone):
+                cancel.set()  # the client left: the generation stops at its next token and frees the slot
                 raise
             except Exception as e:  # noqa: BLE001
                 raise self.turn_error(e) from None
@@ -307,7 +332,10 @@ def create_app(server: Server) -> FastAPI:
         req = parse_chat(body, server.limits) if endpoint == "chat" else parse_completion(body, server.limits)
         ids, thinking = await asyncio.get_running_loop().run_in_executor(server.text_pool, server.prompt_ids, req)
         server.check(ids, endpoint)
-        return await server.complete(endpoint, req, ids, thinking, t0)
+        try:
+            return await server.complete(endpoint, req, ids, thinking, t0, request)
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it; the slot was freed
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
