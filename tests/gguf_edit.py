@@ -10,9 +10,10 @@ from gguf import GGUFReader, GGUFValueType
 
 
 def rewrite(src: Path, dst: Path, arch: str | None = None, drop: str | None = None,
-            reshape: tuple[str, int] | None = None, meta: dict | None = None) -> Path:
+            reshape: tuple[str, int] | None = None, meta: dict | None = None,
+            fill: tuple[str, float] | None = None) -> Path:
     """Copy `src` to `dst`: `arch` renames the architecture (and its key prefix), `drop` leaves a tensor out,
-    `reshape=(name, rows)` keeps only the first `rows` rows of a 2-D f32 tensor, `meta` overrides values."""
+    `reshape=(name, rows)` keeps only the first `rows` rows of a 2-D f32 tensor, `meta` overrides values, `fill=(name, value)` sets every value of an f32 tensor."""
     r = GGUFReader(src)
     old_arch = r.fields["general.architecture"].contents()
     new_arch = arch or old_arch
@@ -35,6 +36,8 @@ def rewrite(src: Path, dst: Path, arch: str | None = None, drop: str | None = No
         data = np.array(t.data)
         if reshape and t.name == reshape[0]:
             data = data[: reshape[1]]
+        if fill and t.name == fill[0]:
+            data = np.full_like(data, fill[1])
         if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
             w.add_tensor(t.name, data)
         else:

@@ -173,3 +173,29 @@ def test_a_request_whose_client_left_stops_waiting_within_a_poll():
         return waited
 
     assert asyncio.run(scenario()) < 1.0
+
+
+def test_a_model_whose_weights_are_nan_stops_the_turn_with_a_clear_error(hybrid_gguf, tmp_path):
+    import subprocess
+    import sys
+
+    from tests.gguf_edit import rewrite
+
+    bad = rewrite(hybrid_gguf, tmp_path / "nan.gguf", fill=("output_norm.weight", float("nan")))
+    proc = subprocess.run([sys.executable, "-m", "deltaserve", "run", str(bad), "--raw", "-p", "hello", "-n", "8",
+                           "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and proc.stdout.strip() == ""
+    assert "non-finite logits" in proc.stderr and "internal error" not in proc.stderr
+
+
+@pytest.mark.parametrize("content", ["[1, 2]", "null", "\"text\""])
+def test_a_config_json_that_is_not_an_object_is_one_clear_error(hybrid_hf_dir, tmp_path, content):
+    import shutil
+
+    from deltaserve.errors import ModelFormatError
+
+    d = tmp_path / "model"
+    shutil.copytree(hybrid_hf_dir, d)
+    (d / "config.json").write_text(content)
+    with pytest.raises(ModelFormatError, match="not an object"):
+        deltaserve.load(d, cache=False)

@@ -392,6 +392,10 @@ class Session:
         prefill_t0 = time.perf_counter()
         logits, start = self._feed(prompt, start, self.checkpoint_position(prompt))
         prefill_s = time.perf_counter() - prefill_t0
+        if not bool(torch.isfinite(logits).all()):  # NaN or inf weights: never an answer sampled from garbage
+            self._forget()
+            raise BackendError(f"the model gave non-finite logits (NaN or infinity) for a prompt of {n} tokens: "
+                               f"its weights are likely corrupt ({self.host.path.name})")
         if start == 0:
             start_kind = "reset"
 

@@ -79,6 +79,9 @@ def open_model(path: str | Path) -> ModelFile:
             raw = json.loads(cfg_path.read_text())
         except ValueError as e:
             raise ModelFormatError(f"{cfg_path} is not valid JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise ModelFormatError(f"{cfg_path} holds {type(raw).__name__ if raw is not None else 'null'}, not an "
+                                   "object (expected an HF Qwen3.5 config)")
         config = HybridConfig.from_hf(raw)
         src = HFSource(p, hf_prefix(raw))
         if "output.weight" not in src.names() and not config.tie_word_embeddings:
