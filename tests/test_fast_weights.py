@@ -260,7 +260,6 @@ def test_a_q4_k_m_file_decodes_from_its_own_blocks_within_1_5x_llama_cpps_own_er
 def test_the_native_deltanet_step_and_conv_follow_the_torch_versions_on_either_head_order(source, monkeypatch):
     if not native.status()[0]:
         pytest.skip(f"the native kernel does not run here: {native.status()[1]}")
-    from deltaserve.engine import layers
 
     m = deltaserve.load(fx.hf_dir("hybrid") if source == "hf" else fx.gguf_path("hybrid", "f32"), cache=False)
     assert m.config.linear_num_value_heads > m.config.linear_num_key_heads
