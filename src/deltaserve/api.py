@@ -17,7 +17,10 @@ from deltaserve.kernels.cpu import plan_threads, serial_here
 from deltaserve.runtime.backend import Backend, select_backend
 from deltaserve.runtime.compute import ComputeThread
 from deltaserve.runtime.guard import ParityGuard
+from deltaserve.engine.state import DecodeState
+from deltaserve.runtime.capacity import cpu_memory
 from deltaserve.session import Session, Turn
+from deltaserve.store import StateStore
 from deltaserve.text.chat_template import render, render_text
 
 
@@ -87,7 +90,7 @@ class Model:
 
     def session(self, context: int | None = None, device: str | None = None, backend: Backend | None = None,
                 guard=None, quiet: bool = False, one_call: bool = False, plan_memory=None,
-                plan_positions: int | None = None, revalidate: bool = False) -> Session:
+                plan_positions: int | None = None, revalidate: bool = False, store: StateStore | None = None) -> Session:
         """A resident session: its state starts at 4096 positions and grows by doubling. On an accelerator it
         is guarded (`revalidate`: a new parity verdict even if one is cached)."""
         notice = None
@@ -97,19 +100,40 @@ class Model:
             guard = ParityGuard(revalidate=revalidate)
         s = Session(self.host, backend, context=context, one_call=one_call, guard=guard, quiet=quiet,
                     plan_memory=plan_memory, plan_positions=plan_positions, thinking_default=self.thinking_default,
-                    notice=notice)
+                    notice=notice, store=store)
         return s
 
     def slots(self, n: int, context: int | None = None, device: str | None = None, revalidate: bool = False,
-              quiet: bool = False) -> list[Session]:
+              quiet: bool = False, store: StateStore | None = None) -> list[Session]:
         """`n` resident sessions on one backend (weights shared), their decode steps batched into one forward
-        when there are several, one parity guard for all (`revalidate` forces a new verdict)."""
+        when there are several, one parity guard for all (`revalidate` forces a new verdict), one state store
+        (`store`) under them all."""
         backend, notice = self.backend(device)
         guard = ParityGuard(revalidate=revalidate) if backend.accelerator else None
         if n > 1:
             backend.enable_batching()
         return [Session(self.host, backend, context=context, guard=guard, quiet=quiet or i > 0,
-                        thinking_default=self.thinking_default, notice=notice) for i in range(n)]
+                        thinking_default=self.thinking_default, notice=notice, store=store) for i in range(n)]
+
+    def state_store(self, ram: int | None = None, directory: str | os.PathLike | None = None,
+                    disk: int | None = None, slots: int = 1, context: int | None = None, say=None) -> StateStore:
+        """The conversation state store for this model's sessions (deltaserve/store.py). `ram` None: a quarter of
+        the memory left once `slots` states of `context` positions (at most 8192 planned) are set aside;
+        `directory`: the disk tier, kept across restarts; `disk` None: half the free space there, at most 64 GiB."""
+        c = self.config
+        if ram is None:
+            positions = min(context or c.context_length, c.context_length, 8192)
+            left = cpu_memory().free - slots * DecodeState.bytes_for(c, positions)
+            ram = max(left, 0) // 4
+        if directory is not None and disk is None:
+            try:
+                os.makedirs(directory, exist_ok=True)
+                st = os.statvfs(directory)
+                disk = min(st.f_bavail * st.f_frsize // 2, 64 << 30)
+            except OSError as e:
+                raise DeltaserveError(f"--state-dir {directory}: cannot use it ({e.strerror})") from None
+        return StateStore(c, ram_bytes=ram, directory=directory, disk_bytes=disk or 0,
+                          model_sha256=self.host.sha256, say=say)
 
     def worker_initializer(self):
         """What a thread that samples and streams for this model's sessions runs first: with a compute thread, its

@@ -12,6 +12,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -22,6 +23,7 @@ from deltaserve.runtime.backend import AcceleratorFailure, Backend, CPUBackend
 from deltaserve.engine.state import Checkpoint, DecodeState
 from deltaserve.errors import BackendError, ContextError, DeltaserveError
 from deltaserve.sampling import Sampler, SamplingParams
+from deltaserve.store import read_state, write_state
 from deltaserve.text.chat_template import render
 from deltaserve.text.stream import ReasoningSplitter, StopCutter, split_reasoning
 
@@ -54,7 +56,7 @@ class Turn:
     finish_reason: str            # "stop" | "length" | "cancelled"
     context_capped: bool
     backend: str
-    start: str                    # "extend" | "checkpoint" | "reset"
+    start: str                    # "extend" | "checkpoint" | "store" | "reset"
     timings: Timings = field(default_factory=Timings)
     reasoning: str | None = None  # what a chat turn reasoned before its answer (None: the prompt opened no reasoning)
 
@@ -103,8 +105,12 @@ class Session:
 
     def __init__(self, host, backend: Backend | None = None, *, context: int | None = None,
                  one_call: bool = False, guard=None, quiet: bool = False, plan_memory=None,
-                 plan_positions: int | None = None, thinking_default: bool | None = None, notice: str | None = None):
+                 plan_positions: int | None = None, thinking_default: bool | None = None, notice: str | None = None,
+                 store=None):
         self.host = host
+        # the conversation state store (deltaserve.store.StateStore) this session saves its checkpoints to and
+        # restores from, shared with the other slots; None: the session keeps only its own
+        self.store = store
         self.thinking_default = thinking_default  # enable_thinking when a chat turn does not say (None: the template's)
         self.tokenizer = host.tokenizer
         declared = host.config.context_length
@@ -126,6 +132,8 @@ class Session:
         self.allocations = 0
         self._checkpoint: Checkpoint | None = None
         self._checkpoint_tokens: tuple[int, ...] = ()
+        self._checkpoint_stored = False  # handed to the store (then it is the store's: never written into)
+        self._resume: tuple[tuple[int, ...], Checkpoint] | None = None  # a state read by restore(path), not yet used
         self._guard = guard
         self._plan_memory = plan_memory  # tests inject a Memory; None measures the backend
         self.per_token = os.environ.get(PREFILL_ENV, "").strip().lower() == "per-token"
@@ -210,6 +218,7 @@ class Session:
     def _drop_checkpoint(self) -> None:
         self._checkpoint = None
         self._checkpoint_tokens = ()
+        self._checkpoint_stored = False
 
     def _move_to_cpu(self, reason: str, allocate: bool = True) -> None:
         self._say_fallback(reason)
@@ -250,6 +259,15 @@ class Session:
 
     def _decide_start(self, prompt: list[int]) -> tuple[str, int]:
         kind, n = self._where_to_start(prompt)
+        if self._resume is not None:  # a state read from a file: kept apart until a turn uses it (any reallocation
+            tokens, ck = self._resume  # before that turn drops what the state held, not this)
+            if n < len(tokens) < len(prompt) and tuple(prompt[:len(tokens)]) == tokens:
+                self._resume = None
+                return self._restore_stored(tokens, ck, "checkpoint")
+        if self.store is not None:
+            found = self.store.take(prompt, longer_than=n, count_miss=kind == "reset")
+            if found is not None:
+                return self._restore_stored(*found)
         if kind == "checkpoint":
             ck = self._checkpoint_tokens
             try:
@@ -265,6 +283,21 @@ class Session:
         elif kind == "reset":
             self._reset_in_place()
         return kind, n
+
+    def _restore_stored(self, tokens: tuple[int, ...], ck: Checkpoint, kind: str = "store") -> tuple[str, int]:
+        """Restore a stored state into this session's state (a copy: the store's stays as it is)."""
+        try:
+            self.backend.restore(self.state, ck, _common_prefix(self.held, tokens))
+        except AcceleratorFailure as e:
+            self._move_to_cpu(f"a stored state would not restore on the device: {e}")
+            return "reset", 0
+        except Exception as e:  # noqa: BLE001 - a half-restored state is never reused
+            self._forget()
+            raise BackendError(f"a stored state of {len(tokens)} tokens would not restore: "
+                               f"{type(e).__name__}: {e}") from e
+        self.held = list(tokens)
+        self._checkpoint, self._checkpoint_tokens, self._checkpoint_stored = ck, tuple(tokens), True
+        return kind, len(tokens)
 
     def _reset_in_place(self) -> None:
         try:
@@ -311,8 +344,12 @@ class Session:
         if cut is not None and cut > start:
             self._span(seq[start:cut])
         if cut is not None and tuple(seq[:cut]) != self._checkpoint_tokens:
-            self._checkpoint = self.backend.save(state, self._checkpoint)
+            if self.store is not None:  # kept by the store once the turn ends: its own buffers, never refilled
+                self._checkpoint = self.backend.save(state, None, exact=True)
+            else:
+                self._checkpoint = self.backend.save(state, self._checkpoint)
             self._checkpoint_tokens = tuple(seq[:cut])
+            self._checkpoint_stored = False
         return self._span(seq[cut if cut is not None else start:])
 
     def _span(self, tokens: list[int]) -> torch.Tensor:
@@ -399,9 +436,12 @@ class Session:
         if start == 0:
             start_kind = "reset"
 
-        with self.backend.decoding():  # the decode loop's steps may join other sessions' in one forward
-            tokens, text, finish, ttft, decode_s = self._decode(prompt, logits, budget, params, stop_ids,
-                                                                stop_texts, on_token, t0)
+        try:
+            with self.backend.decoding():  # the decode loop's steps may join other sessions' in one forward
+                tokens, text, finish, ttft, decode_s = self._decode(prompt, logits, budget, params, stop_ids,
+                                                                    stop_texts, on_token, t0)
+        finally:
+            self._store_checkpoint()
         self.turns += 1
         return Turn(
             tokens=tokens, text=text, reused=start, prefilled=n - start, prompt_tokens=n,
@@ -444,12 +484,46 @@ class Session:
             on_token(None, tail)
         return generated, stream.text, finish, ttft, decode_s
 
+    def _store_checkpoint(self) -> None:
+        """Hand this turn's checkpoint (before its generation header) to the store, once: when the slot is taken
+        for another conversation, this one resumes from there."""
+        if self.store is not None and self._checkpoint is not None and not self._checkpoint_stored:
+            self._checkpoint_stored = True
+            self.store.put(self._checkpoint_tokens, self._checkpoint)
+
+    # -- a conversation's state in a file ---------------------------------------------------------------
+    def save(self, path) -> int:
+        """Write the conversation's checkpoint (the state before the last prompt's generation header, and the
+        tokens it covers) to `path`, atomically; the tokens it covers. A later session of the same model
+        `restore`s it and its next turn prefills only what follows."""
+        with self._lock:
+            if self._checkpoint is None and self._resume is not None:  # restored and not yet used: save it again
+                write_state(Path(path), *self._resume, self.host.sha256())
+                return len(self._resume[0])
+            if self._checkpoint is None:
+                raise DeltaserveError("nothing to save: the session holds no checkpoint yet (it is taken by a chat "
+                                      "turn, before the generation header)")
+            write_state(Path(path), self._checkpoint_tokens, self._checkpoint, self.host.sha256())
+            return len(self._checkpoint_tokens)
+
+    def restore(self, path) -> int:
+        """Take the state saved by `save` as this session's checkpoint; the tokens it covers. A file for another
+        model or deltaserve version, truncated or corrupt, raises StateFileError (a DeltaserveError) and changes
+        nothing."""
+        tokens, ck = read_state(Path(path), self.host.config, self.host.sha256())
+        with self._lock:
+            self._resume = (tokens, ck)
+            if self.store is not None:
+                self.store.put(tokens, ck)
+            return len(tokens)
+
     def reset(self) -> None:
         """Forget the conversation (state reset in place, checkpoint dropped)."""
         with self._lock:
             if self.state is not None:
                 self._reset_in_place()
             self._drop_checkpoint()
+            self._resume = None
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -63,10 +63,13 @@ class DecodeState:
             t.zero_()
         self.length = 0
 
-    def checkpoint(self, into: "Checkpoint | None" = None) -> "Checkpoint":
-        """A copy of the state at its current length. `into`, when given and large enough, is reused."""
+    def checkpoint(self, into: "Checkpoint | None" = None, exact: bool = False) -> "Checkpoint":
+        """A copy of the state at its current length. `into`, when given and large enough, is reused; `exact`:
+        new buffers of exactly the length (a checkpoint that is kept, not refilled)."""
         n = self.length
-        if into is not None and into.device == self.device and into.kv_capacity >= n and into.config is self.config:
+        if exact:
+            ck = Checkpoint.empty(self.config, max(n, 1), self.device, self.kv_dtype)
+        elif into is not None and into.device == self.device and into.kv_capacity >= n and into.config is self.config:
             ck = into
         else:
             # room to grow: the next checkpoint of a conversation is longer, and reuses these buffers

@@ -30,6 +30,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def size_arg(text: str) -> int:
+    """argparse type: a size in bytes, with an optional K/M/G/T suffix (powers of 1024)."""
+    from deltaserve.store import parse_size
+
+    try:
+        return parse_size(text)
+    except DeltaserveError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
     if required:
         p.add_argument("model", help="a Qwen3.5 GGUF file or HF directory")
@@ -164,6 +174,7 @@ def cmd_inspect(a) -> int:
     from deltaserve.runtime import capacity
     from deltaserve.runtime.capacity import cpu_memory
     from deltaserve.engine.host import load_host
+    from deltaserve.store import saved_state_bytes
 
     host = load_host(resolve_model(a.model))
     c = host.config
@@ -179,6 +190,10 @@ def cmd_inspect(a) -> int:
     print(f"weights in memory: {host.weights.nbytes / (1 << 20):.1f} MiB ({host.weight_mode} mode)")
     print(f"KV cache: {c.kv_bytes_per_position() / 1024:.1f} KiB per position (f32); "
           f"recurrent + conv state: {c.recurrent_state_bytes() / (1 << 20):.2f} MiB")
+    print("one saved conversation state (serve's state store, chat --resume): "
+          f"{c.recurrent_state_bytes() / (1 << 20):.2f} MiB recurrent + {c.kv_bytes_per_position() / 1024:.1f} KiB "
+          "per position it covers (" + ", ".join(f"{n}: {saved_state_bytes(c, n) / (1 << 20):.1f} MiB"
+                                                  for n in (1024, 4096, 32768) if n <= c.context_length) + ")")
     print(f"tensors ({len(host.tensor_summary)}, {sum(t.nbytes for t in host.tensor_summary) / (1 << 20):.1f} MiB stored):")
     for t in host.tensor_summary:
         print(f"  {t.name:40s} {t.type:8s} {str(t.shape):16s} {t.nbytes / 1024:10.1f} KiB")
@@ -190,6 +205,10 @@ def cmd_inspect(a) -> int:
         try:
             p = capacity.plan(c, positions, cpu_memory(), weights=host.weights.nbytes)
             print(f"capacity plan for {positions} positions: fits\n  " + p.describe().replace("\n", "\n  "))
+            left = max(p.memory.free - p.total, 0)
+            print(f"  state store (serve --state-ram default, 2 slots): {left // 4 / (1 << 20):.0f} MiB of the "
+                  f"{left / (1 << 20):.0f} MiB left, about {left // 4 // saved_state_bytes(c, positions)} saved "
+                  f"states of {positions} positions")
         except DeltaserveError as e:
             print(f"capacity plan for {positions} positions: REFUSED\n  {e}")
             return 1
@@ -257,6 +276,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-messages", type=int, default=512, help="most messages in one request")
     s.add_argument("--model-name", default=None, help="the model id reported by /v1/models")
     _add_think(s)
+    s.add_argument("--state-ram", type=size_arg, default=None, metavar="SIZE",
+                   help="RAM for saved conversation states beyond the slots, e.g. 2G (default: a quarter of the "
+                        "memory left after the slots' plan; 0: none)")
+    s.add_argument("--state-dir", default=None, metavar="DIR",
+                   help="keep saved conversation states on disk here too, across restarts")
+    s.add_argument("--state-disk", type=size_arg, default=None, metavar="SIZE",
+                   help="disk for saved states in --state-dir (default: half the free space there, at most 64G)")
     s.add_argument("--compute-thread", choices=["on", "off", "auto"], default="auto",
                    help="run every forward on one thread (auto: for model files of 64 MiB and more, where "
                         "a forward is long against a thread hand-off)")

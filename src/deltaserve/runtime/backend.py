@@ -119,8 +119,8 @@ class Backend:
     def reset(self, state: DecodeState) -> None:
         self._on_compute(state.reset)
 
-    def save(self, state: DecodeState, into: Checkpoint | None) -> Checkpoint:
-        return self._on_compute(state.checkpoint, into)
+    def save(self, state: DecodeState, into: Checkpoint | None, exact: bool = False) -> Checkpoint:
+        return self._on_compute(state.checkpoint, into, exact)
 
     def restore(self, state: DecodeState, ck: Checkpoint, valid_prefix: int) -> None:
         self._on_compute(state.restore, ck, valid_prefix)
@@ -203,8 +203,8 @@ class CUDABackend(Backend):
     def reset(self, state):
         return self._guarded("the state reset", super().reset, state)
 
-    def save(self, state, into):
-        return self._guarded("the checkpoint save", super().save, state, into)
+    def save(self, state, into, exact=False):
+        return self._guarded("the checkpoint save", super().save, state, into, exact)
 
     def restore(self, state, ck, valid_prefix):
         return self._guarded("the checkpoint restore", super().restore, state, ck, valid_prefix)

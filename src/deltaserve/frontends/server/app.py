@@ -58,14 +58,26 @@ class Server:
     def __init__(self, model, slots: int = 2, queue: int = 16, api_key: str | None = None,
                  limits: Limits | None = None, model_name: str | None = None, device: str = "auto",
                  think_default: bool | None = None, context: int | None = None, quiet: bool = False,
-                 revalidate: bool = False):
+                 revalidate: bool = False, state_ram: int | None = None, state_dir: str | None = None,
+                 state_disk: int | None = None):
         self.model = model
         self.limits = limits or Limits()
         self.api_key = api_key
         self.model_name = model_name or model.path.name
         self.think_default = think_default
         self.metrics = Metrics()
-        sessions = model.slots(slots, context=context, device=device, revalidate=revalidate, quiet=quiet)
+        # the conversation state store under the slots: a conversation whose slot was taken resumes from it
+        self.store_notices: list[str] = []
+
+        def store_say(line: str) -> None:
+            self.store_notices.append(line)
+            if not quiet:
+                print(line, file=sys.stderr, flush=True)
+
+        self.store = model.state_store(ram=state_ram, directory=state_dir, disk=state_disk, slots=slots,
+                                       context=context, say=store_say)
+        sessions = model.slots(slots, context=context, device=device, revalidate=revalidate, quiet=quiet,
+                               store=self.store)
         self.pool = SlotPool(sessions, queue)
         self.context = sessions[0].context
         self.executor = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="deltaserve-slot",
@@ -292,7 +304,9 @@ class Server:
                        "capacity": s.session.capacity, "checkpoint": s.session.checkpoint_length,
                        "backend": s.session.backend.name, "requests": s.requests} for s in self.pool.slots],
             "queue": {"waiting": self.pool.waiting, "limit": self.pool.queue_size},
-            "notices": list(dict.fromkeys(n for s in self.pool.slots for n in s.session.notices)),
+            "store": self.store.snapshot(),
+            "notices": list(dict.fromkeys([n for s in self.pool.slots for n in s.session.notices]
+                                          + self.store_notices)),
         }
 
 
@@ -358,7 +372,8 @@ def create_app(server: Server) -> FastAPI:
     @app.get("/metrics")
     async def metrics(request: Request):
         server.check_auth(request)
-        return PlainTextResponse(server.metrics.render(server.pool.waiting, server.pool.busy, len(server.pool.slots)),
+        return PlainTextResponse(server.metrics.render(server.pool.waiting, server.pool.busy, len(server.pool.slots),
+                                                       server.store.snapshot()),
                                  media_type=server.metrics.CONTENT_TYPE)
 
     return app
@@ -397,7 +412,8 @@ def main(a) -> int:
     think = {"on": True, "off": False, "auto": None}[a.think]  # None: the model's default (model.thinking_default)
     server = Server(model, slots=a.slots, queue=a.queue, api_key=a.api_key, model_name=a.model_name,
                     limits=Limits(max_tokens=a.max_tokens_limit, max_messages=a.max_messages, max_body=a.max_body),
-                    device=a.device, think_default=think, context=a.ctx, revalidate=a.revalidate)
+                    device=a.device, think_default=think, context=a.ctx, revalidate=a.revalidate,
+                    state_ram=a.state_ram, state_dir=a.state_dir, state_disk=a.state_disk)
     c = model.config
     s0 = server.pool.slots[0].session
     template = "from the model file" if model.tokenizer.chat_template else "built-in ChatML"
@@ -411,6 +427,7 @@ def main(a) -> int:
     say(("forwards on one compute thread" if compute else "forwards on the slots' own threads") +
         f" (--compute-thread {a.compute_thread}"
         f"{': on for model files of 64 MiB and more' if a.compute_thread == 'auto' else ''})")
+    say(server.store.describe().removeprefix("[deltaserve] "))
     say(f"{a.slots} slots, queue {a.queue}, max_tokens <= {a.max_tokens_limit}, body <= {a.max_body} bytes, "
         f"{'API key required' if a.api_key else 'no API key'}")
     sock = bind(a.host, a.port)
@@ -418,7 +435,10 @@ def main(a) -> int:
     if a.host not in ("127.0.0.1", "localhost", "::1") and not a.api_key:
         say(f"warning: bound to {a.host} without --api-key: anyone who reaches this address can use the model")
     config = uvicorn.Config(create_app(server), log_level="warning", access_log=False)
-    uvicorn.Server(config).run(sockets=[sock])
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        server.store.close()  # the states being written reach the disk before the process ends
     return 0
 
 

@@ -33,6 +33,19 @@ class Metrics:
         self.queue_depth = Gauge("deltaserve_queue_depth", "Requests waiting for a slot.", registry=reg)
         self.busy_slots = Gauge("deltaserve_busy_slots", "Slots running a generation.", registry=reg)
         self.slots = Gauge("deltaserve_slots", "Resident sessions.", registry=reg)
+        self.store_states = Gauge("deltaserve_state_store_states", "Saved conversation states, by tier.", ["tier"],
+                                  registry=reg)
+        self.store_bytes = Gauge("deltaserve_state_store_bytes", "Bytes the saved states take, by tier.", ["tier"],
+                                 registry=reg)
+        self.store_budget = Gauge("deltaserve_state_store_budget_bytes", "The state store's budget, by tier.",
+                                  ["tier"], registry=reg)
+        # the store counts for itself (several sessions feed it); these report its counts at each scrape
+        self.store_events = Gauge("deltaserve_state_store_events", "State store events since start: hits, misses, "
+                                  "restores_ram, restores_disk, evictions_ram, evictions_disk, refused_files, "
+                                  "writes, write_errors.", ["event"], registry=reg)
+        self.store_saved_tokens = Gauge("deltaserve_state_store_tokens_not_prefilled",
+                                        "Prompt tokens restored from the state store instead of prefilled.",
+                                        registry=reg)
 
     def request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
@@ -45,10 +58,23 @@ class Metrics:
     def observe(self, name: str, seconds: float) -> None:
         self.hist[name].observe(seconds)
 
-    def render(self, queue_depth: int, busy_slots: int, slots: int) -> bytes:
-        """The exposition (text format, served as CONTENT_TYPE), the gauges set to the pool's state now."""
+    def render(self, queue_depth: int, busy_slots: int, slots: int, store: dict | None = None) -> bytes:
+        """The exposition (text format, served as CONTENT_TYPE), the gauges set to the pool's and the state
+        store's state now (`store`: StateStore.snapshot())."""
         with self._render_lock:  # two scrapes at once each show the state they set
             self.queue_depth.set(queue_depth)
             self.busy_slots.set(busy_slots)
             self.slots.set(slots)
+            if store is not None:
+                for tier in ("ram", "disk"):
+                    self.store_states.labels(tier=tier).set(store[tier]["states"])
+                    self.store_bytes.labels(tier=tier).set(store[tier]["bytes"])
+                    self.store_budget.labels(tier=tier).set(store[tier]["budget"])
+                events = {"hits": store["hits"], "misses": store["misses"], "refused_files": store["refused_files"],
+                          "writes": store["writes"], "write_errors": store["write_errors"]}
+                events.update({f"restores_{k}": v for k, v in store["restores"].items()})
+                events.update({f"evictions_{k}": v for k, v in store["evictions"].items()})
+                for k, v in events.items():
+                    self.store_events.labels(event=k).set(v)
+                self.store_saved_tokens.set(store["tokens_not_prefilled"])
             return generate_latest(self.registry)

@@ -1,0 +1,566 @@
+"""The conversation state store: saved decode states beyond the slots, in RAM and on disk, across restarts.
+
+A hybrid model's recurrent state cannot be cut back to a shorter prefix, so a conversation resumes only from
+a state saved at the right token: the checkpoint a turn takes just before its generation header. The store
+keeps those checkpoints, keyed by the token ids they cover; a prompt that extends one is restored from the
+longest and prefills only its new suffix.
+
+- **Index.** Saved states are found by the longest stored proper prefix of a prompt: the prompt's prefix hashes
+  (one pass, a polynomial hash mod 2^61-1) are looked up at every stored length, longest first, and a hit is
+  confirmed token by token. This is what a prefix tree over token ids answers, in one dict and one pass.
+- **Tiers.** RAM (`ram_bytes`) and, with a directory, disk (`disk_bytes`). With a directory every state is written
+  through to disk by one background thread (so a `kill -9` loses only the states still being written); the
+  least recently used leave RAM first (their disk copy stays), then disk. Without a directory they leave RAM
+  for good. An entry is visible only once it is complete, and never changes after: two requests of one
+  conversation may restore the same entry at once, each into its own state.
+- **Files.** One safetensors file per state: the parts' tensors (KV cut to the positions it holds, conv and
+  recurrent state) and, in its metadata, what it is valid for: the model's sha256, the deltaserve version, the
+  token ids, and a CRC-32 of the data. Written under a temporary name, fsynced and renamed: a crash mid-write
+  leaves no half file under the final name. A file that does not match, is truncated or corrupt is refused
+  with one notice and its turn prefills from scratch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from deltaserve.engine.state import Checkpoint
+from deltaserve.errors import DeltaserveError
+from deltaserve.formats.config import HybridConfig
+from deltaserve.version import __version__
+
+FORMAT = "deltaserve-state/1"
+SUFFIX = ".state"
+_MOD = (1 << 61) - 1
+_BASE = 1_000_003
+
+
+class StateFileError(DeltaserveError):
+    """A state file that cannot be used: foreign, truncated, corrupt, or for another model."""
+
+
+def parse_size(text: str) -> int:
+    """'512M', '4G', '2GiB', '1.5g', '0', '12345' (bytes) -> bytes. Units are powers of 1024."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise DeltaserveError(f"not a size: {text!r} (write e.g. 512M, 4G or 0)")
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
+    return int(float(m.group(1)) * scale)
+
+
+def human(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def saved_state_bytes(config: HybridConfig, positions: int, kv_dtype_bytes: int = 4) -> int:
+    """What one saved state of `positions` costs: the KV part grows with the positions, the recurrent part not."""
+    return config.kv_bytes_per_position(kv_dtype_bytes) * positions + config.recurrent_state_bytes()
+
+
+# -- one state file ---------------------------------------------------------------------------------------------
+
+def checkpoint_tensors(ck: Checkpoint) -> dict[str, torch.Tensor]:
+    """The parts of a checkpoint as named, contiguous CPU tensors (KV cut to the positions it holds)."""
+    n = ck.length
+    out: dict[str, torch.Tensor] = {}
+    for i, (k, v) in ck.kv.items():
+        out[f"kv.{i}.k"] = k[:, :n].contiguous().cpu()
+        out[f"kv.{i}.v"] = v[:, :n].contiguous().cpu()
+    for i, t in ck.conv.items():
+        out[f"conv.{i}"] = t.contiguous().cpu()
+    for i, t in ck.ssm.items():
+        out[f"ssm.{i}"] = t.contiguous().cpu()
+    return out
+
+
+def _crc(tensors: dict[str, torch.Tensor]) -> str:
+    crc = 0
+    for name in sorted(tensors):
+        crc = zlib.crc32(tensors[name].reshape(-1).view(torch.uint8).numpy(), crc)
+    return f"{crc:08x}"
+
+
+def expected_parts(config: HybridConfig, n: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    c = config
+    parts: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for i in range(c.num_layers):
+        if c.is_attention(i):
+            for kv in "kv":
+                parts[f"kv.{i}.{kv}"] = ((c.num_kv_heads, n, c.head_dim), torch.float32)
+        else:
+            parts[f"conv.{i}"] = ((c.conv_kernel - 1, c.conv_dim), torch.float32)
+            parts[f"ssm.{i}"] = ((c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim),
+                                 torch.float32)
+    return parts
+
+
+def write_state(path: Path, tokens: Sequence[int], ck: Checkpoint, model_sha256: str) -> int:
+    """Write `ck` (covering `tokens`) to `path` atomically; the bytes written."""
+    from safetensors.torch import save
+
+    if ck.length != len(tokens):
+        raise ValueError(f"a checkpoint of {ck.length} positions does not cover {len(tokens)} tokens")
+    tensors = checkpoint_tensors(ck)
+    meta = {"format": FORMAT, "model_sha256": model_sha256, "deltaserve": __version__,
+            "tokens": json.dumps(list(map(int, tokens)), separators=(",", ":")), "length": str(ck.length),
+            "crc32": _crc(tensors)}
+    data = save(tensors, metadata=meta)
+    path = Path(path)
+    tmp = path.with_name(f".tmp-{os.getpid()}-{threading.get_ident()}-{path.name}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return len(data)
+
+
+def read_header(path: Path) -> dict:
+    """A state file's metadata, checked for its format, without reading its tensors."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for every kind of damage
+        raise StateFileError(f"{Path(path).name} is not a readable state file ({type(e).__name__}: {e})"[:300]) from None
+    if meta.get("format") != FORMAT:
+        raise StateFileError(f"{Path(path).name} is not a deltaserve state file (format {meta.get('format')!r})")
+    return meta
+
+
+def check_identity(meta: dict, model_sha256: str, name: str) -> None:
+    if meta.get("model_sha256") != model_sha256:
+        raise StateFileError(f"{name} was saved for another model (sha256 {str(meta.get('model_sha256'))[:12]}..., "
+                             f"this one is {model_sha256[:12]}...)")
+    if meta.get("deltaserve") != __version__:
+        raise StateFileError(f"{name} was saved by deltaserve {meta.get('deltaserve')}, this is {__version__}")
+
+
+def read_state(path: Path, config: HybridConfig, model_sha256: str) -> tuple[tuple[int, ...], Checkpoint]:
+    """The tokens a state file covers and its checkpoint, or StateFileError saying why it is refused."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    meta = read_header(path)
+    check_identity(meta, model_sha256, path.name)
+    try:
+        tokens = tuple(int(t) for t in json.loads(meta["tokens"]))
+        n = int(meta["length"])
+        with safe_open(str(path), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # noqa: BLE001
+        raise StateFileError(f"{path.name} cannot be read ({type(e).__name__}: {e})"[:300]) from None
+    if n != len(tokens) or n < 1:
+        raise StateFileError(f"{path.name} says it holds {n} positions for {len(tokens)} tokens")
+    expected = expected_parts(config, n)
+    if set(tensors) != set(expected):
+        raise StateFileError(f"{path.name} holds parts {sorted(set(tensors) ^ set(expected))[:4]} this model's "
+                             f"state does not have (or lacks them)")
+    for name, (shape, dtype) in expected.items():
+        t = tensors[name]
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise StateFileError(f"{path.name}: {name} is {t.dtype} {tuple(t.shape)}, this model needs {dtype} {shape}")
+    if _crc(tensors) != meta.get("crc32"):
+        raise StateFileError(f"{path.name} is corrupt (its data does not match its CRC-32)")
+    kv = {i: (tensors[f"kv.{i}.k"], tensors[f"kv.{i}.v"]) for i in range(config.num_layers) if config.is_attention(i)}
+    conv = {i: tensors[f"conv.{i}"] for i in config.deltanet_layers}
+    ssm = {i: tensors[f"ssm.{i}"] for i in config.deltanet_layers}
+    return tokens, Checkpoint(config, torch.device("cpu"), n, kv, conv, ssm, length=n)
+
+
+def file_name(tokens: Sequence[int]) -> str:
+    digest = hashlib.sha256(json.dumps(list(map(int, tokens)), separators=(",", ":")).encode()).hexdigest()
+    return digest[:40] + SUFFIX
+
+
+# -- the store ----------------------------------------------------------------------------------------------------
+
+def _prefix_hashes(tokens: Sequence[int], upto: int) -> list[int]:
+    out, h = [], 0
+    for t in tokens[:upto]:
+        h = (h * _BASE + int(t) + 1) % _MOD
+        out.append(h)
+    return out
+
+
+@dataclass
+class Entry:
+    tokens: tuple[int, ...]
+    nbytes: int
+    hash: int
+    ram: Checkpoint | None = None
+    file: Path | None = None
+    file_bytes: int = 0
+    writing: bool = False
+    used: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class StoreStats:
+    hits: int = 0
+    misses: int = 0
+    restores_ram: int = 0
+    restores_disk: int = 0
+    evictions_ram: int = 0
+    evictions_disk: int = 0
+    saved_tokens: int = 0        # prompt tokens not prefilled thanks to the store
+    refused_files: int = 0
+    writes: int = 0
+    write_errors: int = 0
+
+
+class StateStore:
+    """Saved decode states keyed by the tokens they cover; thread-safe. `say` hears every notice once."""
+
+    def __init__(self, config: HybridConfig, *, ram_bytes: int, directory: str | os.PathLike | None = None,
+                 disk_bytes: int = 0, model_sha256: str | Callable[[], str] = "",
+                 say: Callable[[str], None] | None = None):
+        if ram_bytes < 0 or disk_bytes < 0:
+            raise DeltaserveError(f"state store budgets cannot be negative (RAM {ram_bytes}, disk {disk_bytes})")
+        self.config = config
+        self.ram_budget = ram_bytes
+        self.directory = Path(directory) if directory is not None else None
+        self.disk_budget = disk_bytes if self.directory is not None else 0
+        self._sha = model_sha256
+        self._say = say or (lambda line: None)
+        self.notices: list[str] = []
+        self.stats = StoreStats()
+        self._lock = threading.Lock()
+        self._entries: dict[tuple[int, ...], Entry] = {}
+        self._by_hash: dict[tuple[int, int], list[Entry]] = {}
+        self._lengths: dict[int, int] = {}   # stored length -> how many entries have it
+        self.ram_used = 0
+        self.disk_used = 0
+        self._queue: list[Entry] = []
+        self._wake = threading.Condition(self._lock)
+        self._closed = False
+        self._writer: threading.Thread | None = None
+        if self.directory is not None:
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise DeltaserveError(f"--state-dir {self.directory}: cannot create it ({e.strerror})") from None
+            if not os.access(self.directory, os.W_OK):
+                raise DeltaserveError(f"--state-dir {self.directory}: not writable by this user")
+            self._scan()
+            self._writer = threading.Thread(target=self._write_loop, name="deltaserve-state-writer", daemon=True)
+            self._writer.start()
+
+    # -- identity and notices -------------------------------------------------------------------------------
+    @property
+    def model_sha256(self) -> str:
+        if callable(self._sha):
+            self._sha = self._sha()
+        return self._sha
+
+    def say(self, line: str) -> None:
+        self.notices.append(line)
+        self._say(line)
+
+    @property
+    def on_disk(self) -> bool:
+        return self.directory is not None and self.disk_budget > 0
+
+    def describe(self) -> str:
+        per_pos = self.config.kv_bytes_per_position()
+        base = (f"state store: RAM {human(self.ram_budget)}"
+                + (f", disk {human(self.disk_budget)} in {self.directory}" if self.on_disk else
+                   ", no disk tier (--state-dir DIR keeps states across restarts)")
+                + f"; one saved state costs {human(self.config.recurrent_state_bytes())} recurrent + "
+                  f"{per_pos / 1024:.1f} KiB per position (1024 positions: "
+                  f"{human(saved_state_bytes(self.config, 1024))})")
+        with self._lock:
+            if self._entries:
+                base += f"; {len(self._entries)} states found on disk ({human(self.disk_used)})"
+        return base
+
+    # -- the index ------------------------------------------------------------------------------------------
+    def _add(self, e: Entry) -> None:
+        self._entries[e.tokens] = e
+        self._by_hash.setdefault((len(e.tokens), e.hash), []).append(e)
+        self._lengths[len(e.tokens)] = self._lengths.get(len(e.tokens), 0) + 1
+
+    def _remove(self, e: Entry) -> None:
+        if self._entries.get(e.tokens) is not e:
+            return
+        del self._entries[e.tokens]
+        key = (len(e.tokens), e.hash)
+        bucket = self._by_hash.get(key, [])
+        if e in bucket:
+            bucket.remove(e)
+        if not bucket:
+            self._by_hash.pop(key, None)
+        n = len(e.tokens)
+        self._lengths[n] -= 1
+        if not self._lengths[n]:
+            del self._lengths[n]
+        if e.ram is not None:
+            self.ram_used -= e.nbytes
+            e.ram = None
+
+    def _longest(self, prompt: Sequence[int], longer_than: int = 0) -> Entry | None:
+        lengths = sorted((n for n in self._lengths if longer_than < n < len(prompt)), reverse=True)
+        if not lengths:
+            return None
+        hashes = _prefix_hashes(prompt, lengths[0])
+        for n in lengths:
+            for e in self._by_hash.get((n, hashes[n - 1]), ()):
+                if e.tokens == tuple(prompt[:n]):
+                    return e
+        return None
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def match(self, prompt: Sequence[int]) -> int:
+        """How many of `prompt`'s tokens the longest stored state covers (0: none); reads nothing from disk."""
+        with self._lock:
+            e = self._longest(prompt)
+            return len(e.tokens) if e is not None else 0
+
+    # -- take and put -----------------------------------------------------------------------------------------
+    def take(self, prompt: Sequence[int], longer_than: int = 0,
+             count_miss: bool = True) -> tuple[tuple[int, ...], Checkpoint] | None:
+        """The longest stored state that is a proper prefix of `prompt` and longer than `longer_than`, loaded
+        (from disk if it is only there), or None (a miss, counted when `count_miss`). A file that is refused is
+        dropped and the next longest tried."""
+        while True:
+            with self._lock:
+                e = self._longest(prompt, longer_than)
+                if e is None:
+                    self.stats.misses += count_miss
+                    return None
+                e.used = time.monotonic()
+                ck, path = e.ram, e.file
+            if ck is not None:
+                with self._lock:
+                    self.stats.hits += 1
+                    self.stats.restores_ram += 1
+                    self.stats.saved_tokens += len(e.tokens)
+                return e.tokens, ck
+            if path is None:  # evicted from RAM while its write failed: gone
+                with self._lock:
+                    self._remove(e)
+                continue
+            try:
+                tokens, ck = read_state(path, self.config, self.model_sha256)
+                if tokens != e.tokens:
+                    raise StateFileError(f"{path.name} covers other tokens than its index entry")
+            except (StateFileError, OSError) as err:
+                self.say(f"[deltaserve] state store: refused {err}; the turn prefills instead")
+                with self._lock:
+                    self.stats.refused_files += 1
+                    self._drop_file(e)
+                    self._remove(e)
+                continue
+            with self._lock:
+                self.stats.hits += 1
+                self.stats.restores_disk += 1
+                self.stats.saved_tokens += len(e.tokens)
+                if self._entries.get(e.tokens) is e and e.ram is None and e.nbytes <= self.ram_budget:
+                    e.ram = ck  # recently used: back in RAM
+                    self.ram_used += e.nbytes
+                    self._enforce()
+            return tokens, ck
+
+    def put(self, tokens: Sequence[int], ck: Checkpoint) -> bool:
+        """Keep `ck` (covering `tokens`; the store owns it from now on, nobody may write to it). False when it
+        fits neither tier. A state already stored under the same tokens is only marked used."""
+        tokens = tuple(int(t) for t in tokens)
+        if ck.length != len(tokens) or not tokens:
+            raise ValueError(f"a checkpoint of {ck.length} positions does not cover {len(tokens)} tokens")
+        if ck.device.type != "cpu":
+            ck = _to_cpu(ck)
+        nbytes = ck.nbytes
+        with self._lock:
+            old = self._entries.get(tokens)
+            if old is not None:
+                old.used = time.monotonic()
+                return True
+            fits_ram, fits_disk = nbytes <= self.ram_budget, self.on_disk and nbytes <= self.disk_budget
+            if not (fits_ram or fits_disk):
+                return False
+            e = Entry(tokens, nbytes, _prefix_hashes(tokens, len(tokens))[-1], ram=ck)
+            self.ram_used += nbytes  # until it is written, even a state bound for disk only is held in RAM
+            self._add(e)
+            if fits_disk:
+                e.writing = True
+                self._queue.append(e)
+                self._wake.notify()
+            self._enforce()
+            return True
+
+    def _enforce(self) -> None:
+        """Least recently used out of RAM (to disk, where a copy is or will be), then off disk. Lock held."""
+        if self.ram_used > self.ram_budget:
+            for e in sorted((e for e in self._entries.values() if e.ram is not None), key=lambda e: e.used):
+                if self.ram_used <= self.ram_budget:
+                    break
+                if e.writing:
+                    continue  # released once written
+                if e.file is not None:
+                    e.ram = None
+                    self.ram_used -= e.nbytes
+                else:
+                    self._remove(e)
+                self.stats.evictions_ram += 1
+        if self.disk_used > self.disk_budget:
+            for e in sorted((e for e in self._entries.values() if e.file is not None), key=lambda e: e.used):
+                if self.disk_used <= self.disk_budget:
+                    break
+                self._drop_file(e)
+                if e.ram is None:
+                    self._remove(e)
+                self.stats.evictions_disk += 1
+
+    def _drop_file(self, e: Entry) -> None:
+        if e.file is None:
+            return
+        try:
+            e.file.unlink(missing_ok=True)
+        except OSError:
+            pass
+        self.disk_used -= e.file_bytes
+        e.file, e.file_bytes = None, 0
+
+    # -- the disk tier --------------------------------------------------------------------------------------
+    def _write_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._closed:
+                    self._wake.wait()
+                if not self._queue:
+                    return
+                e = self._queue[0]
+                alive = self._entries.get(e.tokens) is e
+                ck = e.ram
+            path, size, err = None, 0, None
+            if alive and ck is not None:
+                path = self.directory / file_name(e.tokens)
+                try:
+                    size = write_state(path, e.tokens, ck, self.model_sha256)
+                except Exception as x:  # noqa: BLE001 - a full or failing disk costs the disk copy, not the server
+                    err = x
+            with self._lock:
+                self._queue.pop(0)
+                e.writing = False
+                if err is not None:
+                    self.stats.write_errors += 1
+                    msg = f"[deltaserve] state store: could not write a state to {self.directory} ({err})"
+                elif path is not None:
+                    self.stats.writes += 1
+                    if self._entries.get(e.tokens) is e:
+                        e.file, e.file_bytes = path, size
+                        self.disk_used += size
+                    else:
+                        path.unlink(missing_ok=True)
+                    msg = None
+                if e.ram is not None and e.nbytes > self.ram_budget:  # bound for disk only
+                    e.ram = None
+                    self.ram_used -= e.nbytes
+                    if e.file is None:
+                        self._remove(e)
+                self._enforce()
+                self._wake.notify_all()
+            if err is not None and msg not in self.notices:
+                self.say(msg)
+
+    def flush(self, timeout: float = 60.0) -> bool:
+        """Wait until every state put so far is on disk (or failed to be); False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._queue:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._wake.wait(left)
+        return True
+
+    def close(self) -> None:
+        self.flush()
+        with self._lock:
+            self._closed = True
+            self._wake.notify_all()
+        if self._writer is not None:
+            self._writer.join(timeout=5)
+
+    def _scan(self) -> None:
+        """Index the states a previous run left in the directory (headers only), oldest first; a file that is
+        refused is said once and removed; one saved for another model or version is left alone."""
+        d = self.directory
+        for tmp in d.glob(".tmp-*" + SUFFIX):
+            tmp.unlink(missing_ok=True)  # a write a crash interrupted
+        found = sorted(d.glob("*" + SUFFIX), key=lambda p: p.stat().st_mtime)
+        foreign = 0
+        for path in found:
+            try:
+                meta = read_header(path)
+                try:
+                    check_identity(meta, self.model_sha256, path.name)
+                except StateFileError:
+                    foreign += 1
+                    continue
+                tokens = tuple(int(t) for t in json.loads(meta["tokens"]))
+                if not tokens or int(meta.get("length", -1)) != len(tokens) or path.name != file_name(tokens):
+                    raise StateFileError(f"{path.name} does not hold what its name and header say")
+            except (StateFileError, ValueError, KeyError, OSError) as err:
+                self.stats.refused_files += 1
+                self.say(f"[deltaserve] state store: refused {err}; removed it")
+                path.unlink(missing_ok=True)
+                continue
+            size = path.stat().st_size
+            e = Entry(tokens, saved_state_bytes(self.config, len(tokens)), _prefix_hashes(tokens, len(tokens))[-1],
+                      file=path, file_bytes=size)
+            e.used = time.monotonic()
+            self._add(e)
+            self.disk_used += size
+        if foreign:
+            self.say(f"[deltaserve] state store: {foreign} state file{'s' if foreign != 1 else ''} in {d} "
+                     f"belong to another model or deltaserve version: left alone, not used")
+        with self._lock:
+            self._enforce()
+
+    # -- what the operator sees -------------------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        with self._lock:
+            s = self.stats
+            in_ram = sum(1 for e in self._entries.values() if e.ram is not None)
+            on_disk = sum(1 for e in self._entries.values() if e.file is not None)
+            return {
+                "ram": {"states": in_ram, "bytes": self.ram_used, "budget": self.ram_budget},
+                "disk": {"states": on_disk, "bytes": self.disk_used, "budget": self.disk_budget,
+                         "directory": str(self.directory) if self.directory is not None else None,
+                         "pending_writes": len(self._queue)},
+                "states": len(self._entries), "hits": s.hits, "misses": s.misses,
+                "restores": {"ram": s.restores_ram, "disk": s.restores_disk},
+                "evictions": {"ram": s.evictions_ram, "disk": s.evictions_disk},
+                "tokens_not_prefilled": s.saved_tokens, "refused_files": s.refused_files,
+                "writes": s.writes, "write_errors": s.write_errors,
+            }
+
+
+def _to_cpu(ck: Checkpoint) -> Checkpoint:
+    n = ck.length
+    kv = {i: (k[:, :n].to("cpu"), v[:, :n].to("cpu")) for i, (k, v) in ck.kv.items()}
+    conv = {i: t.to("cpu") for i, t in ck.conv.items()}
+    ssm = {i: t.to("cpu") for i, t in ck.ssm.items()}
+    return Checkpoint(ck.config, torch.device("cpu"), n, kv, conv, ssm, length=n)
