@@ -21,7 +21,7 @@ from deltaserve.engine.state import DecodeState
 from deltaserve.runtime.capacity import cpu_memory
 from deltaserve.session import Session, Turn
 from deltaserve.store import StateStore
-from deltaserve.text.chat_template import render, render_text
+from deltaserve.text.chat_template import RenderedPrompt, render, render_prompt, render_text
 
 
 class Model:
@@ -57,6 +57,12 @@ class Model:
     def render(self, messages, enable_thinking: bool | None = None) -> tuple[list[int], bool]:
         """A conversation's prompt ids (generation header added) and whether it leaves the model reasoning."""
         return render(self.tokenizer, messages, self.thinking_default if enable_thinking is None else enable_thinking)
+
+    def render_prompt(self, messages, enable_thinking: bool | None = None) -> RenderedPrompt:
+        """A conversation rendered (generation header added), not yet tokenized: `.encode(tokenizer)` encodes what
+        its messages contain as text, `.display` reads it, `.thinking` says whether it leaves the model reasoning."""
+        return render_prompt(self.tokenizer, messages,
+                             self.thinking_default if enable_thinking is None else enable_thinking)
 
     def render_text(self, messages, enable_thinking: bool | None = None) -> str:
         """A conversation's prompt text (generation header added), not yet tokenized."""

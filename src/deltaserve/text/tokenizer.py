@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import codecs
 import json
+import re
+import threading
 import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
@@ -45,6 +47,8 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as _Backend
 
 from deltaserve.errors import DeltaserveError, ModelFormatError
+
+_LITERAL_LOCK = threading.Lock()
 
 if TYPE_CHECKING:  # pragma: no cover
     import gguf
@@ -374,6 +378,9 @@ class Tokenizer:
         self._vocab_strings: dict[str, int] | None = vocab
         self._bytes: list[bytes] | None = None
         self._longest: int | None = None  # bytes of the longest token (fewest_tokens)
+        self._special_texts: tuple[str, ...] | None = None
+        self._specials_re: re.Pattern | None = None
+        self._literal: _Backend | None = None
 
         def find(content: str) -> int | None:
             i = backend.token_to_id(content)
@@ -418,6 +425,54 @@ class Tokenizer:
         except TypeError:
             _check_unicode(text)
             raise
+
+    @property
+    def special_texts(self) -> tuple[str, ...]:
+        """The texts of the added tokens marked special (`<|im_end|>`; not `<think>`), the longest first."""
+        if self._special_texts is None:
+            self._special_texts = tuple(sorted({self._added[i] for i in self.special_ids if i in self._added},
+                                               key=lambda t: (-len(t), t)))
+        return self._special_texts
+
+    def encode_literal(self, text: str, literals: Mapping[str, str]) -> list[int]:
+        """Token ids of `text` in which each placeholder character of `literals` stands for text that is encoded
+        as text, never as an added token (chat_template.py: what a message contains cannot forge control
+        tokens). The special tokens written in `text` itself are recognised as `encode` does; the text between
+        them is encoded as `encode` would encode it (added tokens split first, as `tokenizers` does)."""
+        if not literals or not any(mark in text for mark in literals):
+            return self.encode(text)
+        _check_unicode(text)
+        if self._specials_re is None:
+            self._specials_re = re.compile("|".join(re.escape(t) for t in self.special_texts))
+        ids: list[int] = []
+        pos = 0
+
+        def segment(piece: str) -> None:
+            if not piece:
+                return
+            if not any(mark in piece for mark in literals):
+                ids.extend(self.encode(piece))
+                return
+            for mark, literal in literals.items():
+                piece = piece.replace(mark, literal)
+            ids.extend(self._literal_backend().encode(piece, add_special_tokens=False).ids)
+
+        for m in self._specials_re.finditer(text):
+            segment(text[pos:m.start()])
+            ids.append(self._backend.token_to_id(m.group()))
+            pos = m.end()
+        segment(text[pos:])
+        return ids
+
+    def _literal_backend(self) -> _Backend:
+        """A copy of the backend that encodes special tokens' text as text (its own object: the flag is not
+        thread-safe to flip on the shared one)."""
+        with _LITERAL_LOCK:
+            if self._literal is None:
+                copy = _Backend.from_str(self._backend.to_str())
+                copy.encode_special_tokens = True
+                self._literal = copy
+        return self._literal
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         try:

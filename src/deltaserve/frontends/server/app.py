@@ -29,7 +29,8 @@ from deltaserve.session import check_prompt
 from deltaserve.frontends.server.metrics import Metrics
 from deltaserve.frontends.server.protocol import APIError, GenerationRequest, Limits, bad, parse_chat, parse_completion
 from deltaserve.frontends.server.slots import QueueFull, SlotPool
-from deltaserve.text.stream import ReasoningSplitter, opens_reasoning, split_reasoning
+from deltaserve.text.chat_template import RenderedPrompt
+from deltaserve.text.stream import ReasoningSplitter, split_reasoning
 
 class ClientGone(Exception):
     """The client closed its connection while its request waited (in the queue, or for a whole answer)."""
@@ -127,17 +128,17 @@ class Server:
             return list(req.prompt), False
         param = "prompt" if req.prompt is not None else "messages"
         try:
-            if req.prompt is not None:
-                text, thinking = req.prompt, False
-            else:
+            if req.prompt is not None:  # raw text: the client writes the whole prompt, markup included
+                prompt, thinking = RenderedPrompt(req.prompt), False
+            else:  # what the messages contain is encoded as text: no forged turns (text/chat_template.py)
                 think = req.enable_thinking if req.enable_thinking is not None else self.think_default
-                text = self.model.render_text(req.messages, think)
-                thinking = opens_reasoning(text)
-            least = self.model.tokenizer.fewest_tokens(text)
+                prompt = self.model.render_prompt(req.messages, think)
+                thinking = prompt.thinking
+            least = self.model.tokenizer.fewest_tokens(prompt.display)
             if least >= self.context:
                 raise ContextError(f"the prompt has at least {least} tokens and the context holds {self.context}: "
                                    f"refused whole (nothing is truncated; shorten the conversation)")
-            return self.model.tokenizer.encode(text), thinking
+            return prompt.encode(self.model.tokenizer), thinking
         except ContextError as e:
             raise bad(str(e), param, "context_length_exceeded") from None
         except DeltaserveError as e:
