@@ -259,6 +259,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(c)
     c.add_argument("--system", default=None, help="a system message")
     _add_think(c)
+
+    def chat_name(text: str) -> str:
+        try:
+            return importlib.import_module("deltaserve.frontends.repl").check_name(text)
+        except DeltaserveError as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix(f"--resume {text!r}: ")) from None
+
+    c.add_argument("--resume", type=chat_name, default=None, metavar="NAME",
+                   help="keep this conversation and its decode state under NAME (in the cache directory's chats/), "
+                        "saved after every turn; a later --resume NAME with the same model goes on where it "
+                        "stopped without prefilling it again (a NAME not saved yet starts a new conversation). "
+                        "The saved system message and thinking setting apply unless --system or --think on|off "
+                        "is given")
     _add_sampling(c)
     _add_runtime(c)
     c.set_defaults(func=lambda a: importlib.import_module("deltaserve.frontends.repl").main(a))

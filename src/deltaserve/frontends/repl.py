@@ -3,19 +3,32 @@
 Each turn renders the whole history with the model's template; the session prefills only what its state
 does not already hold. Commands: /clear, /system TEXT, /regenerate, /think on|off, /stats, /help, /quit.
 Multi-line input: end a line with a backslash to continue, or wrap a block in triple quotes.
+
+`--resume NAME` keeps the conversation under a name, in the cache directory (`chats/NAME.json`: the messages,
+the system message, the thinking setting, the model's sha256, deltaserve's version; `chats/NAME.state`: the
+session's checkpoint, `Session.save`), both rewritten atomically after every turn. A later `--resume NAME` with
+the same model loads the messages, restores the state, and its next turn prefills only what is new.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
+import os
+import re
 import sys
+import time
+from pathlib import Path
 
+from deltaserve.cachedir import cache_root
 from deltaserve.errors import DeltaserveError
-from deltaserve.frontends.common import load_model, sampling_kwargs, thinking
+from deltaserve.frontends.common import load_model, sampling_kwargs
 from deltaserve.kernels.cpu import plural
+from deltaserve.store import StateFileError, read_header
+from deltaserve.version import __version__
 
 HELP = """commands:
-  /clear          forget the conversation (keeps the system message)
+  /clear          forget the conversation (keeps the system message; under --resume, the saved one too)
   /system TEXT    set the system message (clears the conversation)
   /regenerate     answer the last message again (resumes from the checkpoint)
   /think on|off   thinking in the chat template
@@ -25,17 +38,124 @@ HELP = """commands:
 multi-line: end a line with \\ to continue it, or wrap a block in \"\"\" ... \"\"\""""
 
 
+CHAT_FORMAT = "deltaserve-chat/1"
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
+def check_name(name: str) -> str:
+    """A conversation name: letters, digits, '-', '_', '.', starting with a letter or digit, at most 100."""
+    if not _NAME.fullmatch(name or ""):
+        raise DeltaserveError(f"--resume {name!r}: a conversation name is 1 to 100 letters, digits, '-', '_' or '.', "
+                              f"starting with a letter or digit (no path separators), e.g. --resume work-notes")
+    return name
+
+
+def chats_dir() -> Path:
+    return cache_root() / "chats"
+
+
+def _short(sha: str | None) -> str:
+    return f"{sha[:12]}..." if isinstance(sha, str) and sha else "unknown"
+
+
+class SavedChat:
+    """One named conversation on disk: NAME.json (the messages and what they belong to) and NAME.state (the
+    session's checkpoint). Each is replaced atomically (a temporary file, fsynced, renamed over it); NAME.lock
+    keeps a second `chat --resume NAME` from writing over this one's turns."""
+
+    def __init__(self, name: str, directory: Path | None = None):
+        self.name = check_name(name)
+        self.dir = Path(directory) if directory is not None else chats_dir()
+        self.json_path = self.dir / f"{name}.json"
+        self.state_path = self.dir / f"{name}.state"
+        self._lock_file = None
+
+    def prepare(self) -> None:
+        """Create the directory and take the name's lock (another chat holding it is an error)."""
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            f = open(self.dir / f"{self.name}.lock", "a+")
+        except OSError as e:
+            raise DeltaserveError(f"--resume {self.name}: cannot use {self.dir} ({e.strerror})") from None
+        try:
+            import fcntl
+        except ImportError:  # no advisory locks here: go on unguarded
+            self._lock_file = f
+            return
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            holder = f.read().strip()
+            f.close()
+            raise DeltaserveError(f"--resume {self.name}: this conversation is open in another deltaserve chat"
+                                  + (f" (pid {holder})" if holder else "") + "; leave that one first") from None
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        self._lock_file = f
+
+    def load(self) -> dict | None:
+        """The saved conversation, or None when there is none under this name. A file that cannot be read is an
+        error, never overwritten: the messages in it are not ours to lose."""
+        try:
+            text = self.json_path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return None
+        except (OSError, UnicodeDecodeError) as e:
+            raise DeltaserveError(f"--resume {self.name}: {self.json_path} cannot be read ({e}); move it away or "
+                                  f"pick another name") from None
+        try:
+            data = json.loads(text)
+            ok = (isinstance(data, dict) and data.get("format") == CHAT_FORMAT
+                  and isinstance(data.get("messages"), list)
+                  and all(isinstance(m, dict) and m.get("role") in ("user", "assistant")
+                          and isinstance(m.get("content"), str) for m in data["messages"])
+                  and isinstance(data.get("system"), (str, type(None)))
+                  and isinstance(data.get("thinking"), (bool, type(None))))
+        except ValueError:
+            ok = False
+        if not ok:
+            raise DeltaserveError(f"--resume {self.name}: {self.json_path} is not a saved deltaserve conversation "
+                                  f"(damaged or written by something else); move it away or pick another name")
+        return data
+
+    def write(self, messages: list[dict], system: str | None, thinking: bool | None, model) -> None:
+        data = {"format": CHAT_FORMAT, "name": self.name, "messages": messages, "system": system,
+                "thinking": thinking, "model": model.path.name, "model_path": str(model.path),
+                "model_sha256": model.host.sha256(), "deltaserve": __version__,
+                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        tmp = self.dir / f".tmp-{os.getpid()}-{self.name}.json"
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(data, f, ensure_ascii=False, indent=1)
+                f.write("\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.json_path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def drop_state(self) -> None:
+        self.state_path.unlink(missing_ok=True)
+
+
 class ChatREPL:
     def __init__(self, model, session, sampling: dict, max_tokens: int, system: str | None, thinking: bool | None,
-                 out=sys.stdout):
+                 out=sys.stdout, saved: SavedChat | None = None, messages: list[dict] | None = None):
         self.model = model
         self.session = session
         self.sampling = sampling
         self.max_tokens = max_tokens
         self.system = system
         self.thinking = thinking
-        self.messages: list[dict] = []
+        self.messages: list[dict] = list(messages or [])
         self.out = out
+        self.saved = saved                  # --resume NAME: written after every turn
+        self.resumed: str | None = None     # what /stats says about the resume
+        self.turns_since_resume = 0
 
     def conversation(self) -> list[dict]:
         return ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
@@ -86,6 +206,29 @@ class ChatREPL:
                        f"{turn.decode_tok_s:.1f} tok/s | {plural(turn.generated, 'token')}, {turn.finish_reason}{capped} | "
                        f"{turn.start}]\n")
         self.out.flush()
+        if self.resumed is not None and not self.turns_since_resume:
+            self.resumed += f"; its first turn reused {turn.reused} tokens ({turn.start})"
+        self.turns_since_resume += 1
+        self.persist()
+
+    def persist(self, state: bool = True) -> None:
+        """Under --resume: the conversation to NAME.json and (`state`) the session's checkpoint to NAME.state, or
+        (not `state`) NAME.state removed. A failure is said and the conversation goes on."""
+        if self.saved is None:
+            return
+        try:
+            self.saved.write(self.messages, self.system, self.thinking, self.model)
+            if not state:
+                self.saved.drop_state()
+                return
+            try:
+                self.session.save(self.saved.state_path)
+            except DeltaserveError:  # no checkpoint to save (nothing was prefilled): no stale state either
+                self.saved.drop_state()
+        except (OSError, DeltaserveError) as e:
+            self.out.write(f"[deltaserve] could not save {self.saved.name} to {self.saved.dir}: {e}; the "
+                           f"conversation goes on unsaved\n")
+            self.out.flush()
 
     def command(self, line: str) -> bool:
         """Run a /command; False to quit."""
@@ -98,10 +241,12 @@ class ChatREPL:
         elif name == "clear":
             self.messages = []
             self.session.reset()
-            self.out.write("[cleared]\n")
+            self.persist(state=False)
+            self.out.write(f"[cleared{f'; the saved conversation {self.saved.name} too' if self.saved else ''}]\n")
         elif name == "system":
             self.system = arg.strip() or None
             self.messages = []
+            self.persist(state=False)
             self.out.write(f"[system message {'set' if self.system else 'removed'}; conversation cleared]\n")
         elif name == "regenerate":
             if not self.messages or self.messages[-1]["role"] != "assistant":
@@ -115,12 +260,18 @@ class ChatREPL:
             else:
                 self.thinking = arg.strip().lower() == "on"
                 self.out.write(f"[thinking {'on' if self.thinking else 'off'}]\n")
+                if self.saved is not None:
+                    self.persist()
         elif name == "stats":
             s = self.session
             self.out.write(f"[turns {s.turns} | held {len(s.held)} tokens | capacity {s.capacity} positions | "
                            f"checkpoint {s.checkpoint_length} | context {s.context} | backend {s.backend.name}]\n")
             for n in s.notices:
                 self.out.write(f"  {n}\n")
+            if self.saved is not None:
+                self.out.write(f"  saved after every turn as {self.saved.name} ({self.saved.json_path}, .state)\n")
+            if self.resumed is not None:
+                self.out.write(f"  {self.resumed}\n")
         else:
             self.out.write(f"[unknown command /{name}; /help lists them]\n")
         self.out.flush()
@@ -157,13 +308,81 @@ class ChatREPL:
                 self.out.flush()
 
 
+def _thinking_flag(a) -> bool | None:
+    """--think on|off|auto; auto (None) is the model's default, or under --resume the saved conversation's."""
+    return {"on": True, "off": False, "auto": None}[a.think]
+
+
+def resume(a, model, saved: SavedChat) -> tuple[dict | None, list[str]]:
+    """The saved conversation under --resume NAME (None: a new one) and what to say about it. A conversation
+    saved with another model is refused, naming both: going on would rebind it to this model and write over the
+    only state that model's next turn could resume from."""
+    data = saved.load()
+    if data is None:
+        return None, [f"[deltaserve] {saved.name}: no saved conversation under this name: a new one, saved after "
+                      f"every turn to {saved.json_path}"]
+    sha = model.host.sha256()
+    if data.get("model_sha256") != sha:
+        theirs = data.get("model_path") or data.get("model")
+        raise DeltaserveError(
+            f"--resume {saved.name}: this conversation was saved with the model {theirs} "
+            f"(sha256 {_short(data.get('model_sha256'))}) and this is {model.path} (sha256 {_short(sha)}); resume it "
+            f"with that model, or start another name ({saved.json_path})")
+    said = []
+    if a.system is not None and a.system != data.get("system"):
+        said.append(f"[deltaserve] {saved.name}: --system replaces the saved system message (the saved state, "
+                    f"which follows the old one, will not be reused)")
+    if _thinking_flag(a) is not None and _thinking_flag(a) != data.get("thinking"):
+        said.append(f"[deltaserve] {saved.name}: --think {a.think} replaces the saved setting")
+    return data, said
+
+
+def restore_state(repl: ChatREPL, saved: SavedChat, data: dict) -> str:
+    """Restore NAME.state into the session; the recap line. A refused file is one notice: the messages stay and
+    the next turn prefills them in full."""
+    n_msgs = plural(len(repl.messages), "message")
+    if not saved.state_path.exists():
+        repl.resumed = f"resumed {saved.name}: no saved state, the next turn prefills the conversation in full"
+        return f"[deltaserve] resumed {saved.name}: {n_msgs}, no saved state (the next turn prefills in full)"
+    try:
+        n = repl.session.restore(saved.state_path)
+        covered = tuple(json.loads(read_header(saved.state_path)["tokens"]))
+    except (StateFileError, OSError, ValueError, KeyError) as e:
+        repl.resumed = f"resumed {saved.name}: its state was refused ({e})"
+        return (f"[deltaserve] resumed {saved.name}: {n_msgs}; its state file was refused ({e}): the next turn "
+                f"prefills the conversation from its messages")
+    ids, _ = repl.session.render(repl.conversation(), repl.thinking)
+    if not (len(covered) < len(ids) and tuple(ids[:len(covered)]) == covered):
+        repl.resumed = f"resumed {saved.name}: its state covers other tokens than these messages"
+        return (f"[deltaserve] resumed {saved.name}: {n_msgs}; its state ({n} tokens) does not cover these "
+                f"messages as rendered now: the next turn prefills them in full")
+    repl.resumed = f"resumed {saved.name}: {n} tokens of state restored from {saved.state_path}"
+    return f"[deltaserve] resumed {saved.name}: {n_msgs}, {n} tokens of state restored"
+
+
 def main(a) -> int:
+    saved = None
+    if getattr(a, "resume", None):
+        saved = SavedChat(a.resume)  # the name checked before anything is loaded
+        saved.prepare()
     model = load_model(a)
+    data, said = resume(a, model, saved) if saved is not None else (None, [])
     session = model.session(context=a.ctx, device=a.device, revalidate=a.revalidate)
     c = model.config
     print(f"[deltaserve] {model.path.name}: {c.num_layers} layers, context {session.context}, loaded in "
           f"{model.load_seconds:.2f} s", file=sys.stderr)
-    repl = ChatREPL(model, session, sampling_kwargs(a), a.max_tokens, a.system, thinking(a))
+    system, think = a.system, _thinking_flag(a)
+    if data is not None:
+        system = a.system if a.system is not None else data.get("system")
+        think = think if think is not None else data.get("thinking")
+    repl = ChatREPL(model, session, sampling_kwargs(a), a.max_tokens, system, think, saved=saved,
+                    messages=data["messages"] if data is not None else None)
+    for line in said:
+        print(line, file=sys.stderr)
+    if data is not None:
+        print(restore_state(repl, saved, data), file=sys.stderr, flush=True)
+    elif saved is not None:
+        repl.resumed = f"{saved.name}: a new conversation"
     try:
         importlib.import_module("readline")  # line editing and history for input()
     except ImportError:
