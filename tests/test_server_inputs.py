@@ -136,9 +136,9 @@ def test_a_4_mb_request_stalls_neither_a_running_stream_nor_health(server):
     stop.set()
     t.join(120)
     assert gaps and streams[0] >= 1
-    # the defect stalled both for 4-8 s; a bound of 1 s tells it apart on a loaded two-core machine too
-    assert max(health) < 1.0, f"/health took {max(health):.3f} s at worst"
-    assert max(gaps) < 1.0, f"the stream paused {max(gaps):.3f} s at worst"
+    # the defect stalled both for 4-8 s; a bound of 0.5 s (the issue asks 0.2, met on a quiet machine) tells it apart on a loaded two-core machine too
+    assert max(health) < 0.5, f"/health took {max(health):.3f} s at worst"
+    assert max(gaps) < 0.5, f"the stream paused {max(gaps):.3f} s at worst"
 
 
 def test_a_request_whose_client_left_stops_waiting_within_a_poll():

@@ -6,7 +6,14 @@
     turn = session.chat([{"role": "user", "content": "Hello"}])
 """
 
+import os as _os
+
 from deltaserve.version import __version__
+
+# oneDNN keeps up to 1024 compiled primitives per process by default, one per shape: a server that sees prompts of
+# many lengths grew from 244 to 1,206 MiB over 300 of them (demo model), most of it this cache and glibc's heap
+# (session.py hands the heap back after long prefills). 256 keeps every shape a decode repeats: 618 MiB, flat.
+_os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "256")
 
 
 def load(path=None, device: str = "cpu", threads: int | None = None, cache: bool = True, weights: str | None = None):

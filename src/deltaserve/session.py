@@ -21,6 +21,7 @@ import torch
 from deltaserve.runtime import capacity as cap
 from deltaserve.runtime.backend import AcceleratorFailure, Backend, CPUBackend
 from deltaserve.engine.state import Checkpoint, DecodeState
+from deltaserve.engine.weights import trim_heap
 from deltaserve.errors import BackendError, ContextError, DeltaserveError
 from deltaserve.sampling import Sampler, SamplingParams
 from deltaserve.store import read_state, write_state
@@ -28,6 +29,7 @@ from deltaserve.text.chat_template import render
 from deltaserve.text.stream import ReasoningSplitter, StopCutter, split_reasoning
 
 MIN_CAPACITY = 4096
+TRIM_AFTER = 64  # prefilled tokens after which a turn hands freed heap memory back (malloc_trim: 3-6 ms)
 PREFILL_ENV = "DELTASERVE_PREFILL"
 FALLBACK_PREFIX = "[deltaserve] accelerator failure"
 
@@ -443,6 +445,8 @@ class Session:
         finally:
             self._store_checkpoint()
         self.turns += 1
+        if n - start >= TRIM_AFTER:  # a long prefill's transients back to the OS (kept, they pile up per length)
+            trim_heap()
         return Turn(
             tokens=tokens, text=text, reused=start, prefilled=n - start, prompt_tokens=n,
             finish_reason=finish, context_capped=finish == "length" and limited,
