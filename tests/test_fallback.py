@@ -124,3 +124,15 @@ def test_the_guard_compares_cosine_and_argmax():
     assert guard_mod.compare(a, a.clone()) == pytest.approx((1.0, 1.0))
     cos, agree = guard_mod.compare(a, -a)
     assert cos < 0 and agree == 0.0
+
+
+def test_a_turn_replayed_on_the_cpu_reports_the_cpus_figures_and_saves_its_checkpoint_there(hybrid_model):
+    backend = FaultyBackend(hybrid_model.host, stage="prefill", after=2, device_name=f"f-{uuid.uuid4().hex[:8]}")
+    s = hybrid_model.session(backend=backend, quiet=True)
+    ids = hybrid_model.render([{"role": "user", "content": "Tell me about the sea."}], False)[0]
+    first = s.generate(ids, max_tokens=4)  # the accelerator fails after the checkpoint cut, mid-prompt
+    assert first.backend == "cpu" and first.start == "reset"
+    assert (first.reused, first.prefilled) == (0, len(ids))  # the CPU prefilled all of it
+    assert s.checkpoint_length == max(i for i, t in enumerate(ids) if t == hybrid_model.tokenizer.im_start_id)
+    again = s.generate(ids, max_tokens=4)
+    assert again.start == "checkpoint" and again.reused == s.checkpoint_length and again.tokens == first.tokens

@@ -120,7 +120,7 @@ class Session:
             raise DeltaserveError(f"the context must be at least 1 position, got {context}")
         self.context = min(context, declared) if context else declared
         self.min_capacity = 0 if one_call else MIN_CAPACITY
-        self.notices: list[str] = []
+        self.notices: list[str] = list(getattr(host.config, "notices", ()))  # the model file's (said at its load)
         self.quiet = quiet
         if notice:  # why the backend is not the one asked for, said before anything else
             self.say(notice)

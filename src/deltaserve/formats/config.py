@@ -10,6 +10,12 @@ from deltaserve.errors import ModelFormatError
 ATTENTION = "full_attention"
 DELTANET = "linear_attention"
 
+# GGUF keys of the layer pattern (llama.cpp's names): the per-layer map (one bool per block, true for a Gated
+# DeltaNet layer) decides where present; the interval is the older, coarser form; MTP blocks follow the trunk
+NEXTN_KEY = "{arch}.nextn_predict_layers"
+RECURRENT_LAYERS_KEY = "{arch}.attention.recurrent_layers"
+INTERVAL_KEY = "{arch}.full_attention_interval"
+
 
 @dataclass(frozen=True)
 class HybridConfig:
@@ -42,11 +48,17 @@ class HybridConfig:
     value_head_order: str = "grouped"
     arch: str = "qwen35"
     eos_token_ids: tuple[int, ...] = field(default=())
+    # what the reader noticed and the user should hear (printed once at load by formats/source.py); not part of
+    # the model's identity
+    notices: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         problems = []
         if len(self.layer_types) != self.num_layers:
             problems.append(f"{len(self.layer_types)} layer types for {self.num_layers} layers")
+        unknown = sorted({str(t) for t in self.layer_types} - {ATTENTION, DELTANET})
+        if unknown:
+            problems.append(f"layer types {unknown} (expected {ATTENTION!r} or {DELTANET!r})")
         for name in ("hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim",
                      "linear_num_key_heads", "linear_key_head_dim", "linear_num_value_heads",
                      "linear_value_head_dim", "conv_kernel", "vocab_size", "context_length"):
@@ -99,7 +111,9 @@ class HybridConfig:
         return per_layer * len(self.deltanet_layers)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        d.pop("notices")
+        return d
 
     # -- sources ---------------------------------------------------------------------------------
     @staticmethod
@@ -175,8 +189,13 @@ class HybridConfig:
                 raise ModelFormatError(f"GGUF metadata has no {full!r} (expected in a qwen35 file)")
             return meta[full]
 
-        num_layers = int(need("block_count"))
-        interval = int(meta.get(f"{arch}.full_attention_interval", 4))
+        blocks = int(need("block_count"))
+        nextn = meta.get(NEXTN_KEY.format(arch=arch), 0)
+        if isinstance(nextn, bool) or not isinstance(nextn, int) or not 0 <= nextn < blocks:
+            raise ModelFormatError(f"{NEXTN_KEY.format(arch=arch)} = {nextn!r} for {blocks} blocks "
+                                   f"({arch}.block_count): expected a count of MTP blocks below {blocks}")
+        num_layers = blocks - nextn  # the MTP blocks (nextn) follow the trunk; they are not layers of the forward
+        layer_types, notices = gguf_layer_types(meta, arch, blocks, num_layers)
         head_dim = int(meta.get(f"{arch}.attention.key_length") or need("embedding_length") // need("attention.head_count"))
         inner = int(need("ssm.inner_size"))
         nv = int(need("ssm.time_step_rank"))
@@ -193,7 +212,7 @@ class HybridConfig:
             rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
             rotary_dim=int(meta.get(f"{arch}.rope.dimension_count", head_dim // 4)),
             context_length=int(need("context_length")),
-            layer_types=cls.layer_types_for(num_layers, interval),
+            layer_types=layer_types,
             conv_kernel=int(need("ssm.conv_kernel")),
             linear_num_key_heads=int(need("ssm.group_count")),
             linear_key_head_dim=int(need("ssm.state_size")),
@@ -202,4 +221,43 @@ class HybridConfig:
             tie_word_embeddings=tied,
             value_head_order="tiled",
             eos_token_ids=(int(eos),) if eos is not None else (),
+            notices=notices,
         )
+
+
+def gguf_layer_types(meta: Mapping[str, Any], arch: str, blocks: int, num_layers: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The trunk's layer types from GGUF metadata, and the notices to give, as llama.cpp reads them: the per-layer
+    map `{arch}.attention.recurrent_layers` (one entry per block, MTP blocks included; true for a Gated DeltaNet
+    layer) decides where present; else `{arch}.full_attention_interval` (default 4). llama.cpp's converter writes
+    both, the interval as 4 whenever the HF config lists only `layer_types`: where they disagree the map wins and
+    a notice says so."""
+    map_key, interval_key = RECURRENT_LAYERS_KEY.format(arch=arch), INTERVAL_KEY.format(arch=arch)
+    interval = meta.get(interval_key)
+    interval_ok = isinstance(interval, int) and not isinstance(interval, bool) and interval > 0
+    if map_key not in meta:
+        if interval is not None and not interval_ok:
+            raise ModelFormatError(f"{interval_key} must be a positive integer, found {interval!r}")
+        return HybridConfig.layer_types_for(num_layers, interval if interval is not None else 4), ()
+    flags = meta[map_key]
+    want = f"one boolean per block ({blocks}, {arch}.block_count), true for a Gated DeltaNet layer"
+    if not isinstance(flags, (list, tuple)):
+        raise ModelFormatError(f"{map_key} must be an array of {want}; found a single "
+                               f"{type(flags).__name__} ({flags!r})")
+    if len(flags) != blocks:
+        raise ModelFormatError(f"{map_key} has {len(flags)} entries for {blocks} blocks: expected {want}")
+    for i, v in enumerate(flags):
+        if not (isinstance(v, bool) or (isinstance(v, int) and v in (0, 1))):
+            shown = f"an array of {len(v)}" if isinstance(v, (list, tuple)) else f"{v!r} ({type(v).__name__})"
+            raise ModelFormatError(f"{map_key} must be an array of {want}; entry {i} of {len(flags)} is {shown}")
+    types = tuple(DELTANET if v else ATTENTION for v in flags[:num_layers])
+    notices: tuple[str, ...] = ()
+    attention = [i for i, t in enumerate(types) if t == ATTENTION]
+    if interval is not None and not interval_ok:
+        notices = (f"[deltaserve] {interval_key} is {interval!r}, not a positive integer: ignored; the layer map "
+                   f"{map_key} decides (full attention at layers {attention} of {num_layers})",)
+    elif interval is not None and HybridConfig.layer_types_for(num_layers, interval) != types:
+        by_interval = [i for i in range(num_layers) if (i + 1) % interval == 0]
+        notices = (f"[deltaserve] the file's layer map {map_key} (full attention at layers {attention} of "
+                   f"{num_layers}) disagrees with its {interval_key} = {interval} (which would put it at layers "
+                   f"{by_interval}): following the layer map, as llama.cpp does",)
+    return types, notices

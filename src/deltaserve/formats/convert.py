@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from deltaserve.errors import DeltaserveError, ModelFormatError
-from deltaserve.formats.config import HybridConfig
+from deltaserve.formats.config import RECURRENT_LAYERS_KEY, HybridConfig
 from deltaserve.formats.hf import HFSource, hf_prefix
 from deltaserve.formats.layout import check_tensors
 
@@ -124,8 +124,12 @@ def write_metadata(w: gguf.GGUFWriter, c: HybridConfig, name: str, file_type: in
     w.add_rope_freq_base(c.rope_theta)
     w.add_rope_dimension_count(c.rotary_dim)
     w.add_rope_dimension_sections(sections or rope_sections(c))
+    # the per-layer map, as llama.cpp's converter writes it (llama.cpp reads it first); the interval too where the
+    # pattern is "full attention every N layers", for readers that know only the interval
+    w.add_array(RECURRENT_LAYERS_KEY.format(arch=w.arch), [not c.is_attention(i) for i in range(c.num_layers)])
     interval = _interval(c)
-    w.add_full_attention_interval(interval)
+    if interval is not None:
+        w.add_full_attention_interval(interval)
     w.add_ssm_conv_kernel(c.conv_kernel)
     w.add_ssm_state_size(c.linear_key_head_dim)
     w.add_ssm_group_count(c.linear_num_key_heads)
@@ -134,11 +138,12 @@ def write_metadata(w: gguf.GGUFWriter, c: HybridConfig, name: str, file_type: in
     w.add_file_type(file_type)
 
 
-def _interval(c: HybridConfig) -> int:
+def _interval(c: HybridConfig) -> int | None:
+    """N where full attention comes every N layers, else None (the layer map alone says it)."""
     attn = c.attention_layers
     interval = attn[0] + 1 if attn else c.num_layers + 1
     if HybridConfig.layer_types_for(c.num_layers, interval) != c.layer_types:
-        raise ModelFormatError("the layer pattern is not 'full attention every N layers'; GGUF qwen35 cannot express it")
+        return None
     return interval
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,9 +101,26 @@ def open_model(path: str | Path) -> ModelFile:
         raise ModelFormatError(f"{p.name}: missing tensor token_embd.weight")
     vocab_rows = f.tensors["token_embd.weight"].shape[0]
     config = HybridConfig.from_gguf(f.metadata, vocab_rows, tied="output.weight" not in f.tensors)
+    say_once(p, config.notices)
     metadata = {k: v for k, v in f.metadata.items() if not k.startswith("tokenizer.ggml.")}
     return ModelFile(p, "gguf", config, Tokenizer.from_gguf_fields(f.metadata), GGUFSource(f), p.stat().st_size,
                      metadata)
+
+
+_SAID: set[tuple] = set()
+_SAID_LOCK = threading.Lock()
+
+
+def say_once(path: Path, notices) -> None:
+    """Print what the reader noticed about a model file to stderr, once per process per file (size, mtime) and
+    notice, however often it is opened; the notices stay on the config (`config.notices`) for a caller to show."""
+    for line in notices:
+        key = (*file_identity(path), line)
+        with _SAID_LOCK:
+            if key in _SAID:
+                continue
+            _SAID.add(key)
+        print(line, file=sys.stderr, flush=True)
 
 
 def file_identity(path: Path) -> tuple[str, int, int]:
