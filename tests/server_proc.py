@@ -19,14 +19,14 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, model: Path, *args: str, env: dict | None = None):
+    def __init__(self, model: Path, *args: str, env: dict | None = None, preexec_fn=None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = Path(os.environ.get("TMPDIR", "/tmp")) / f"deltaserve-{self.port}.log"
         cmd = [sys.executable, "-m", "deltaserve.frontends.cli", "serve", str(model), "--port", str(self.port),
                "--device", "cpu", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(self.log, "w"),
-                                     env=dict(os.environ, **(env or {})))
+                                     env=dict(os.environ, **(env or {})), preexec_fn=preexec_fn)
         deadline = time.time() + 120
         while time.time() < deadline:
             if self.proc.poll() is not None:

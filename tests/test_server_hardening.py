@@ -265,7 +265,8 @@ def test_metrics_parse_and_add_up_to_what_was_sent(hybrid_gguf):
             sent["generated"] += r["usage"]["completion_tokens"]
             sent["cached"] = sent.get("cached", 0) + r["usage"]["prompt_tokens_details"]["cached_tokens"]
         for _ in range(3):
-            assert httpx.post(s.url + "/v1/chat/completions", content=b"{", timeout=60).status_code == 400
+            assert httpx.post(s.url + "/v1/chat/completions", content=b"{", timeout=60,
+                              headers={"Content-Type": "application/json"}).status_code == 400
             sent["bad"] += 1
         text = httpx.get(s.url + "/metrics").text
         fams = {f.name: f for f in text_string_to_metric_families(text)}

@@ -288,6 +288,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-body", type=int, default=4 << 20, help="largest request body in bytes")
     s.add_argument("--max-messages", type=int, default=512, help="most messages in one request")
     s.add_argument("--model-name", default=None, help="the model id reported by /v1/models")
+    s.add_argument("--allowed-hosts", default=None, metavar="NAMES",
+                   help="Host names to answer to besides loopback ones, comma-separated ('*.example.com' for the "
+                        "names under one, '*' for any; default: on a loopback bind only localhost, 127.0.0.1 and "
+                        "[::1], which keeps web pages on other sites out; on any other bind any name)")
+    s.add_argument("--request-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="seconds a request's head, and then its body, have to arrive whole (default 30): a "
+                        "client that stalls is answered 408 and its connection closed")
+    s.add_argument("--max-connections", type=positive_int, default=None, metavar="N",
+                   help="connections kept open at most; past it the oldest that has not sent a whole request is "
+                        "closed (default: what the open-file limit leaves room for, at most 4096)")
     _add_think(s)
     s.add_argument("--state-ram", type=size_arg, default=None, metavar="SIZE",
                    help="RAM for saved conversation states beyond the slots, e.g. 2G (default: a quarter of the "

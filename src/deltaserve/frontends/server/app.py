@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import hmac
+import ipaddress
 import json
 import os
 import socket
@@ -21,16 +23,76 @@ from concurrent.futures import ThreadPoolExecutor
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from deltaserve.version import __version__
 from deltaserve.frontends.common import load_model
 from deltaserve.errors import ContextError, DeltaserveError
 from deltaserve.session import check_prompt
+from deltaserve.frontends.server import connections
 from deltaserve.frontends.server.metrics import Metrics
 from deltaserve.frontends.server.protocol import APIError, GenerationRequest, Limits, bad, parse_chat, parse_completion
 from deltaserve.frontends.server.slots import QueueFull, SlotPool
 from deltaserve.text.chat_template import RenderedPrompt
 from deltaserve.text.stream import ReasoningSplitter, split_reasoning
+
+def host_name(value: str) -> str:
+    """The name in a Host header (or an --allowed-hosts entry), lowercased, without its port or a final dot:
+    'LocalHost:8080' -> 'localhost', '[::1]:80' -> '::1'."""
+    v = value.strip().lower()
+    if v.startswith("["):
+        end = v.find("]")
+        v = v[1:end] if end > 0 else v
+    else:
+        name, sep, port = v.rpartition(":")
+        if sep and ":" not in name and (port.isdigit() or not port):
+            v = name
+    return v.rstrip(".")
+
+
+def is_loopback(name: str) -> bool:
+    """localhost, or a loopback address (127.0.0.0/8, ::1)."""
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+class HostPolicy:
+    """The Host names a server answers to. On a loopback bind: loopback names only (localhost, 127.0.0.1, [::1],
+    any port), so that a web page whose name was rebound to 127.0.0.1 (DNS rebinding) cannot reach the server;
+    on any other bind: any name. --allowed-hosts adds names (exact, or '*.example.com' for the names under one;
+    '*' for any); loopback names are always allowed (no page at another site can send them)."""
+
+    def __init__(self, bind_host: str, allowed: str | None = None):
+        entries = [host_name(e) for e in (allowed or "").split(",") if e.strip()]
+        self.names = {e for e in entries if e != "*" and not e.startswith("*.")}
+        self.suffixes = tuple(e[1:] for e in entries if e.startswith("*."))
+        self.loopback_bind = is_loopback(host_name(bind_host))
+        self.any = "*" in entries or (not entries and not self.loopback_bind)
+
+    def allows(self, header: str | None) -> bool:
+        if self.any or header is None:  # HTTP/1.0 may leave Host out; a browser never does
+            return True
+        name = host_name(header)
+        return is_loopback(name) or name in self.names or (bool(self.suffixes) and name.endswith(self.suffixes))
+
+    def describe(self) -> str:
+        if self.any:
+            return "any Host name" + (" (--allowed-hosts *)" if self.loopback_bind else "")
+        extra = sorted(self.names) + ["*" + s for s in self.suffixes]
+        return "Host names localhost, 127.0.0.1, [::1]" + (f" and {', '.join(extra)}" if extra else "") + \
+            " (--allowed-hosts widens)"
+
+    def refusal(self, header: str) -> APIError:
+        shown = header if len(header) <= 100 else header[:100] + "..."
+        return APIError(403, f"this server does not answer to the Host name {shown!r}: it listens on a loopback "
+                             "address and answers to localhost, 127.0.0.1 and [::1] (and the names its "
+                             "--allowed-hosts lists), which keeps web pages on other sites out (DNS rebinding)",
+                        "invalid_request_error", None, "host_not_allowed")
+
 
 class ClientGone(Exception):
     """The client closed its connection while its request waited (in the queue, or for a whole answer)."""
@@ -60,10 +122,14 @@ class Server:
                  limits: Limits | None = None, model_name: str | None = None, device: str = "auto",
                  think_default: bool | None = None, context: int | None = None, quiet: bool = False,
                  revalidate: bool = False, state_ram: int | None = None, state_dir: str | None = None,
-                 state_disk: int | None = None):
+                 state_disk: int | None = None, hosts: HostPolicy | None = None,
+                 request_timeout: float = connections.DEFAULT_REQUEST_TIMEOUT):
         self.model = model
         self.limits = limits or Limits()
         self.api_key = api_key
+        self.hosts = hosts or HostPolicy("127.0.0.1")
+        self.request_timeout = request_timeout
+        self.guard: connections.ConnectionGuard | None = None  # set by main, for /health
         self.model_name = model_name or model.path.name
         self.think_default = think_default
         self.metrics = Metrics()
@@ -94,13 +160,34 @@ class Server:
             pass  # a template that refuses this conversation refuses it again, with its message, in a request
 
     # -- helpers ------------------------------------------------------------------------------------
-    def check_auth(self, request: Request) -> None:
+    def authorized(self, request: Request) -> bool | None:
+        """True: the right key (or the server needs none); None: no Authorization header; False: another key.
+        The key is compared in constant time."""
         if not self.api_key:
-            return
-        header = request.headers.get("authorization", "")
-        if header != f"Bearer {self.api_key}":
+            return True
+        header = request.headers.get("authorization")
+        if header is None:
+            return None
+        scheme, _, token = header.strip().partition(" ")
+        # starlette decodes a header as latin-1: encoding it back gives the bytes the client sent
+        same = hmac.compare_digest(token.strip().encode("latin-1", "replace"), self.api_key.encode("utf-8"))
+        return same and scheme.lower() == "bearer"
+
+    def check_auth(self, request: Request) -> None:
+        if self.authorized(request) is not True:
             raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                            "invalid_request_error", None, "invalid_api_key")
+
+    @staticmethod
+    def check_json(request: Request) -> None:
+        """A POST body is JSON, and says so: a page on another site can send text/plain or a form to a server
+        on this machine without asking first (no CORS preflight), never application/json."""
+        given = request.headers.get("content-type")
+        media = (given or "").split(";", 1)[0].strip().lower()
+        if media != "application/json":
+            said = f"the request's Content-Type is {given[:100]!r}" if given else "the request has no Content-Type"
+            raise APIError(415, f"{said}: the body must be JSON, sent with 'Content-Type: application/json'",
+                           "invalid_request_error", None, "unsupported_media_type")
 
     async def read_json(self, request: Request):
         length = request.headers.get("content-length")
@@ -108,11 +195,24 @@ class Server:
             raise APIError(413, f"the request body has {length} bytes, more than the limit of {self.limits.max_body}",
                            code="request_too_large")
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > self.limits.max_body:
-                raise APIError(413, f"the request body is larger than the limit of {self.limits.max_body} bytes",
-                               code="request_too_large")
+
+        async def receive() -> None:
+            async for chunk in request.stream():
+                body.extend(chunk)
+                if len(body) > self.limits.max_body:
+                    raise APIError(413, f"the request body is larger than the limit of {self.limits.max_body} "
+                                        "bytes", code="request_too_large")
+
+        try:  # a body that stalls holds a connection (and its descriptor) no longer than the request timeout
+            await asyncio.wait_for(receive(), self.request_timeout)
+        except asyncio.TimeoutError:
+            if self.guard is not None:
+                self.guard.timed_out += 1
+            raise APIError(408, f"the request body did not arrive whole within {self.request_timeout:g} s "
+                                f"({len(body)} bytes came; --request-timeout): the connection is closed",
+                           "invalid_request_error", None, "request_timeout", {"Connection": "close"}) from None
+        except ClientDisconnect:
+            raise ClientGone() from None  # the client left mid-body: nobody to answer
         try:
             return json.loads(body)
         except (ValueError, UnicodeDecodeError) as e:
@@ -295,6 +395,7 @@ class Server:
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     def health(self) -> dict:
+        """/health's details (for a client with the key, or on a server without one)."""
         s0 = self.pool.slots[0].session
         return {
             "status": "ok", "model": self.model_name, "path": str(self.model.path), "version": __version__,
@@ -306,6 +407,7 @@ class Server:
                        "backend": s.session.backend.name, "requests": s.requests} for s in self.pool.slots],
             "queue": {"waiting": self.pool.waiting, "limit": self.pool.queue_size},
             "store": self.store.snapshot(),
+            **({"connections": self.guard.snapshot()} if self.guard is not None else {}),
             "notices": list(dict.fromkeys([n for s in self.pool.slots for n in s.session.notices]
                                           + self.store_notices)),
         }
@@ -333,7 +435,12 @@ def create_app(server: Server) -> FastAPI:
 
     @app.middleware("http")
     async def count(request: Request, call_next):
-        response = await call_next(request)
+        host = request.headers.get("host")
+        if not server.hosts.allows(host):  # before anything else: a rebound page learns nothing, not even a 404
+            e = server.hosts.refusal(host)
+            response = JSONResponse(e.body(), status_code=e.status)
+        else:
+            response = await call_next(request)
         path = request.url.path
         endpoint = path if path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health",
                                     "/metrics") else "other"
@@ -343,11 +450,13 @@ def create_app(server: Server) -> FastAPI:
     async def run(request: Request, endpoint: str):
         t0 = time.perf_counter()
         server.check_auth(request)
-        body = await server.read_json(request)
-        req = parse_chat(body, server.limits) if endpoint == "chat" else parse_completion(body, server.limits)
-        ids, thinking = await asyncio.get_running_loop().run_in_executor(server.text_pool, server.prompt_ids, req)
-        server.check(ids, endpoint)
+        server.check_json(request)
         try:
+            body = await server.read_json(request)
+            req = parse_chat(body, server.limits) if endpoint == "chat" else parse_completion(body, server.limits)
+            ids, thinking = await asyncio.get_running_loop().run_in_executor(server.text_pool, server.prompt_ids,
+                                                                             req)
+            server.check(ids, endpoint)
             return await server.complete(endpoint, req, ids, thinking, t0, request)
         except ClientGone:
             return Response(status_code=499)  # nobody reads it; the slot was freed
@@ -367,8 +476,13 @@ def create_app(server: Server) -> FastAPI:
                                             "owned_by": "deltaserve", "context_length": server.context}]}
 
     @app.get("/health")
-    async def health():
-        return server.health()
+    async def health(request: Request):
+        # open without a key, for liveness probes: then it says only that the server is up; its details (the
+        # model's path, the notices, the slots) are behind the key like the rest
+        seen = server.authorized(request)
+        if seen is False:
+            server.check_auth(request)  # a wrong key is told so, not answered as if none were sent
+        return server.health() if seen else {"status": "ok"}
 
     @app.get("/metrics")
     async def metrics(request: Request):
@@ -407,6 +521,13 @@ def main(a) -> int:
 
     if a.slots < 1 or a.queue < 0:
         raise DeltaserveError(f"--slots must be at least 1 and --queue at least 0 (got {a.slots}, {a.queue})")
+    request_timeout = getattr(a, "request_timeout", connections.DEFAULT_REQUEST_TIMEOUT)
+    max_connections = getattr(a, "max_connections", None)
+    if not request_timeout > 0 or (max_connections is not None and max_connections < 1):
+        raise DeltaserveError(f"--request-timeout must be more than 0 and --max-connections at least 1 "
+                              f"(got {request_timeout}, {max_connections})")
+    hosts = HostPolicy(a.host, getattr(a, "allowed_hosts", None))
+    limit_before, limit = connections.raise_open_file_limit()  # a flood of connections meets the hard limit
     compute = wants_compute_thread(a)  # the load and every forward on one thread (see runtime/compute.py)
     model = load_model(a, compute_thread=compute)
     load_s = model.load_seconds
@@ -414,7 +535,8 @@ def main(a) -> int:
     server = Server(model, slots=a.slots, queue=a.queue, api_key=a.api_key, model_name=a.model_name,
                     limits=Limits(max_tokens=a.max_tokens_limit, max_messages=a.max_messages, max_body=a.max_body),
                     device=a.device, think_default=think, context=a.ctx, revalidate=a.revalidate,
-                    state_ram=a.state_ram, state_dir=a.state_dir, state_disk=a.state_disk)
+                    state_ram=a.state_ram, state_dir=a.state_dir, state_disk=a.state_disk, hosts=hosts,
+                    request_timeout=request_timeout)
     c = model.config
     s0 = server.pool.slots[0].session
     template = "from the model file" if model.tokenizer.chat_template else "built-in ChatML"
@@ -432,10 +554,28 @@ def main(a) -> int:
     say(f"{a.slots} slots, queue {a.queue}, max_tokens <= {a.max_tokens_limit}, body <= {a.max_body} bytes, "
         f"{'API key required' if a.api_key else 'no API key'}")
     sock = bind(a.host, a.port)
+    room = connections.connection_room(limit, connections.open_files())
+    cap = max_connections or (min(room, connections.MAX_CONNECTIONS_CEILING) if room else
+                              connections.MAX_CONNECTIONS_CEILING)
+    raised = f" (raised from {limit_before})" if limit and limit_before and limit > limit_before else ""
+    say(f"open files: limit {limit if limit else 'none'}{raised}; at most {cap} connections (--max-connections; "
+        f"past it the oldest that has not sent a whole request is closed); a request's head and its body each "
+        f"have {request_timeout:g} s to arrive (--request-timeout)")
+    if max_connections and room and max_connections > room:
+        say(f"warning: --max-connections {max_connections} is more than the open-file limit leaves room for "
+            f"(about {room}): the first time the process runs out of descriptors it keeps under what it held then")
+    say(f"answers to {hosts.describe()}; POST bodies must be 'Content-Type: application/json'")
     say(f"listening on http://{a.host}:{sock.getsockname()[1]}/v1")
-    if a.host not in ("127.0.0.1", "localhost", "::1") and not a.api_key:
+    if not hosts.loopback_bind and not a.api_key:
         say(f"warning: bound to {a.host} without --api-key: anyone who reaches this address can use the model")
-    config = uvicorn.Config(create_app(server), log_level="warning", access_log=False)
+    guard = connections.ConnectionGuard(request_timeout, cap, say=say)
+    sock = guard.listening_socket(sock)  # its accept keeps the cap
+    server.guard = guard
+    # the asyncio loop (not uvloop, whose accept does not go through the socket object) and uvicorn's h11
+    # protocol under the guard's deadline; an idle keep-alive connection closes after 5 s (uvicorn's default)
+    config = uvicorn.Config(create_app(server), log_level="warning", access_log=False, http=guard.protocol(),
+                            loop="asyncio", timeout_keep_alive=5)
+    connections.install_log_filter(limit=limit)  # after uvicorn.Config, which sets up uvicorn's loggers
     try:
         uvicorn.Server(config).run(sockets=[sock])
     finally:
