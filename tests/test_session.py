@@ -249,3 +249,20 @@ def test_every_route_decision_is_a_notice(model, capsys):
     err = capsys.readouterr().err
     assert s.notices and s.notices[-1].startswith("Backend: CPU")
     assert s.notices[-1] in err
+
+
+def test_every_batched_prefill_says_its_stats_line_and_they_add_up_to_the_prefilled_tokens(model):
+    import re
+
+    s = model.session(quiet=True)
+    first = s.generate(words(model, 300, 7), max_tokens=2)
+    lines = list(s.prefill_lines)
+    assert s.batched_prefills == len(lines) >= 1
+    pattern = (r"batched prefill: (\d+) tokens in \d+ ms \([\d.]+ tok/s, chunk (\d+) rows, attention (\d+) query rows, "
+               r"from position (\d+)\)")
+    found = [re.fullmatch(pattern, line) for line in lines]
+    assert all(found), lines
+    # no <|im_start|> in the prompt: the checkpoint cuts before its last token, which goes the one-token way
+    assert sum(int(m.group(1)) for m in found) == first.prefilled - 1 == s.checkpoint_length
+    assert int(found[0].group(4)) == 0
+    assert int(found[0].group(2)) == s.state.prefill_rows and int(found[0].group(3)) == s.state.query_rows

@@ -12,6 +12,7 @@ import os
 import sys
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -140,6 +141,7 @@ class Session:
         self._plan_memory = plan_memory  # tests inject a Memory; None measures the backend
         self.per_token = os.environ.get(PREFILL_ENV, "").strip().lower() == "per-token"
         self.batched_prefills = 0
+        self.prefill_lines: deque[str] = deque(maxlen=16)  # the last batched prefills, one stats line each
         self.turns = 0
         if self.per_token:
             self.say(f"[deltaserve] {PREFILL_ENV}=per-token: prompts prefill one token at a time, not batched")
@@ -356,8 +358,14 @@ class Session:
 
     def _span(self, tokens: list[int]) -> torch.Tensor:
         if len(tokens) > 1 and not self.per_token:
+            state, start, t0 = self.state, self.state.length, time.perf_counter()
+            logits = self.backend.prefill(state, tokens)
+            ms = (time.perf_counter() - t0) * 1000
             self.batched_prefills += 1
-            return self.backend.prefill(self.state, tokens)
+            self.prefill_lines.append(
+                f"batched prefill: {len(tokens)} tokens in {ms:.0f} ms ({len(tokens) / max(ms, 1e-6) * 1000:.1f} tok/s, "
+                f"chunk {state.prefill_rows} rows, attention {state.query_rows} query rows, from position {start})")
+            return logits
         logits = None
         for t in tokens:
             logits = self.backend.decode(self.state, t)

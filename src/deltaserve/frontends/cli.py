@@ -132,6 +132,8 @@ def cmd_run(a) -> int:
     _show(*splitter.flush())
     print(flush=True)
     capped = " (cut by the context)" if turn.context_capped else ""
+    for line in session.prefill_lines:
+        print(line, file=sys.stderr)
     print(f"[stats] prompt {plural(turn.prompt_tokens, 'token')}, prefill {turn.prefill_tok_s:.1f} tok/s, "
           f"decode {turn.decode_tok_s:.1f} tok/s ({plural(turn.generated, 'token')}, {turn.finish_reason}{capped}), "
           f"TTFT {turn.timings.ttft_s * 1000:.0f} ms, load {load_s:.2f} s, backend {turn.backend}", file=sys.stderr)
@@ -150,6 +152,9 @@ def _run_turns(a, model, prompts: list[str], load_s: float) -> int:
                             on_reasoning=lambda r: _show(r, ""), **sampling_kwargs(a))
         print(flush=True)
         messages.append({"role": "assistant", "content": turn.text})
+        for line in session.prefill_lines:
+            print(line, file=sys.stderr)
+        session.prefill_lines.clear()
         print(f"[stats] turn {k}: prompt {plural(turn.prompt_tokens, 'token')}, reused {turn.reused}, prefilled {turn.prefilled}, "
               f"TTFT {turn.timings.ttft_s * 1000:.0f} ms, decode {turn.decode_tok_s:.1f} tok/s ({plural(turn.generated, 'token')}, "
               f"{turn.finish_reason})" + (f", load {load_s:.2f} s" if k == 1 else "") + f", backend {turn.backend}",

@@ -266,6 +266,8 @@ class ChatREPL:
             s = self.session
             self.out.write(f"[turns {s.turns} | held {len(s.held)} tokens | capacity {s.capacity} positions | "
                            f"checkpoint {s.checkpoint_length} | context {s.context} | backend {s.backend.name}]\n")
+            if s.prefill_lines:
+                self.out.write(f"  batched prefills: {s.batched_prefills}; last {s.prefill_lines[-1]}\n")
             for n in s.notices:
                 self.out.write(f"  {n}\n")
             if self.saved is not None:

@@ -404,6 +404,8 @@ class Server:
             "declared_context": self.model.config.context_length, "context": self.context,
             "slots": [{"index": s.index, "busy": s.busy, "held_tokens": len(s.session.held),
                        "capacity": s.session.capacity, "checkpoint": s.session.checkpoint_length,
+                       "batched_prefills": s.session.batched_prefills,
+                       "last_prefill": s.session.prefill_lines[-1] if s.session.prefill_lines else None,
                        "backend": s.session.backend.name, "requests": s.requests} for s in self.pool.slots],
             "queue": {"waiting": self.pool.waiting, "limit": self.pool.queue_size},
             "store": self.store.snapshot(),
