@@ -136,3 +136,46 @@ def test_a_turn_replayed_on_the_cpu_reports_the_cpus_figures_and_saves_its_check
     assert s.checkpoint_length == max(i for i, t in enumerate(ids) if t == hybrid_model.tokenizer.im_start_id)
     again = s.generate(ids, max_tokens=4)
     assert again.start == "checkpoint" and again.reused == s.checkpoint_length and again.tokens == first.tokens
+
+
+def _grow_under(hybrid_model, free_for):
+    """A resident session on the test accelerator whose device memory, once its first 4096-position state is
+    allocated, is `free_for(plans)` bytes; its second turn must grow the state to 8192 positions."""
+    from deltaserve.engine.state import DecodeState
+    from deltaserve.runtime import capacity as cap
+
+    backend = FaultyBackend(hybrid_model.host, device_name=f"grow-{uuid.uuid4().hex[:8]}")
+    s = hybrid_model.session(backend=backend, quiet=True)
+    rng = __import__("random").Random(3)
+    short = [rng.randrange(10, 600) for _ in range(20)]
+    long = short + [rng.randrange(10, 600) for _ in range(4200)]
+    s.generate(short, max_tokens=2)
+    assert s.capacity == 4096 and s.on_accelerator
+
+    def need(plan):
+        return cap.plan(hybrid_model.config, 8192, cap.Memory(1 << 40, 1 << 40, "t"), overhead=backend.overhead,
+                        plans=(plan,)).total - DecodeState.bytes_for(hybrid_model.config, 4096)
+
+    s._plan_memory = cap.Memory(free_for(need), 1 << 40, "faulty: test")
+    turn = s.generate(long, max_tokens=3)
+    want = hybrid_model.session(device="cpu", quiet=True).generate(long, max_tokens=3)
+    assert turn.tokens == want.tokens
+    return s, turn
+
+
+def test_a_state_that_cannot_grow_on_the_device_with_batched_prefill_prefills_one_token_at_a_time_there(hybrid_model):
+    from deltaserve.runtime import capacity as cap
+
+    s, turn = _grow_under(hybrid_model, lambda need: (need(cap.PrefillPlan(1, 1)) + need(cap.PREFILL_PLANS[-1])) // 2)
+    assert s.on_accelerator and turn.backend != "cpu" and s.capacity == 8192
+    assert any("prefilling one token at a time" in n for n in s.notices), s.notices
+    assert s.batched_prefills == 1  # the first turn's only
+
+
+def test_a_resident_state_that_cannot_grow_on_the_device_at_all_moves_the_session_to_the_cpu_loudly(hybrid_model):
+    from deltaserve.runtime import capacity as cap
+
+    s, turn = _grow_under(hybrid_model, lambda need: need(cap.PrefillPlan(1, 1)) - (1 << 20))
+    assert not s.on_accelerator and turn.backend == "cpu" and s.capacity == 8192
+    fallbacks = [n for n in s.notices if n.startswith(FALLBACK_PREFIX)]
+    assert len(fallbacks) == 1 and "cannot grow to 8192 positions" in fallbacks[0], s.notices

@@ -23,7 +23,7 @@ from deltaserve.runtime import capacity as cap
 from deltaserve.runtime.backend import AcceleratorFailure, Backend, CPUBackend
 from deltaserve.engine.state import Checkpoint, DecodeState
 from deltaserve.engine.weights import trim_heap
-from deltaserve.errors import BackendError, ContextError, DeltaserveError
+from deltaserve.errors import BackendError, CapacityError, ContextError, DeltaserveError
 from deltaserve.sampling import Sampler, SamplingParams
 from deltaserve.store import read_state, write_state
 from deltaserve.text.chat_template import render
@@ -205,7 +205,16 @@ class Session:
         if self.state is not None and positions <= self.capacity:
             return False
         capacity = grown_capacity(positions, self.capacity, self.min_capacity, self.context)
-        p = self._plan(capacity)  # a refusal is an error, never a fallback
+        try:
+            p = self._plan(capacity)  # on the CPU a refusal is an error, never a fallback
+        except CapacityError as e:
+            if not self.backend.accelerator:
+                raise
+            p = self._plan_one_token(capacity)  # the state fits, no batched prefill does: one token at a time
+            if p is None:  # a resident session that must grow and has no room on the device goes on on the CPU
+                self._move_to_cpu(f"the state cannot grow to {capacity} positions on the device: {e}",
+                                  allocate=False)
+                p = self._plan(capacity)
         self.held = []
         self._drop_checkpoint()
         self.state = None
@@ -219,6 +228,23 @@ class Session:
         self.allocations += 1
         return True
 
+    def _plan_one_token(self, capacity: int) -> cap.Plan | None:
+        """The plan of a state whose prefills go one token at a time (the smallest workspace), with a notice;
+        None when even that does not fit."""
+        memory = self._memory()
+        if self.state is not None:
+            memory = type(memory)(memory.free + self.state.nbytes, memory.total, memory.source)
+        try:
+            p = cap.plan(self.host.config, capacity, memory, weights=0, overhead=self.backend.overhead,
+                         resident=self.host.weights.nbytes, plans=(cap.PrefillPlan(1, 1),))
+        except CapacityError:
+            return None
+        if not self.per_token:
+            self.per_token = True
+            self.say(f"[deltaserve] no batched prefill plan fits {capacity} positions on {self.backend.name}: "
+                     f"prefilling one token at a time there ({p.arithmetic()})")
+        return p
+
     def _drop_checkpoint(self) -> None:
         self._checkpoint = None
         self._checkpoint_tokens = ()
@@ -226,6 +252,9 @@ class Session:
 
     def _move_to_cpu(self, reason: str, allocate: bool = True) -> None:
         self._say_fallback(reason)
+        if self.backend.accelerator:
+            self._plan_memory = None  # an injected memory stood for the device's: the CPU's is measured
+            self.per_token = os.environ.get(PREFILL_ENV, "").strip().lower() == "per-token"
         self.backend = self.backend.fallback()
         self.backend.start()
         self.say(f"Backend: {self.backend.describe()} [after the fallback]")
