@@ -15,7 +15,7 @@ LAYERS = [
     ("kernels", ["deltaserve.kernels"]),
     ("engine", ["deltaserve.engine"]),
     ("runtime", ["deltaserve.runtime"]),
-    ("session", ["deltaserve.session", "deltaserve.sampling", "deltaserve.store"]),
+    ("session", ["deltaserve.session", "deltaserve.sampling", "deltaserve.store", "deltaserve.grammar"]),
     ("api", ["deltaserve.api", "deltaserve.demo"]),
     ("frontends", ["deltaserve.frontends", "deltaserve.__main__", "deltaserve"]),
 ]

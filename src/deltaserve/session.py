@@ -24,6 +24,7 @@ from deltaserve.runtime.backend import AcceleratorFailure, Backend, CPUBackend
 from deltaserve.engine.state import Checkpoint, DecodeState
 from deltaserve.engine.weights import trim_heap
 from deltaserve.errors import BackendError, CapacityError, ContextError, DeltaserveError
+from deltaserve.grammar import CompiledFormat, compile_format
 from deltaserve.sampling import Sampler, SamplingParams
 from deltaserve.store import read_state, write_state
 from deltaserve.text.chat_template import render
@@ -405,11 +406,20 @@ class Session:
                  top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
                  repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                  seed: int | None = None, stop: Sequence[str | int] | None = None,
-                 on_token: OnToken | None = None) -> Turn:
+                 on_token: OnToken | None = None, response_format=None) -> Turn:
+        """One turn from raw prompt ids. `response_format` (OpenAI's: {"type": "json_object"} or {"type":
+        "json_schema", "json_schema": {"schema": {...}}}, or a `grammar.CompiledFormat`) constrains every generated
+        token from the first one to the grammar (deltaserve.grammar); the turn ends ("stop") when it is complete."""
         params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
                                 frequency_penalty, seed)
+        grammar = self.compile_format(response_format)
         with self._lock:
-            return self._turn(list(int(t) for t in prompt_ids), max_tokens, params, stop, on_token)
+            return self._turn(list(int(t) for t in prompt_ids), max_tokens, params, stop, on_token, grammar)
+
+    def compile_format(self, response_format) -> CompiledFormat | None:
+        """`response_format` compiled for this model's tokenizer (cached per schema); None for text / absent. A
+        schema the engine cannot compile raises grammar.GrammarError (a DeltaserveError naming the problem)."""
+        return compile_format(self.tokenizer, response_format, self.host.config.vocab_size, self.stop_ids)
 
     def render(self, messages, enable_thinking: bool | None = None) -> tuple[list[int], bool]:
         """The prompt ids of a conversation rendered with the model's chat template (generation header added),
@@ -417,11 +427,21 @@ class Session:
         return render(self.tokenizer, messages, self.thinking_default if enable_thinking is None else enable_thinking)
 
     def chat(self, messages, max_tokens: int = 256, enable_thinking: bool | None = None,
-             on_token: OnToken | None = None, on_reasoning: Callable[[str], None] | None = None, **sampling) -> Turn:
+             on_token: OnToken | None = None, on_reasoning: Callable[[str], None] | None = None,
+             response_format=None, **sampling) -> Turn:
         """Render `messages` with the model's template and run a turn. The Turn's `text` is the answer alone (no
         template markup); what the model reasoned first is in `reasoning`. `on_token` sees the answer's text,
-        `on_reasoning` the reasoning's, as they stream."""
+        `on_reasoning` the reasoning's, as they stream.
+
+        With a `response_format` (see `generate`) the answer is constrained and thinking is off for the turn
+        (rendered with enable_thinking=False whatever was asked): only the answer is ever constrained."""
+        grammar = self.compile_format(response_format)
+        if grammar is not None:
+            enable_thinking = False
         ids, thinking = self.render(messages, enable_thinking)
+        if grammar is not None and thinking:
+            raise DeltaserveError("this model's chat template leaves the model reasoning even with thinking off: "
+                                  "a response_format cannot constrain its answer")
         splitter = ReasoningSplitter(thinking)
 
         def route(tid, piece, final=False):
@@ -432,13 +452,14 @@ class Session:
                 return on_token(tid, content)
             return None
 
-        turn = self.generate(ids, max_tokens=max_tokens, on_token=route, **sampling)
+        turn = self.generate(ids, max_tokens=max_tokens, on_token=route, response_format=grammar, **sampling)
         if turn.finish_reason != "cancelled":
             route(None, "", final=True)  # what the splitter held back (a tail that might have begun </think>)
         turn.reasoning, turn.text = split_reasoning(turn.text, thinking)
         return turn
 
-    def _turn(self, prompt: list[int], max_tokens: int, params: SamplingParams, stop, on_token) -> Turn:
+    def _turn(self, prompt: list[int], max_tokens: int, params: SamplingParams, stop, on_token,
+              grammar: CompiledFormat | None = None) -> Turn:
         t0 = time.perf_counter()
         n = len(prompt)
         check_prompt(prompt, self.host.config.vocab_size, self.context)
@@ -478,7 +499,7 @@ class Session:
         try:
             with self.backend.decoding():  # the decode loop's steps may join other sessions' in one forward
                 tokens, text, finish, ttft, decode_s = self._decode(prompt, logits, budget, params, stop_ids,
-                                                                    stop_texts, on_token, t0)
+                                                                    stop_texts, on_token, t0, grammar)
         finally:
             self._store_checkpoint()
         self.turns += 1
@@ -490,9 +511,12 @@ class Session:
             backend=self.backend.name, start=start_kind,
             timings=Timings(prefill_s=prefill_s, ttft_s=ttft, decode_s=decode_s))
 
-    def _decode(self, prompt, logits, budget, params, stop_ids, stop_texts, on_token, t0):
-        """Sample, hand out, feed back; until a stop token or string, the budget, or a cancel."""
+    def _decode(self, prompt, logits, budget, params, stop_ids, stop_texts, on_token, t0, grammar=None):
+        """Sample, hand out, feed back; until a stop token or string, the budget, or a cancel. With a grammar, each
+        step's logits are masked to what it allows (stop tokens only where it can end) and the sampled token
+        advances it; a grammar left with nothing but a stop ends the turn ("stop")."""
         sampler = Sampler(params)
+        constraint = grammar.constraint() if grammar is not None else None
         stream = _TextStream(self.tokenizer, stop_texts)
         generated: list[int] = []
         finish = "length"
@@ -500,6 +524,11 @@ class Session:
         decode_t0 = time.perf_counter()
         seq = list(prompt)  # grows by one token per step; becomes `held` after each feed
         while len(generated) < budget:
+            if constraint is not None:
+                if constraint.done():
+                    finish = "stop"
+                    break
+                logits = constraint.mask(logits)
             token = sampler(logits, prompt, generated)
             if not generated:
                 ttft = time.perf_counter() - t0
@@ -507,6 +536,8 @@ class Session:
             if token in stop_ids:
                 finish = "stop"
                 break
+            if constraint is not None and not constraint.accept(token):
+                raise BackendError(f"internal: the grammar refused token {token}, which its mask allowed")
             generated.append(token)
             piece, hit_stop = stream.push(token)
             if on_token is not None and on_token(token, piece) is False:
@@ -516,6 +547,8 @@ class Session:
                 finish = "stop"
                 break
             if len(generated) >= budget:
+                if constraint is not None and constraint.done():
+                    finish = "stop"  # the answer closed on the budget's last token
                 break
             seq.append(token)
             logits, _ = self._feed(seq, len(seq) - 1, None)

@@ -95,8 +95,25 @@ def _show(reasoning: str, content: str) -> None:
         sys.stdout.flush()
 
 
+def _json_schema_format(path: str | None) -> dict | None:
+    """`--json-schema FILE`: the JSON schema in FILE as an OpenAI response_format (None without the flag)."""
+    if not path:
+        return None
+    import json
+    from pathlib import Path
+
+    try:
+        schema = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise DeltaserveError(f"--json-schema {path}: not a readable JSON file: {e}") from None
+    if not isinstance(schema, dict):
+        raise DeltaserveError(f"--json-schema {path}: expected a JSON schema object, got {type(schema).__name__}")
+    return {"type": "json_schema", "json_schema": {"name": Path(path).stem, "schema": schema, "strict": True}}
+
+
 def cmd_run(a) -> int:
     prompts = a.prompt or []
+    response_format = _json_schema_format(getattr(a, "json_schema", None))
     if len(prompts) > 1 and a.chat is False:
         raise DeltaserveError(f"{len(prompts)} prompts given: several -p are the turns of one conversation and "
                               "need the chat template (leave out --raw)")
@@ -111,7 +128,7 @@ def cmd_run(a) -> int:
             raise DeltaserveError(f"{len(prompts)} prompts given: several -p are the turns of one conversation and "
                                   "this model carries no chat template (pass --chat to use ChatML)")
     if len(prompts) > 1:
-        return _run_turns(a, model, prompts, load_s)
+        return _run_turns(a, model, prompts, load_s, response_format)
     text = prompts[0] if prompts else None
     if text is None:
         if sys.stdin.isatty():
@@ -119,7 +136,8 @@ def cmd_run(a) -> int:
         text = sys.stdin.read()
     if a.chat:
         messages = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": text}]
-        ids, reasoning_open = model.render(messages, thinking(a))
+        # a structured answer is asked for with thinking off: only the answer is constrained
+        ids, reasoning_open = model.render(messages, False if response_format else thinking(a))
     else:
         ids, reasoning_open = model.tokenizer.encode(text), False
     context = min(a.ctx or model.config.context_length, model.config.context_length)
@@ -128,7 +146,7 @@ def cmd_run(a) -> int:
                             revalidate=a.revalidate)
     splitter = ReasoningSplitter(reasoning_open)
     turn = session.generate(ids, max_tokens=a.max_tokens, on_token=lambda t, piece: _show(*splitter.push(piece)),
-                            **sampling_kwargs(a))
+                            response_format=response_format, **sampling_kwargs(a))
     _show(*splitter.flush())
     print(flush=True)
     capped = " (cut by the context)" if turn.context_capped else ""
@@ -140,7 +158,7 @@ def cmd_run(a) -> int:
     return 0
 
 
-def _run_turns(a, model, prompts: list[str], load_s: float) -> int:
+def _run_turns(a, model, prompts: list[str], load_s: float, response_format: dict | None = None) -> int:
     """Several -p: the user turns of one conversation on one resident session, each reply streamed,
     each turn's reuse said on stderr (a later turn prefills only what the history added)."""
     session = model.session(context=a.ctx, device=a.device, revalidate=a.revalidate)
@@ -149,7 +167,7 @@ def _run_turns(a, model, prompts: list[str], load_s: float) -> int:
         messages.append({"role": "user", "content": text})
         print(f"> {text}", flush=True)
         turn = session.chat(messages, max_tokens=a.max_tokens, enable_thinking=thinking(a), on_token=_stream,
-                            on_reasoning=lambda r: _show(r, ""), **sampling_kwargs(a))
+                            on_reasoning=lambda r: _show(r, ""), response_format=response_format, **sampling_kwargs(a))
         print(flush=True)
         messages.append({"role": "assistant", "content": turn.text})
         for line in session.prefill_lines:
@@ -254,6 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "whose file carries a template)")
     mode.add_argument("--raw", dest="chat", action="store_false", help="the prompt as plain text, no chat template")
     r.add_argument("--system", default=None, help="a system message (chat only)")
+    r.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="constrain the answer to the JSON schema in FILE (structured outputs: it parses and "
+                        "validates whatever the weights; thinking is off for the turn)")
     _add_think(r)
     _add_sampling(r)
     _add_runtime(r)

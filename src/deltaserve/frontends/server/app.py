@@ -28,6 +28,7 @@ from starlette.requests import ClientDisconnect
 from deltaserve.version import __version__
 from deltaserve.frontends.common import load_model
 from deltaserve.errors import ContextError, DeltaserveError
+from deltaserve.grammar import compile_format
 from deltaserve.session import check_prompt
 from deltaserve.frontends.server import connections
 from deltaserve.frontends.server.metrics import Metrics
@@ -262,6 +263,15 @@ class Server:
     async def generate(self, endpoint: str, req: GenerationRequest, ids: list[int], thinking: bool, t0: float,
                        request: Request | None = None):
         max_tokens = self.budget(req, len(ids))
+        grammar = None
+        if req.response_format is not None:  # compiled (cached per schema) before the request takes a slot
+            stops = frozenset(self.model.tokenizer.stop_ids) | frozenset(self.model.config.eos_token_ids)
+            try:
+                grammar = await asyncio.get_running_loop().run_in_executor(
+                    self.text_pool, compile_format, self.model.tokenizer, req.response_format,
+                    self.model.config.vocab_size, stops)
+            except DeltaserveError as e:
+                raise bad(str(e), "response_format") from None
         try:
             slot = await until_gone(self.pool.acquire(ids), request)  # a client gone while queued leaves the queue
         except QueueFull:
@@ -282,7 +292,7 @@ class Server:
 
         def work():
             return slot.session.generate(ids, max_tokens=max_tokens, stop=req.stop, on_token=on_token,
-                                         **req.sampling())
+                                         response_format=grammar, **req.sampling())
 
         fut = loop.run_in_executor(self.executor, work)
 

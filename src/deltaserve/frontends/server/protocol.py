@@ -16,6 +16,8 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationI
                       field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
+from deltaserve.grammar import GrammarError, normalize
+
 
 class APIError(Exception):
     """An error answered with the OpenAI error object."""
@@ -62,6 +64,7 @@ class GenerationRequest:
     messages: list[dict] = field(default_factory=list)
     prompt: str | list[int] | None = None
     enable_thinking: bool | None = None
+    response_format: dict | None = None  # deltaserve.grammar.normalize's form; None: text
 
     def sampling(self) -> dict:
         return dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
@@ -103,10 +106,14 @@ def _refused_unless(*allowed, message: str | None = None) -> WrapValidator:
     return WrapValidator(wrap)
 
 
-def _text_format(v, handler):
-    if isinstance(v, dict) and v.get("type") == "text":
-        return handler(v)
-    raise _problem("'response_format' other than text is not supported", code="unsupported_parameter", whole=True)
+def _response_format(v, handler):
+    """text (no constraint), json_object or json_schema: the latter two normalised by deltaserve.grammar (the
+    schema itself is compiled, and a schema the engine cannot compile refused, when the request is served)."""
+    try:
+        fmt = normalize(v)
+    except GrammarError as e:
+        raise _problem(str(e), whole=True) from None
+    return handler(fmt)
 
 
 def _text_parts(v, handler):
@@ -195,7 +202,7 @@ class _Request(_Strict):
     logit_bias: Annotated[dict[str, float] | None, _refused_unless(None, {})] = None
     tools: Annotated[list[dict] | None, _refused_unless(None, [], message=NO_TOOLS)] = None
     tool_choice: Annotated[str | dict | None, _refused_unless(None, "none", message=NO_TOOLS)] = None
-    response_format: Annotated[dict | None, WrapValidator(_text_format)] = None
+    response_format: Annotated[dict | None, WrapValidator(_response_format)] = None
     user: str | None = None
     seed: Annotated[int, Field(ge=-(2 ** 63), le=2 ** 63 - 1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
@@ -252,6 +259,7 @@ class _Request(_Strict):
             max_tokens=self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens,
             stream=self.stream, include_usage=bool(self.stream_options and self.stream_options.include_usage),
             user=self.user, temperature=float(self.temperature), top_p=self.top_p, top_k=top_k, min_p=self.min_p,
+            response_format=self.response_format,
             seed=self.seed, repetition_penalty=float(self.repetition_penalty),
             presence_penalty=float(self.presence_penalty), frequency_penalty=float(self.frequency_penalty))
 
@@ -277,6 +285,8 @@ class ChatCompletionRequest(_Request):
                 entry["reasoning_content"] = m.reasoning_content
             messages.append(entry)
         thinking = self.chat_template_kwargs.enable_thinking if self.chat_template_kwargs else None
+        if self.response_format is not None:
+            thinking = False  # only the answer is constrained: a structured answer is asked for with thinking off
         return GenerationRequest(messages=messages, enable_thinking=thinking, **self._common())
 
 
