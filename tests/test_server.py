@@ -43,7 +43,7 @@ def test_models_lists_the_served_model(client, hybrid_gguf):
 
 def test_a_chat_completion_answers_what_the_engine_answers(client, hybrid_model):
     msgs = [{"role": "user", "content": "Tell me about the moon."}]
-    r = client.chat.completions.create(model="x", messages=msgs, max_tokens=MAX, temperature=0)
+    r = client.chat.completions.create(model="model-f32", messages=msgs, max_tokens=MAX, temperature=0)
     ref = alone(hybrid_model, msgs)
     assert r.choices[0].message.content == ref.text
     assert r.choices[0].finish_reason == ref.finish_reason
@@ -53,7 +53,7 @@ def test_a_chat_completion_answers_what_the_engine_answers(client, hybrid_model)
 
 def test_streaming_hands_out_the_same_text_and_usage(client, hybrid_model):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count the stars."}]
-    stream = client.chat.completions.create(model="x", messages=msgs, max_tokens=MAX, temperature=0, stream=True,
+    stream = client.chat.completions.create(model="model-f32", messages=msgs, max_tokens=MAX, temperature=0, stream=True,
                                             stream_options={"include_usage": True})
     text, finish, usage = "", None, None
     for ev in stream:
@@ -68,20 +68,20 @@ def test_streaming_hands_out_the_same_text_and_usage(client, hybrid_model):
 
 
 def test_a_completion_continues_raw_text(client, hybrid_model):
-    r = client.completions.create(model="x", prompt="Once upon a time", max_tokens=MAX, temperature=0)
+    r = client.completions.create(model="model-f32", prompt="Once upon a time", max_tokens=MAX, temperature=0)
     ref = hybrid_model.generate(hybrid_model.tokenizer.encode("Once upon a time"), max_tokens=MAX)
     assert r.choices[0].text == ref.text and r.object == "text_completion"
     streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model="x", prompt="Once upon a time", max_tokens=MAX, temperature=0, stream=True) if c.choices)
+        model="model-f32", prompt="Once upon a time", max_tokens=MAX, temperature=0, stream=True) if c.choices)
     assert streamed == ref.text
 
 
 def test_the_second_turn_reports_the_sessions_reuse_as_cached_tokens(client, hybrid_model):
     msgs = [{"role": "user", "content": "My name is Ada."}]
-    r1 = client.chat.completions.create(model="x", messages=msgs, max_tokens=MAX, temperature=0)
+    r1 = client.chat.completions.create(model="model-f32", messages=msgs, max_tokens=MAX, temperature=0)
     msgs += [{"role": "assistant", "content": r1.choices[0].message.content},
              {"role": "user", "content": "What is my name?"}]
-    r2 = client.chat.completions.create(model="x", messages=msgs, max_tokens=MAX, temperature=0)
+    r2 = client.chat.completions.create(model="model-f32", messages=msgs, max_tokens=MAX, temperature=0)
     # the same two turns on one local session: its reused count is what the server must report
     local = hybrid_model.session(quiet=True)
     local.generate(render(hybrid_model, msgs[:1]), max_tokens=MAX)
@@ -92,7 +92,7 @@ def test_the_second_turn_reports_the_sessions_reuse_as_cached_tokens(client, hyb
 
 def test_thinking_comes_back_as_reasoning_content(client, hybrid_model):
     msgs = [{"role": "user", "content": "Think about rivers."}]
-    r = client.chat.completions.create(model="x", messages=msgs, max_tokens=MAX, temperature=0,
+    r = client.chat.completions.create(model="model-f32", messages=msgs, max_tokens=MAX, temperature=0,
                                        extra_body={"chat_template_kwargs": {"enable_thinking": True}})
     ref = alone(hybrid_model, msgs, thinking=True)
     reasoning, _, content = ref.text.partition("</think>")
@@ -109,7 +109,7 @@ def test_four_conversations_over_two_slots_answer_as_if_alone_keep_their_slots_a
 
     def turn(name: str, text: str):
         convs[name].append({"role": "user", "content": f"{name}: {text}"})
-        r = client.chat.completions.create(model="x", messages=convs[name], max_tokens=MAX, temperature=0)
+        r = client.chat.completions.create(model="model-f32", messages=convs[name], max_tokens=MAX, temperature=0)
         answers_ok.append(r.choices[0].message.content == alone(hybrid_model, convs[name]).text)
         convs[name].append({"role": "assistant", "content": r.choices[0].message.content})
         cached[name].append(r.usage.prompt_tokens_details.cached_tokens)
@@ -137,7 +137,7 @@ def test_four_conversations_over_two_slots_answer_as_if_alone_keep_their_slots_a
 
 def test_a_client_that_disconnects_mid_stream_leaves_the_conversation_usable(server, client, hybrid_model):
     msgs = [{"role": "user", "content": "Write a very long story about the sea."}]
-    body = {"model": "x", "messages": msgs, "max_tokens": 3000, "temperature": 0, "stream": True}
+    body = {"model": "model-f32", "messages": msgs, "max_tokens": 3000, "temperature": 0, "stream": True}
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         got = [next(lines) for _ in range(6)]
@@ -151,7 +151,7 @@ def test_a_client_that_disconnects_mid_stream_leaves_the_conversation_usable(ser
     assert not any(s["busy"] for s in slots)
     prompt = len(render(hybrid_model, msgs))
     assert all(s["held_tokens"] < prompt + 1500 for s in slots), slots  # cut short, not run to 3000 tokens
-    r = client.chat.completions.create(model="x", messages=msgs, max_tokens=MAX, temperature=0)
+    r = client.chat.completions.create(model="model-f32", messages=msgs, max_tokens=MAX, temperature=0)
     assert r.choices[0].message.content == alone(hybrid_model, msgs).text
     assert r.usage.prompt_tokens_details.cached_tokens > 0
     health = httpx.get(server.url + "/health").json()

@@ -183,12 +183,12 @@ def test_the_right_key_is_served(keyed_server):
 
 def test_the_openai_client_works_with_the_key_and_is_refused_without(keyed_server):
     good = openai.OpenAI(base_url=keyed_server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
-    r = good.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    r = good.chat.completions.create(model="model-f32", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert r.choices[0].message.role == "assistant"
     assert [m.id for m in good.models.list().data]
     bad = openai.OpenAI(base_url=keyed_server.url + "/v1", api_key="sk-wrong", max_retries=0, timeout=120)
     with pytest.raises(openai.AuthenticationError):
-        bad.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        bad.chat.completions.create(model="model-f32", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
 
 
 def test_keys_are_compared_in_constant_time(monkeypatch):
@@ -205,11 +205,20 @@ def test_keys_are_compared_in_constant_time(monkeypatch):
 
 
 # -- the model a request names (item 8) -------------------------------------------------------------------
-@pytest.mark.parametrize("model", ["gpt-4o", "unused", "model-f32.gguf", None])
-def test_a_request_naming_any_model_is_answered_by_the_served_one_which_it_names(open_server, hybrid_gguf, model):
+@pytest.mark.parametrize("model", ["model-f32.gguf", "model-f32", None])
+def test_a_request_naming_the_served_model_or_an_alias_or_none_is_answered_by_it(open_server, hybrid_gguf, model):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     if model is not None:
         body["model"] = model
     r = httpx.post(open_server.url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["model"] == hybrid_gguf.name
+
+
+@pytest.mark.parametrize("model", ["gpt-4o", "unused", ""])
+def test_a_request_naming_a_model_not_served_is_a_404_that_names_the_served_one(open_server, hybrid_gguf, model):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "model": model}
+    r = httpx.post(open_server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 404, r.text
+    err = r.json()["error"]
+    assert err["code"] == "model_not_found" and err["param"] == "model" and hybrid_gguf.name in err["message"]

@@ -52,7 +52,7 @@ class Conversations:
         self.messages[c].append({"role": "user", "content": question(c, k)})
         prompt = self.prompt(c)
         want = self.alone[c].chat(self.messages[c], max_tokens=MAX, temperature=0).text
-        r = client.chat.completions.create(model="demo", messages=self.messages[c], max_tokens=MAX, temperature=0)
+        r = client.chat.completions.create(model="demo-qwen35", messages=self.messages[c], max_tokens=MAX, temperature=0)
         got = r.choices[0].message.content
         res = {"turn": k, "prompt": prompt, "answer": got, "want": want,
                "cached": r.usage.prompt_tokens_details.cached_tokens,

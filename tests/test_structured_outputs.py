@@ -73,7 +73,7 @@ def test_fifty_strict_json_schema_answers_all_parse_and_validate(client):
         schema = SCHEMAS[i % 2]
         temperature = 0.0 if i < 4 else 1.0  # greedy is one answer per schema; the rest sample with 46 seeds
         r = client.chat.completions.create(
-            model="x", messages=[{"role": "user", "content": f"Describe item {i} as JSON."}], max_tokens=200,
+            model="model-f32", messages=[{"role": "user", "content": f"Describe item {i} as JSON."}], max_tokens=200,
             temperature=temperature, seed=i, response_format=json_schema(schema))
         choice = r.choices[0]
         assert choice.finish_reason == "stop", (i, choice.finish_reason, choice.message.content)
@@ -85,7 +85,7 @@ def test_fifty_strict_json_schema_answers_all_parse_and_validate(client):
 
 def test_a_streamed_json_schema_answer_validates_too(client):
     stream = client.chat.completions.create(
-        model="x", messages=[{"role": "user", "content": "An order, please."}], max_tokens=200, temperature=1.0,
+        model="model-f32", messages=[{"role": "user", "content": "An order, please."}], max_tokens=200, temperature=1.0,
         seed=7, stream=True, response_format=json_schema(ORDER))
     text, finish = "", None
     for ev in stream:
@@ -97,7 +97,7 @@ def test_a_streamed_json_schema_answer_validates_too(client):
 
 
 def test_a_completion_with_a_json_schema_validates(client):
-    r = client.completions.create(model="x", prompt="The answer:", max_tokens=200, temperature=1.0, seed=3,
+    r = client.completions.create(model="model-f32", prompt="The answer:", max_tokens=200, temperature=1.0, seed=3,
                                   extra_body={"response_format": json_schema(PERSON)})
     assert r.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(r.choices[0].text), PERSON)
@@ -109,7 +109,7 @@ def test_json_object_answers_that_finish_parse_as_objects_and_the_rest_say_lengt
     finished = 0
     for seed in range(12):
         r = client.chat.completions.create(
-            model="x", messages=[{"role": "user", "content": "Any JSON object."}], max_tokens=120,
+            model="model-f32", messages=[{"role": "user", "content": "Any JSON object."}], max_tokens=120,
             temperature=1.0, seed=seed, response_format={"type": "json_object"})
         choice = r.choices[0]
         if choice.finish_reason == "stop":
@@ -124,7 +124,7 @@ def test_json_object_answers_that_finish_parse_as_objects_and_the_rest_say_lengt
 def test_a_schema_the_engine_cannot_compile_is_a_400_naming_response_format(client, server):
     for bad in ({"type": "frob"}, {"type": "object", "properties": {"a": {"$ref": "#/definitions/missing"}}}):
         with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+            client.chat.completions.create(model="model-f32", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
                                            response_format=json_schema(bad))
         err = e.value.body
         assert e.value.status_code == 400 and err["param"] == "response_format"

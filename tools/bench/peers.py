@@ -283,7 +283,7 @@ def _user_text(k: int) -> str:
 def _stream_ttft(url: str, messages: list[dict], max_tokens: int) -> tuple[float, str, dict]:
     import httpx
 
-    body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "chat_template_kwargs": {"enable_thinking": False}}
     t0 = time.perf_counter()
     first, text, usage = None, "", {}

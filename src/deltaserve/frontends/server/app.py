@@ -132,6 +132,8 @@ class Server:
         self.request_timeout = request_timeout
         self.guard: connections.ConnectionGuard | None = None  # set by main, for /health
         self.model_name = model_name or model.path.name
+        # the names a request's `model` may give: the served id, and the file's name with and without its suffix
+        self.model_names = list(dict.fromkeys([self.model_name, model.path.name, model.path.stem]))
         self.think_default = think_default
         self.metrics = Metrics()
         # the conversation state store under the slots: a conversation whose slot was taken resumes from it
@@ -244,6 +246,15 @@ class Server:
             raise bad(str(e), param, "context_length_exceeded") from None
         except DeltaserveError as e:
             raise bad(str(e), param) from None  # the tokenizer's and the template's messages name themselves
+
+    def check_model(self, req: GenerationRequest) -> None:
+        """A request that names a model this server does not serve is a 404, as OpenAI answers it (no `model`: the
+        served one)."""
+        if req.model is not None and req.model not in self.model_names:
+            also = ", ".join(repr(n) for n in self.model_names[1:])
+            raise APIError(404, f"the model {str(req.model)[:100]!r} is not served here: this server serves "
+                           f"{self.model_name!r}" + (f" (it also answers to {also})" if also else ""),
+                           "invalid_request_error", "model", "model_not_found")
 
     def check(self, ids: list[int], endpoint: str) -> None:
         """The session's own prompt check, before the request takes a slot: a 400 naming the parameter."""
@@ -469,6 +480,7 @@ def create_app(server: Server) -> FastAPI:
             ids, thinking = await asyncio.get_running_loop().run_in_executor(server.text_pool, server.prompt_ids,
                                                                              req)
             server.check(ids, endpoint)
+            server.check_model(req)
             return await server.complete(endpoint, req, ids, thinking, t0, request)
         except ClientGone:
             return Response(status_code=499)  # nobody reads it; the slot was freed
