@@ -94,3 +94,44 @@ def test_the_decode_bound_takes_the_highest_read_bandwidth_measured_in_the_run(t
     text = write_report(r, tmp_path)
     assert "50.0 GB/s, the highest of 4 measurements (30.0-50.0 GB/s" in text
     assert "bandwidth bound 50.0 tok/s, reached 42%" in text  # 21 tok/s of 50: bytes per token / best bandwidth
+
+
+def test_the_conversations_report_counts_full_store_hits_and_gives_the_ratios_against_llama_server(tmp_path):
+    from tools.bench.conversations import HEADER, follow_up_hits, paired_ratio, summarize, write_report
+
+    def rows(ttfts, cached_of_prev):  # 2 conversations x 3 turns, prompts of 100, 200, 300 tokens
+        out = []
+        for k in (1, 2, 3):
+            for c in (0, 1):
+                cached = 0 if k == 1 else cached_of_prev(c, k, 100 * (k - 1))
+                out.append({"conversation": c, "turn": k, "ttft_s": ttfts[k - 1], "prompt_tokens": 100 * k,
+                            "cached_tokens": cached, "text": f"{c}.{k}", "llama_cache_n": 50, "llama_prompt_n": 10})
+        return out
+
+    # conversation 1's turn 3 restored less than its previous prompt's checkpoint: not a full hit
+    ds = rows([0.5, 0.2, 0.1], lambda c, k, prev: prev - HEADER - (40 if (c, k) == (1, 3) else 0))
+    hits = follow_up_hits(ds)
+    assert (hits["follow_up_turns"], hits["full_hits"], hits["any_reuse"]) == (4, 3, 4)
+    ll = rows([0.5, 0.4, 0.4], lambda c, k, prev: 0)
+    entry = {"conversations": 2, "mode": "round robin", "turns": 3, "ratio": 0.25, "paired_ratio": 0.3,
+             "deltaserve": {"rows": ds, **summarize(ds), "hits": hits,
+                            "store": {"hits": 4, "misses": 2, "restores": {"ram": 4, "disk": 0},
+                                      "evictions": {"ram": 0, "disk": 0}, "ram": {"states": 6, "bytes": 2**20},
+                                      "tokens_not_prefilled": 600}},
+             "llama-server": {"rows": ll, **summarize(ll), "llama_reuse": {"follow_up_turns": 4, "cache_n_median": 50,
+                                                                           "prompt_n_median": 10}}}
+    assert entry["deltaserve"]["ttft_median_s"] == 0.1 and entry["deltaserve"]["per_turn"] == {1: 0.5, 2: 0.2, 3: 0.1}
+    assert paired_ratio(ds, ll) == 0.25  # turn 3 alone: 0.1 s against 0.4 s, request by request
+    restart = {"conversations": 2, "sigterm_exit": 0, "stop_s": 1.0, "state_files": 6, "same_as_unrestarted": 2,
+               "unrestarted": {"ttft_median_s": 0.1}, "state_bytes": 3 * 2**20, "ratio": 0.2,
+               "same_answers": 2, "restarted": {"rows": ds[4:], "ttft_median_s": 0.1, "cached_median": 193,
+                                                "startup_s": 3.0, "store": None},
+               "fresh": {"rows": ll[4:], "ttft_median_s": 0.5, "cached_median": 0, "startup_s": 3.0, "store": None}}
+    r = {"command": "deltaserve bench conversations", "threads": 2, "cpu": "x", "date": "d", "file": "f.gguf",
+         "many": [entry], "restart": restart, "wall_s": 60.0}
+    text = (write_report(r, tmp_path)).read_text()
+    assert "| 2 | round robin | 300 | 100 | 400 | 0.25x | 0.30x | 3 of 4 (75%) | 50 of 300 | - of 4 |" in text
+    assert "| 2 | round robin | 500 / 500 | 200 / 400 | 100 / 400 |" in text
+    assert "Ratio restarted / re-prefill: **0.20x** (goal <= 0.3). Answers of the restarted server identical to " \
+           "the same turn without a restart: 2 of 2" in text
+    assert (tmp_path / "conversations.json").exists()

