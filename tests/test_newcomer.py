@@ -199,7 +199,7 @@ def test_ci_runs_the_readmes_test_command_and_every_llama_cpp_build_leaves_out_a
     import re
     from pathlib import Path
 
-    from tools.bench.peers import LLAMA_CPU_FLAGS
+    from tools.bench.peers import LLAMA_BASE_FLAGS, llama_cpu_flags
 
     root = Path(__file__).resolve().parents[1]
     blocks = re.findall(r"```bash\n(.*?)\n```", (root / "README.md").read_text(), re.S)
@@ -208,4 +208,11 @@ def test_ci_runs_the_readmes_test_command_and_every_llama_cpp_build_leaves_out_a
     assert test in (root / ".ci" / "run").read_text()
     flags = re.search(r'CMAKE_ARGS="([^"]*)"', test).group(1).split()
     assert "-DGGML_NATIVE=OFF" in flags and not any("AMX" in f for f in flags)
-    assert set(LLAMA_CPU_FLAGS) <= set(flags)
+    # the oracle runs on every CPU of these machines: the AVX2 baseline, no AVX512 (a Zen 3 EPYC has none)
+    assert set(LLAMA_BASE_FLAGS) <= set(flags) and not any("AVX512" in f for f in flags)
+    zen3 = {"avx", "avx2", "fma", "f16c"}
+    sapphire = zen3 | {"avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512vbmi", "amx_tile", "amx_int8"}
+    assert llama_cpu_flags(zen3) == LLAMA_BASE_FLAGS
+    bench = llama_cpu_flags(sapphire)
+    assert "-DGGML_AVX512_VNNI=ON" in bench and not any("AMX" in f for f in bench)
+    assert llama_cpu_flags({"avx2", "avx512_vnni"}) == LLAMA_BASE_FLAGS  # no AVX512F, no AVX512 part

@@ -27,6 +27,12 @@
 
 int ds_abi_version(void) { return DS_ABI; }
 
+/* Everything below needs AVX512F, AVX512BW and AVX512-VNNI (the build is -march=native): on a CPU without them
+ * none of it is compiled, and kernels/native.py sees which functions the library has (a missing symbol is a
+ * kernel this CPU does not run; blocks.c and native_avx2.c hold what runs on AVX2). */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+
+
 /* One activation row: q (int8), lane scales dv (one per 4 elements: the scale of the element's block, so a
  * 64-byte chunk's 16 int32 lanes are scaled by one vector) and the correction 128 * sum(dv * q). */
 static float quantize_row(const float *x, int K, int8_t *q, float *dv) {
@@ -847,3 +853,5 @@ int ds_delta_rule(const float *q, const float *k, const float *v, const float *g
     }
     return 0;
 }
+
+#endif  /* AVX512 */

@@ -1,16 +1,22 @@
-"""The native CPU kernel (`native.c`): int8 weight tables times a few activation rows, on AVX512-VNNI.
+"""The native CPU kernels (`native.c`, `blocks.c`, `native_avx2.c`), built for this CPU and loaded with ctypes.
 
-It is compiled once per machine with the system C compiler (`cc`, or `$CC`) into deltaserve's cache directory
-(`$DELTASERVE_CACHE_DIR`, else `~/.cache/deltaserve`) and loaded with ctypes; torch stays the fallback for
-every product it does not take. `status()` says which and why, so the route can be said out loud:
+They are compiled once per machine with the system C compiler (`cc`, or `$CC`; `-march=native`) into deltaserve's
+cache directory (`$DELTASERVE_CACHE_DIR`, else `~/.cache/deltaserve`); torch stays the fallback for every product
+they do not take. What is compiled depends on the CPU, and the library's symbols say what it holds (`has`):
 
-- `DELTASERVE_NATIVE=off` turns it off;
-- a CPU without AVX512-VNNI (and AVX512-BW), no compiler, or a failed build: torch's kernels, with the reason.
+- `native.c`: int8 tables and the file's Q4_K/Q6_K blocks times a few activation rows, the one-call token decode,
+  the prefill's delta rule: AVX512F + AVX512BW + AVX512-VNNI only (`status()` says whether they run, and why not);
+- `blocks.c`: the file's own blocks (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, F16, BF16) dequantized exactly, and products
+  on them: AVX2 + FMA + F16C, so on every x86-64 CPU these machines have (the AVX512 ones included);
+- `native_avx2.c`: what native.c does, for CPUs without AVX512.
 
-Why a kernel of our own: torch's weight-only int8 product (`_weight_int8pack_mm`) read the 254 MB head
-table at 24-34 GB/s here, where a plain read of the same bytes ran at 35-70 GB/s (the machine's bandwidth
-moves a lot). This one reads it as fast as the plain read, and a batch of rows shares one pass over the
-weights.
+`DELTASERVE_NATIVE=off` turns all of it off; a CPU without AVX2/FMA/F16C, no compiler or a failed build: torch's
+kernels, with the reason.
+
+Why kernels of our own: torch's weight-only int8 product (`_weight_int8pack_mm`) read the 254 MB head table at
+24-34 GB/s on a Zen 4, where a plain read of the same bytes ran at 35-70 GB/s; on a CPU without AVX512-VNNI
+(a Zen 3 EPYC) torch's int8 x int8 product runs at about 1 GMAC/s, twenty times slower than its own f32 GEMM, and
+nothing in torch reads GGUF blocks.
 """
 
 from __future__ import annotations
@@ -30,10 +36,14 @@ import torch
 
 from deltaserve.cachedir import cache_root
 
-SOURCE = Path(__file__).with_name("native.c")
-HEADER = Path(__file__).with_name("native.h")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
-NEEDS = ("avx512f", "avx512bw", "avx512_vnni")
+HERE = Path(__file__).parent
+SOURCES = [HERE / "native.c", HERE / "blocks.c", HERE / "native_avx2.c"]
+HEADER = HERE / "native.h"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC"]
+# blocks.c dequantizes bit for bit as gguf does: no a * b + c contracted into one rounding there
+SOURCE_FLAGS = {"blocks.c": ["-ffp-contract=off"]}
+NEEDS = ("avx2", "fma", "f16c")            # to build the library at all
+NEEDS_AVX512 = ("avx512f", "avx512bw", "avx512_vnni")  # for native.c's kernels
 
 
 def _header() -> tuple[dict[str, int], dict[str, type]]:
@@ -88,9 +98,13 @@ def _compiler() -> str | None:
     return shutil.which(cc)
 
 
+def _sources() -> list[Path]:
+    return [s for s in SOURCES if s.exists()]
+
+
 def _build(cc: str) -> Path:
-    """The shared library for this source, compiler and CPU, built if not cached. Raises RuntimeError."""
-    src = SOURCE.read_bytes() + HEADER.read_bytes()
+    """The shared library for these sources, compiler and CPU, built if not cached. Raises RuntimeError."""
+    src = b"".join(s.read_bytes() for s in [*_sources(), *sorted(HERE.glob("*.h"))])
     flags = sorted(_cpu_flags())
     key = hashlib.sha256(src + cc.encode() + " ".join(FLAGS + flags).encode()).hexdigest()[:16]
     out = cache_dir() / f"native-{key}.so"
@@ -100,15 +114,40 @@ def _build(cc: str) -> Path:
     print(f"[deltaserve] compiling the native kernel (once per machine) into {out.parent} ...", file=sys.stderr,
           flush=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        objects = []
+        for s in _sources():
+            obj = Path(tmp) / (s.stem + ".o")
+            _run_cc([cc, *FLAGS, *SOURCE_FLAGS.get(s.name, []), f"-I{HEADER.parent}", "-c", str(s), "-o", str(obj)],
+                    s.name)
+            objects.append(str(obj))
         part = Path(tmp) / out.name
-        r = subprocess.run([cc, *FLAGS, f"-I{HEADER.parent}", str(SOURCE), "-o", str(part), "-lm"],
-                           capture_output=True, text=True,
-                           timeout=120)
-        if r.returncode != 0:
-            first = (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[0]
-            raise RuntimeError(f"{Path(cc).name} failed on native.c: {first}")
+        _run_cc([cc, "-shared", "-fopenmp", *objects, "-o", str(part), "-lm"], "the link")
         part.replace(out)
     return out
+
+
+def _run_cc(cmd: list[str], what: str) -> None:
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    if r.returncode != 0:
+        first = (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[0]
+        raise RuntimeError(f"{Path(cmd[0]).name} failed on {what}: {first}")
+
+
+# every function the library may hold, with its ctypes signature; a CPU's build holds those its ISA compiles
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+SIGNATURES = {
+    "ds_linear_i8": [_P, _I, _I, _L, _P, _P, _I, _P, _L, _I],
+    "ds_linear_kq": [_I, _P, _I, _I, _L, _P, _I, _P, _L, _I],
+    "ds_deltanet_step": [_P] * 11 + [_I] * 6 + [_F, _I],
+    "ds_causal_conv": [_P, _P, _P, _P, _I, _I, _I, _I],
+    "ds_repack_q4k": [_P, _L, _P],
+    "ds_quantize_rows": [_P, _I, _I, _L, _P, _P, _I],
+    "ds_scale_product": [_P, _I, _I, _P, _P, _P, _I],
+    "ds_decode_tokens": [_P, _I, _P, _P, _P, _P, _P, _I],
+    "ds_delta_rule": [_P] * 7 + [_I] * 5,
+    "ds_dequant": [_I, _P, _L, _I, _P, _L, _I],
+    "ds_linear_blocks": [_I, _P, _I, _I, _L, _P, _I, _P, _L, _I],
+}
 
 
 def _load() -> tuple[ctypes.CDLL | None, str]:
@@ -127,34 +166,37 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         return None, str(e)
     if lib.ds_abi_version() != ABI:
         return None, f"the cached native library is of another version ({lib.ds_abi_version()}, wanted {ABI})"
-    P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
-    lib.ds_linear_i8.argtypes = [P, I, I, L, P, P, I, P, L, I]
-    lib.ds_linear_i8.restype = I
-    lib.ds_linear_kq.argtypes = [I, P, I, I, L, P, I, P, L, I]
-    lib.ds_linear_kq.restype = I
-    lib.ds_deltanet_step.argtypes = [P] * 11 + [I] * 6 + [ctypes.c_float, I]
-    lib.ds_deltanet_step.restype = I
-    lib.ds_causal_conv.argtypes = [P, P, P, P, I, I, I, I]
-    lib.ds_causal_conv.restype = I
-    lib.ds_repack_q4k.argtypes = [P, L, P]
-    lib.ds_repack_q4k.restype = I
-    lib.ds_quantize_rows.argtypes = [P, I, I, L, P, P, I]
-    lib.ds_quantize_rows.restype = I
-    lib.ds_scale_product.argtypes = [P, I, I, P, P, P, I]
-    lib.ds_scale_product.restype = I
-    lib.ds_decode_tokens.argtypes = [P, I, P, P, P, P, P, I]
-    lib.ds_decode_tokens.restype = I
-    lib.ds_delta_rule.argtypes = [P] * 7 + [I] * 5
-    lib.ds_delta_rule.restype = I
-    return lib, "AVX512-VNNI, int8 activations per block of 32"
+    for name, args in SIGNATURES.items():
+        if hasattr(lib, name):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, ctypes.c_int
+    return lib, "built"
+
+
+def has(name: str) -> bool:
+    """Whether this machine's library holds the kernel `name` (it is compiled where the CPU runs it)."""
+    lib = library()
+    return lib is not None and hasattr(lib, name)
 
 
 def status() -> tuple[bool, str]:
-    """(available, what or why not): built and loaded on first call, then remembered for the process."""
-    with _lock:
-        if "lib" not in _state:
-            _state["lib"], _state["why"] = _load()
-        return _state["lib"] is not None, _state["why"]
+    """(available, what or why not) for native.c's AVX512 kernels (int8 tables and Q4_K/Q6_K blocks times a few
+    rows, the one-call decode, the prefill's delta rule): built and loaded on first call, then remembered."""
+    lib = library()
+    if lib is None:
+        return False, _state["why"]
+    if not hasattr(lib, "ds_linear_i8"):
+        missing = [f for f in NEEDS_AVX512 if f not in _cpu_flags()]
+        return False, f"this CPU lacks {', '.join(missing or NEEDS_AVX512)}"
+    return True, "AVX512-VNNI, int8 activations per block of 32"
+
+
+def portable() -> tuple[bool, str]:
+    """(available, why not) for blocks.c's kernels on the file's own blocks (any CPU with AVX2, FMA and F16C)."""
+    lib = library()
+    if lib is None:
+        return False, _state["why"]
+    return (True, "AVX2") if hasattr(lib, "ds_linear_blocks") else (False, "not in this build")
 
 
 def reset() -> None:
@@ -164,9 +206,10 @@ def reset() -> None:
 
 
 def library() -> ctypes.CDLL | None:
-    if "lib" not in _state:
-        status()
-    return _state["lib"]
+    with _lock:
+        if "lib" not in _state:
+            _state["lib"], _state["why"] = _load()
+        return _state["lib"]
 
 
 BLOCK_TYPES = {"Q4_K": (12, 144), "Q6_K": (CONSTANTS["DS_Q6K"], 210),  # GGUF type id, bytes per block of 256
@@ -177,7 +220,7 @@ def for_products(kind: str, blocks: torch.Tensor) -> tuple[str, torch.Tensor]:
     """A file's blocks in the form the product reads fastest: Q4_K repacked once (a new table), the others
     as they are (the view of the file)."""
     lib = library()
-    if kind != "Q4_K" or lib is None:
+    if kind != "Q4_K" or not has("ds_repack_q4k"):
         return kind, blocks
     rows = blocks.shape[0]
     n = blocks.numel() // BLOCK_TYPES[kind][1]
@@ -191,7 +234,7 @@ def linear_blocks(x: torch.Tensor, kind: str, blocks: torch.Tensor, out_features
     block bytes]): f32 [M, N]; None when the kernel cannot take it (more than 8 rows, no library)."""
     lib = library()
     M, K = x.shape
-    if lib is None or M > MAX_ROWS or K % 256 or kind not in BLOCK_TYPES:
+    if not has("ds_linear_kq") or M > MAX_ROWS or K % 256 or kind not in BLOCK_TYPES:
         return None
     kind, blocks = for_products(kind, blocks)  # the kernel reads Q4_K repacked (done once at load for a model)
     if x.dtype != torch.float32 or x.stride(1) != 1:
@@ -204,15 +247,15 @@ def linear_blocks(x: torch.Tensor, kind: str, blocks: torch.Tensor, out_features
 
 
 def takes(in_features: int) -> bool:
-    """Whether the native kernel takes products with this inner size (and is available at all)."""
-    return in_features % 32 == 0 and library() is not None
+    """Whether the native int8-table kernel takes products with this inner size (and runs on this CPU)."""
+    return in_features % 32 == 0 and has("ds_linear_i8")
 
 
 def linear_i8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
     """x [M, K] (any float dtype) times the int8 table q [N, K] with per-row f32 scales: f32 [M, N]; None
     when the native kernel cannot take it (then the caller uses torch)."""
     lib = library()
-    if lib is None or x.shape[1] % 32:
+    if not has("ds_linear_i8") or x.shape[1] % 32:
         return None
     if x.dtype != torch.float32 or x.stride(1) != 1:
         x = x.float().contiguous()
@@ -229,7 +272,7 @@ def linear_i8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Te
 def deltanet_ready(w, states: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
     """Whether `deltanet_step` takes this layer's weights and these (conv, ssm) states: checked before any
     state is touched, so a batch never runs half on one path."""
-    if library() is None:
+    if not has("ds_deltanet_step"):
         return False
     tensors = [w.conv, w.a_neg, w.dt_bias, w.norm, *(t for pair in states for t in pair)]
     return all(t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu" for t in tensors)
@@ -260,7 +303,7 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     lib = library()
     t, h, dk = k.shape
     dv = v.shape[-1]
-    if lib is None or state.dtype != torch.float32 or not state.is_contiguous() or state.device.type != "cpu" \
+    if not has("ds_delta_rule") or state.dtype != torch.float32 or not state.is_contiguous() or state.device.type != "cpu" \
             or state.shape != (h, dk, dv) or dv % 32 or dk % 2:
         return None
     q, k, v, g, beta = (x.float().contiguous() for x in (q, k, v, g, beta))
@@ -275,7 +318,7 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor)
     """The causal conv + SiLU of layers.causal_conv over x [T, C] in one pass (conv_state [Kc-1, C] updated
     in place); None, with nothing touched, where the native kernel cannot take it."""
     lib = library()
-    if lib is None or any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu"
+    if not has("ds_causal_conv") or any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu"
                           for t in (conv_state, weight)) or x.device.type != "cpu":
         return None
     x = x.float().contiguous()
@@ -291,7 +334,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """linear.quantize_rows_int8 for f32 rows in two passes instead of five (bit for bit the same); None
     where the native kernel does not run."""
     lib = library()
-    if lib is None or x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or x.device.type != "cpu":
+    if not has("ds_quantize_rows") or x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or x.device.type != "cpu":
         return None
     m, k = x.shape
     q, scale = torch.empty(m, k, dtype=torch.int8), torch.empty(m)
@@ -303,7 +346,7 @@ def scale_product(acc: torch.Tensor, col: torch.Tensor, row: torch.Tensor) -> to
     """(float)acc * col[None, :] * row[:, None] for an int32 [M, N] product, in one pass; None where the
     native kernel does not run."""
     lib = library()
-    if lib is None or not acc.is_contiguous() or acc.dtype != torch.int32 or acc.device.type != "cpu":
+    if not has("ds_scale_product") or not acc.is_contiguous() or acc.dtype != torch.int32 or acc.device.type != "cpu":
         return None
     m, n = acc.shape
     y = torch.empty(m, n)

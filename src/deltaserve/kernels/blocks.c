@@ -1,0 +1,417 @@
+/* blocks.c: a GGUF file's own tensor blocks, read where they lie (the file's mapping), on any x86-64 CPU with
+ * AVX2, FMA and F16C (every CPU these machines have: AMD EPYC Zen 3/4/5, Intel Xeon).
+ *
+ * Why our own: nothing in torch reads GGUF blocks, and the alternative, a second copy of every weight in a
+ * form torch multiplies (int8 tables, bf16), cost 1.5-3.4x the file in memory and 8-9 s of conversion at load.
+ *
+ * - ds_dequant: rows of a tensor to f32, bit for bit what gguf.quants.dequantize gives (this file is compiled
+ *   with -ffp-contract=off: every product and difference is one f32 rounding, in the reference's order).
+ *   A many-row product (a prefill) dequantizes a chunk of rows at a time and multiplies it with torch's f32
+ *   GEMM (kernels/linear.py): the weights are the file's values exactly, the activations stay f32.
+ * - ds_linear_blocks: x [M, K] f32 times a tensor of Q8_0, Q4_0, Q4_K, Q5_K or Q6_K blocks, as llama.cpp's own
+ *   CPU products do it: the activations quantized to int8 per block (Q8_0 blocks of 32 for Q8_0/Q4_0, with an
+ *   f16 scale; blocks of 256 with an f32 scale and sums of 16 for the K-quants), each block's integer dot
+ *   product exact in int32, scaled once per block. For a Q8_0 file the only rounding is the activations'.
+ *   Each thread takes a run of output rows; a row's blocks are read once from memory and then from L1 for
+ *   every group of four activation rows.
+ *
+ * AVX2 has no unsigned-by-signed byte dot product with 32-bit sums (VNNI), so a block goes through vpmaddubsw
+ * (u8 x s8 -> s16 pairs) and vpmaddwd (s16 pairs -> s32): an int8 weight w is made unsigned by the sign trick,
+ * |w| times sign(w) * a (no pair can overflow: 2 * 128 * 127 < 32768).
+ */
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "native.h"
+#include "blocks.h"
+
+#define T_F32 0
+#define T_F16 1
+#define T_Q4_0 2
+#define T_Q8_0 8
+#define T_Q4_K 12
+#define T_Q5_K 13
+#define T_Q6_K 14
+#define T_BF16 30
+#define MG 4  /* activation rows per pass over a weight row */
+
+static inline float h2f(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+static int block_info(int type, int *elems, int *bytes) {
+    switch (type) {
+    case T_F32: *elems = 1; *bytes = 4; return 0;
+    case T_F16: *elems = 1; *bytes = 2; return 0;
+    case T_BF16: *elems = 1; *bytes = 2; return 0;
+    case T_Q4_0: *elems = 32; *bytes = 18; return 0;
+    case T_Q8_0: *elems = 32; *bytes = 34; return 0;
+    case T_Q4_K: *elems = 256; *bytes = 144; return 0;
+    case T_Q5_K: *elems = 256; *bytes = 176; return 0;
+    case T_Q6_K: *elems = 256; *bytes = 210; return 0;
+    default: return -1;
+    }
+}
+
+/* The 8 six-bit scales and mins of a Q4_K/Q5_K block (its bytes 4..15). */
+static inline void k_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (s[j + 8] & 0xF) | ((s[j] >> 6) << 4);
+        mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+    }
+}
+
+/* ---- exact dequantization ---------------------------------------------------------------------------- */
+
+static void deq_row(int type, const uint8_t *b, int K, float *o) {
+    switch (type) {
+    case T_F32:
+        memcpy(o, b, (size_t)K * 4);
+        return;
+    case T_F16:
+        for (int i = 0; i < K; i++) o[i] = h2f(b + 2 * i);
+        return;
+    case T_BF16:
+        for (int i = 0; i < K; i++) {
+            uint32_t u = (uint32_t)(b[2 * i] | (b[2 * i + 1] << 8)) << 16;
+            memcpy(o + i, &u, 4);
+        }
+        return;
+    case T_Q8_0:
+        for (int j = 0; j < K / 32; j++, b += 34, o += 32) {
+            float d = h2f(b);
+            const int8_t *q = (const int8_t *)(b + 2);
+            for (int i = 0; i < 32; i++) o[i] = d * (float)q[i];
+        }
+        return;
+    case T_Q4_0:
+        for (int j = 0; j < K / 32; j++, b += 18, o += 32) {
+            float d = h2f(b);
+            for (int i = 0; i < 16; i++) {
+                o[i] = (float)((b[2 + i] & 0xF) - 8) * d;
+                o[i + 16] = (float)((b[2 + i] >> 4) - 8) * d;
+            }
+        }
+        return;
+    case T_Q4_K:
+    case T_Q5_K: {
+        int q5 = type == T_Q5_K, bytes = q5 ? 176 : 144;
+        for (int j = 0; j < K / 256; j++, b += bytes, o += 256) {
+            float d = h2f(b), dmin = h2f(b + 2);
+            uint8_t sc[8], mn[8];
+            k_scales(b + 4, sc, mn);
+            const uint8_t *qh = b + 16, *qs = b + (q5 ? 48 : 16);
+            for (int s = 0; s < 8; s++) {
+                float ds = d * (float)sc[s], dm = dmin * (float)mn[s];
+                const uint8_t *g = qs + 32 * (s / 2);
+                for (int l = 0; l < 32; l++) {
+                    int q = (s & 1) ? g[l] >> 4 : g[l] & 0xF;
+                    if (q5) q |= ((qh[l] >> s) & 1) << 4;
+                    o[32 * s + l] = ds * (float)q - dm;
+                }
+            }
+        }
+        return;
+    }
+    case T_Q6_K:
+        for (int j = 0; j < K / 256; j++, b += 210, o += 256) {
+            float d = h2f(b + 208);
+            const int8_t *sc = (const int8_t *)(b + 192);
+            for (int h = 0; h < 2; h++)
+                for (int g = 0; g < 4; g++)
+                    for (int l = 0; l < 32; l++) {
+                        int lo = b[64 * h + 32 * (g & 1) + l], hi = b[128 + 32 * h + l];
+                        int q = ((g < 2 ? lo & 0xF : lo >> 4) | (((hi >> (2 * g)) & 3) << 4)) - 32;
+                        int i = 128 * h + 32 * g + l;
+                        o[i] = (d * (float)sc[i / 16]) * (float)q;
+                    }
+        }
+        return;
+    }
+}
+
+/* rows [rows, K] of blocks (row after row, no padding) -> dst f32 (row stride ldd). */
+int ds_dequant(int type, const uint8_t *src, long rows, int K, float *dst, long ldd, int nthreads) {
+    int elems, bytes;
+    if (block_info(type, &elems, &bytes) || K <= 0 || K % elems || rows < 0) return -1;
+    size_t row_bytes = (size_t)(K / elems) * bytes;
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if (rows * (long)K >= 65536)
+    for (long r = 0; r < rows; r++) deq_row(type, src + (size_t)r * row_bytes, K, dst + (size_t)r * ldd);
+    return 0;
+}
+
+/* ---- activations quantized as llama.cpp quantizes them ----------------------------------------------- */
+
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_add_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+static inline int hsum8i(__m256i v) {
+    __m128i m = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    m = _mm_add_epi32(m, _mm_srli_si128(m, 8));
+    m = _mm_add_epi32(m, _mm_srli_si128(m, 4));
+    return _mm_cvtsi128_si32(m);
+}
+
+/* 32 floats * id rounded to nearest (ties to even), as int8 (|v| <= 127 by construction) */
+static inline __m256i round32(const float *x, float id) {
+    __m256 s = _mm256_set1_ps(id);
+    __m256i a = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x), s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    __m256i b = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 8), s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    __m256i c = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 16), s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    __m256i e = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 24), s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    __m256i ab = _mm256_packs_epi32(a, b), ce = _mm256_packs_epi32(c, e);
+    __m256i v = _mm256_packs_epi16(ab, ce);  /* lanes interleaved by the packs: put them back in order */
+    return _mm256_permutevar8x32_epi32(v, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+static inline float amax32(const float *x) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_andnot_ps(sign, _mm256_loadu_ps(x));
+    for (int i = 8; i < 32; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+    return hmax8(m);
+}
+
+/* Q8_0 blocks of 32: q int8 [K], d [K/32] (the f16-rounded scale, as the block would store it). */
+static void quant_q8_0(const float *x, int K, int8_t *q, float *d) {
+    for (int b = 0; b < K; b += 32) {
+        float amax = amax32(x + b);
+        float dd = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        _mm256_storeu_si256((__m256i *)(q + b), round32(x + b, id));
+        d[b / 32] = _cvtsh_ss(_cvtss_sh(dd, 0));
+    }
+}
+
+/* blocks of 256 (llama.cpp's Q8_K): q int8 [K], d [K/256] f32, bs [K/16] sums of 16 quantized values. */
+static void quant_q8_k(const float *x, int K, int8_t *q, float *d, int16_t *bs) {
+    for (int b = 0; b < K; b += 256) {
+        float amax = 0.0f;
+        for (int i = 0; i < 256; i += 32) { float a = amax32(x + b + i); if (a > amax) amax = a; }
+        float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        d[b / 256] = amax / 127.0f;
+        for (int i = 0; i < 256; i += 32) _mm256_storeu_si256((__m256i *)(q + b + i), round32(x + b + i, id));
+        for (int i = 0; i < 256; i += 16) {
+            int s = 0;
+            for (int j = 0; j < 16; j++) s += q[b + i + j];
+            bs[(b + i) / 16] = (int16_t)s;
+        }
+    }
+}
+
+typedef struct {
+    const int8_t *q;
+    const float *d;
+    const int16_t *bs;
+} act_t;
+
+/* ---- one weight row against up to MG activation rows -------------------------------------------------- */
+
+static inline __m256i dot_i8(__m256i aw, __m256i w, __m256i a) {  /* 8 int32 partial sums of w . a */
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(a, w)), _mm256_set1_epi16(1));
+}
+
+/* Q8_0 and Q4_0: int8 weights of a block of 32 and the block's scale. */
+static inline __m256i load_q8_0(const uint8_t *b, float *d) {
+    *d = h2f(b);
+    return _mm256_loadu_si256((const __m256i *)(b + 2));
+}
+
+static inline __m256i load_q4_0(const uint8_t *b, float *d) {
+    *d = h2f(b);
+    __m128i raw = _mm_loadu_si128((const __m128i *)(b + 2));
+    __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(0xF)), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0xF));
+    return _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8));
+}
+
+static void row_q32(int type, const uint8_t *row, int K, const act_t *a, int M, float *out) {
+    __m256 acc[MG];
+    for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
+    int bytes = type == T_Q8_0 ? 34 : 18;
+    for (int j = 0; j < K / 32; j++) {
+        const uint8_t *b = row + (size_t)j * bytes;
+        float dw;
+        __m256i w = type == T_Q8_0 ? load_q8_0(b, &dw) : load_q4_0(b, &dw);
+        __m256i aw = _mm256_sign_epi8(w, w);
+        for (int m = 0; m < M; m++) {
+            __m256i s = dot_i8(aw, w, _mm256_loadu_si256((const __m256i *)(a[m].q + 32 * j)));
+            acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(dw * a[m].d[j]), _mm256_cvtepi32_ps(s), acc[m]);
+        }
+    }
+    for (int m = 0; m < M; m++) out[m] = hsum8(acc[m]);
+}
+
+/* Q4_K / Q5_K: v = d sc q - dmin m per sub-block of 32 (q 0..15, or 0..31 with the fifth bit of qh). */
+static void row_q45k(int type, const uint8_t *row, int K, const act_t *a, int M, float *out) {
+    float acc[MG];
+    int q5 = type == T_Q5_K, bytes = q5 ? 176 : 144;
+    const __m256i lo4 = _mm256_set1_epi8(0xF), one = _mm256_set1_epi8(1);
+    for (int m = 0; m < M; m++) acc[m] = 0.0f;
+    for (int j = 0; j < K / 256; j++) {
+        const uint8_t *b = row + (size_t)j * bytes;
+        float d = h2f(b), dmin = h2f(b + 2);
+        uint8_t sc[8], mn[8];
+        k_scales(b + 4, sc, mn);
+        const uint8_t *qs = b + (q5 ? 48 : 16);
+        __m256i qh = q5 ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
+        __m256i isum[MG];
+        for (int m = 0; m < M; m++) isum[m] = _mm256_setzero_si256();
+        for (int g = 0; g < 4; g++) {
+            __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * g));
+            __m256i w0 = _mm256_and_si256(raw, lo4), w1 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4);
+            if (q5) {
+                w0 = _mm256_or_si256(w0, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), one), 4));
+                w1 = _mm256_or_si256(w1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g + 1), one), 4));
+            }
+            __m256i s0 = _mm256_set1_epi16(sc[2 * g]), s1 = _mm256_set1_epi16(sc[2 * g + 1]);
+            for (int m = 0; m < M; m++) {
+                const int8_t *qa = a[m].q + 256 * j + 64 * g;
+                __m256i p0 = _mm256_maddubs_epi16(w0, _mm256_loadu_si256((const __m256i *)qa));
+                __m256i p1 = _mm256_maddubs_epi16(w1, _mm256_loadu_si256((const __m256i *)(qa + 32)));
+                isum[m] = _mm256_add_epi32(isum[m], _mm256_add_epi32(_mm256_madd_epi16(p0, s0), _mm256_madd_epi16(p1, s1)));
+            }
+        }
+        for (int m = 0; m < M; m++) {
+            const int16_t *bs = a[m].bs + 16 * j;
+            int msum = 0;
+            for (int s = 0; s < 8; s++) msum += mn[s] * (bs[2 * s] + bs[2 * s + 1]);
+            float da = a[m].d[j];
+            acc[m] += d * da * (float)hsum8i(isum[m]) - dmin * da * (float)msum;
+        }
+    }
+    for (int m = 0; m < M; m++) out[m] = acc[m];
+}
+
+/* Q6_K: v = d sc (q - 32) per sub-block of 16, q 0..63 (four bits of ql, two of qh). */
+static void row_q6k(const uint8_t *row, int K, const act_t *a, int M, float *out) {
+    float acc[MG];
+    const __m256i lo4 = _mm256_set1_epi8(0xF), hi2 = _mm256_set1_epi8(0x30);
+    for (int m = 0; m < M; m++) acc[m] = 0.0f;
+    for (int j = 0; j < K / 256; j++) {
+        const uint8_t *b = row + (size_t)j * 210;
+        float d = h2f(b + 208);
+        const int8_t *sc = (const int8_t *)(b + 192);
+        __m256i isum[MG];
+        for (int m = 0; m < M; m++) isum[m] = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {
+            __m256i l0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
+            __m256i l1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+            __m256i hb = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+            __m256i w[4] = {
+                _mm256_or_si256(_mm256_and_si256(l0, lo4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), hi2)),
+                _mm256_or_si256(_mm256_and_si256(l1, lo4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), hi2)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), lo4), _mm256_and_si256(hb, hi2)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), lo4), _mm256_and_si256(_mm256_srli_epi16(hb, 2), hi2)),
+            };
+            for (int g = 0; g < 4; g++) {
+                int s = 8 * h + 2 * g;  /* the group's two sub-blocks of 16 */
+                __m256i sv = _mm256_set_m128i(_mm_set1_epi16(sc[s + 1]), _mm_set1_epi16(sc[s]));
+                for (int m = 0; m < M; m++) {
+                    __m256i p = _mm256_maddubs_epi16(w[g], _mm256_loadu_si256((const __m256i *)(a[m].q + 256 * j + 128 * h + 32 * g)));
+                    isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(p, sv));
+                }
+            }
+        }
+        for (int m = 0; m < M; m++) {
+            const int16_t *bs = a[m].bs + 16 * j;
+            int off = 0;
+            for (int s = 0; s < 16; s++) off += sc[s] * bs[s];
+            acc[m] += d * a[m].d[j] * (float)(hsum8i(isum[m]) - 32 * off);
+        }
+    }
+    for (int m = 0; m < M; m++) out[m] = acc[m];
+}
+
+/* ---- the team-level pieces (blocks.h), and the product built from them ----------------------------------- */
+
+int blk_kind(int type) {
+    int elems, bytes;
+    if (block_info(type, &elems, &bytes) || elems == 1) return 0;
+    return elems == 256 ? 2 : 1;
+}
+
+size_t blk_scratch_bytes(int M, int K) {
+    return (size_t)M * K + 64 + ((size_t)M * (K / 32) * sizeof(float) + 64) + ((size_t)M * (K / 16) * sizeof(int16_t) + 64);
+}
+
+static void scratch_parts(void *scratch, int M, int K, int8_t **q, float **d, int16_t **bs) {
+    uint8_t *p = scratch;
+    *q = (int8_t *)p;
+    p += (size_t)M * K + 64;
+    *d = (float *)p;
+    p += (size_t)M * (K / 32) * sizeof(float) + 64;
+    *bs = (int16_t *)p;
+}
+
+static act_t act_row(int kind, void *scratch, int M, int K, int m) {
+    int8_t *q; float *d; int16_t *bs;
+    scratch_parts(scratch, M, K, &q, &d, &bs);
+    act_t a = {q + (size_t)m * K, d + (size_t)m * (K / 32), kind == 2 ? bs + (size_t)m * (K / 16) : NULL};
+    return a;
+}
+
+void blk_prepare(int kind, const float *x, int M, int K, long ldx, void *scratch) {
+    #pragma omp for schedule(static)
+    for (int m = 0; m < M; m++) {
+        act_t a = act_row(kind, scratch, M, K, m);
+        if (kind == 2) quant_q8_k(x + (size_t)m * ldx, K, (int8_t *)a.q, (float *)a.d, (int16_t *)a.bs);
+        else quant_q8_0(x + (size_t)m * ldx, K, (int8_t *)a.q, (float *)a.d);
+    }
+}
+
+void blk_tiles(int type, const uint8_t *blocks, int N, int K, void *scratch, int M, float *y, long ldy) {
+    int elems, bytes, kind = blk_kind(type);
+    block_info(type, &elems, &bytes);
+    size_t row_bytes = (size_t)(K / elems) * bytes;
+    act_t a[DS_MAX_ROWS > MG ? DS_MAX_ROWS : MG];
+    #pragma omp for schedule(static) nowait
+    for (int n = 0; n < N; n++) {
+        const uint8_t *row = blocks + (size_t)n * row_bytes;
+        if (M > MG && n + 1 < N) _mm_prefetch((const char *)(row + row_bytes), _MM_HINT_T0);
+        for (int m0 = 0; m0 < M; m0 += MG) {
+            int mg = M - m0 < MG ? M - m0 : MG;
+            for (int m = 0; m < mg; m++) a[m] = act_row(kind, scratch, M, K, m0 + m);
+            float out[MG];
+            if (type == T_Q6_K) row_q6k(row, K, a, mg, out);
+            else if (kind == 2) row_q45k(type, row, K, a, mg, out);
+            else row_q32(type, row, K, a, mg, out);
+            for (int m = 0; m < mg; m++) y[(size_t)(m0 + m) * ldy + n] = out[m];
+        }
+    }
+}
+
+/* y[m, n] = sum_k v(n, k) x[m, k] for a tensor [N, K] of blocks of `type` (rows after each other); any M.
+ * Returns 0, or -1 when it cannot take the product (type, K, memory). */
+int ds_linear_blocks(int type, const float *x, int M, int K, long ldx, const uint8_t *blocks, int N, float *y,
+                     long ldy, int nthreads) {
+    int kind = blk_kind(type), elems, bytes;
+    if (M <= 0 || N <= 0 || !kind || (block_info(type, &elems, &bytes), K % elems)) return -1;
+    void *scratch = malloc(blk_scratch_bytes(M, K));
+    if (!scratch) return -1;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        blk_prepare(kind, x, M, K, ldx, scratch);
+        blk_tiles(type, blocks, N, K, scratch, M, y, ldy);
+    }
+    free(scratch);
+    return 0;
+}
+
+#endif  /* AVX2 + FMA + F16C */
