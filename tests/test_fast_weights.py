@@ -1,4 +1,6 @@
-"""The fast weight path (int8 tables for quantized files, bf16 for 16-bit ones) stays within documented bounds.
+"""The int8-table weight path (weights="tables": int8 tables for quantized files, bf16 for 16-bit ones; the default
+where native.c's AVX512 kernels run) stays within documented bounds. The file's-own-blocks path (weights="blocks",
+the default elsewhere) has tests/test_file_blocks.py.
 
 Bounds (documented in README "Accuracy"): on the fixtures, the mean absolute logit difference between the fast
 path and the f32 reference is at most twice the difference the file's own quantization makes (its values
@@ -43,7 +45,7 @@ def decode_all(m, ids):
 
 @pytest.mark.parametrize("name", ["hybrid", "deep"])
 def test_the_fast_q8_0_path_stays_within_twice_the_files_own_quantization_error(name):
-    fast, exact = model(name, "q8_0", "fast"), model(name, "q8_0", "exact")
+    fast, exact = model(name, "q8_0", "tables"), model(name, "q8_0", "exact")
     ref = model(name, "f32", "exact")
     assert isinstance(fast.host.weights.layers[0].gate_up.fused, Int8Linear)
     ids = ids_for(ref)
@@ -54,7 +56,7 @@ def test_the_fast_q8_0_path_stays_within_twice_the_files_own_quantization_error(
 
 
 def test_the_fast_bf16_path_stays_close_to_f32():
-    fast = model("hybrid", "bf16", "fast")
+    fast = model("hybrid", "bf16", "tables")
     ref = model("hybrid", "f32", "exact")
     lw = fast.host.weights.layers[0].gate_up.fused
     assert isinstance(lw, DenseLinear) and lw.weight.dtype == torch.bfloat16
@@ -69,7 +71,7 @@ def test_f32_files_stay_exact_on_the_fast_path():
 
 
 def test_an_int8_table_serves_both_the_embedding_and_the_tied_head():
-    m = model("hybrid", "q8_0", "fast")
+    m = model("hybrid", "q8_0", "tables")
     w = m.host.weights
     assert isinstance(w.embed.table, Int8Linear) and w.lm_head is w.embed.table
     rows = w.embed.lookup(torch.tensor([3, 7]))
@@ -92,7 +94,7 @@ def test_many_row_int8_products_treat_each_row_on_its_own_and_stay_near_the_floa
 
 
 def test_the_down_projection_keeps_bf16_activations_and_the_others_take_int8():
-    w = model("hybrid", "q8_0", "fast").host.weights
+    w = model("hybrid", "q8_0", "tables").host.weights
     assert all(not layer.down.int8_activations for layer in w.layers)
     assert all(layer.gate_up.fused.int8_activations for layer in w.layers)
 
@@ -117,7 +119,7 @@ def demo_q8_0_by_llama_cpp():
 def test_on_a_trained_model_the_int8_prefill_stays_within_1_5x_llama_cpps_own_q8_0_error():
     q8 = demo_q8_0_by_llama_cpp()
     ref = deltaserve.load(DEMO_FILE, weights="exact", cache=False)  # the F16 file in f32: the reference
-    fast = deltaserve.load(q8, cache=False)
+    fast = deltaserve.load(q8, weights="tables", cache=False)
     turns = [("My locker code is 4821. What is 12 + 9?", "21."), ("Reverse these words: red fox blue", "blue fox red"),
              ("What is my locker code?", None)]
     text = "".join(f"<|im_start|>user\n{u}<|im_end|>\n<|im_start|>assistant\n" + (f"{a}<|im_end|>\n" if a else "")
@@ -135,7 +137,7 @@ def test_on_a_trained_model_the_int8_prefill_stays_within_1_5x_llama_cpps_own_q8
 def test_on_a_trained_model_the_decode_steps_stay_within_1_5x_llama_cpps_own_q8_0_error():
     q8 = demo_q8_0_by_llama_cpp()
     ref = deltaserve.load(DEMO_FILE, weights="exact", cache=False)
-    fast = deltaserve.load(q8, cache=False)
+    fast = deltaserve.load(q8, weights="tables", cache=False)
     ids = ref.tokenizer.encode("<|im_start|>user\nMy locker code is 4821. Reverse these words: red fox blue"
                                "<|im_end|>\n<|im_start|>assistant\nblue fox red<|im_end|>\n")
     want = ref.logits(ids)
@@ -232,14 +234,19 @@ def test_the_native_kernel_reads_q4_k_and_q6_k_blocks_as_the_file_defines_them()
         assert native.linear_blocks(torch.randn(1, 96), kind, blocks[:, :1], n) is None  # not whole blocks
 
 
-def test_a_q4_k_m_file_decodes_from_its_own_blocks_within_1_5x_llama_cpps_own_error():
+@pytest.mark.parametrize("weights", ["tables", "blocks"])
+def test_a_q4_k_m_file_decodes_from_its_own_blocks_within_1_5x_llama_cpps_own_error(weights):
+    if weights == "tables" and not native.status()[0]:  # int8 tables decode from the blocks on native.c's kernels
+        pytest.skip(f"native.c's kernels do not run here: {native.status()[1]}")
     path = demo_by_llama_cpp("Q4_K_M", "q4_k_m")
     ref = deltaserve.load(DEMO_FILE, weights="exact", cache=False)
-    fast = deltaserve.load(path, cache=False)
+    fast = deltaserve.load(path, weights=weights, cache=False)
     w = fast.host.weights
     assert w.lm_head.block_kind == "Q6_K" and w.layers[0].gate_up.fused.block_kind == "Q4_K"
-    if native.status()[0]:
+    if weights == "tables":
         assert w.lm_head.path(1) == "native"
+    else:
+        assert w.lm_head.path(1) == ("blocks" if native.portable()[0] else "chunks")
     ids = ref.tokenizer.encode("<|im_start|>user\nMy locker code is 4821. Reverse these words: red fox blue"
                                "<|im_end|>\n<|im_start|>assistant\nblue fox red<|im_end|>\n")
     want = ref.logits(ids)
@@ -258,8 +265,8 @@ def test_a_q4_k_m_file_decodes_from_its_own_blocks_within_1_5x_llama_cpps_own_er
 
 @pytest.mark.parametrize("source", ["hf", "gguf"])  # value heads grouped (HF) and tiled (GGUF) over key heads
 def test_the_native_deltanet_step_and_conv_follow_the_torch_versions_on_either_head_order(source, monkeypatch):
-    if not native.status()[0]:
-        pytest.skip(f"the native kernel does not run here: {native.status()[1]}")
+    if not (native.has("ds_deltanet_step") and native.has("ds_causal_conv") and native.has("ds_delta_rule")):
+        pytest.skip(f"the native DeltaNet kernels do not run here: {native.status()[1]}")
 
     m = deltaserve.load(fx.hf_dir("hybrid") if source == "hf" else fx.gguf_path("hybrid", "f32"), cache=False)
     assert m.config.linear_num_value_heads > m.config.linear_num_key_heads
@@ -297,8 +304,11 @@ def test_without_the_native_kernel_the_backend_says_why_and_decodes_on_torch(mon
             assert not ok and why.startswith("false failed on native.c"), why
         lin = Int8Linear.from_float(torch.randn(8, 64))
         assert lin.path(1) == "weight-only"
-        m = model("hybrid", "q8_0", "fast")
+        m = model("hybrid", "q8_0", "tables")
         assert "torch's weight-only kernel (native kernel not used: " in m.session().notices[-1]
+        blocks = model("hybrid", "q8_0", "blocks")
+        assert "dequantized in chunks for torch's f32 GEMM (native kernel not used: " in blocks.session().notices[-1]
+        assert blocks.host.weights.lm_head.path(1) == "chunks"
         monkeypatch.setenv("DELTASERVE_NATIVE", "off")
         native.reset()
         assert native.status() == (False, "turned off by DELTASERVE_NATIVE")
@@ -306,7 +316,7 @@ def test_without_the_native_kernel_the_backend_says_why_and_decodes_on_torch(mon
         native.reset()
         monkeypatch.undo()
     if native.status()[0]:
-        assert "on the native kernel (AVX512-VNNI" in model("hybrid", "q8_0", "fast").session().notices[-1]
+        assert "on the native kernel (AVX512-VNNI" in model("hybrid", "q8_0", "tables").session().notices[-1]
 
 
 def test_each_product_size_takes_its_documented_path_on_the_cpu_and_an_accelerator_keeps_bf16_gemms(monkeypatch):
@@ -537,8 +547,8 @@ def test_the_native_token_decode_says_why_it_is_not_used_and_leaves_other_states
 
 
 def test_the_native_delta_rule_over_a_span_follows_the_chunked_and_the_stepwise_torch_versions():
-    if not native.status()[0]:
-        pytest.skip(f"the native kernel does not run here: {native.status()[1]}")
+    if not native.has("ds_delta_rule"):  # native.c's (AVX512) or native_avx2.c's
+        pytest.skip(f"the native delta rule does not run here: {native.status()[1]}")
     from deltaserve.engine import layers
 
     g = torch.Generator().manual_seed(11)

@@ -1,0 +1,292 @@
+/* native_avx2.c: native.c's DeltaNet kernels and its one-call token decode, for x86-64 CPUs with AVX2, FMA and F16C
+ * but without AVX512 (an AMD EPYC Zen 3, say), where none of native.c is compiled. Same signatures, same math:
+ *
+ * - ds_delta_rule: the prefill's gated delta rule token by token, the state split into 16-column slices (two ymm a
+ *   row, 8 KB a slice) that stay in L1 for the whole span;
+ * - ds_causal_conv: the depthwise causal conv + SiLU over a span in one pass;
+ * - ds_deltanet_step: one decode token of a DeltaNet mixer between its projections;
+ * - ds_decode_tokens: one token through the whole model in one call, for a batch of up to 8 sequences, whose
+ *   products are blocks.c's pieces on the file's own blocks (lin_t segments typed by GGUF block type id: Q4_0 2,
+ *   Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14; activations quantized as llama.cpp does, see blocks.h).
+ *
+ * On a CPU with AVX512F + AVX512BW + AVX512-VNNI native.c holds all of these and this file compiles to nothing.
+ */
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && \
+    !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__))
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "native.h"
+#include "blocks.h"
+
+#define MAXM DS_MAX_ROWS
+
+static inline float hsum256(__m256 v) {
+    __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_add_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+/* e^x for 8 floats: native.c's exp512 on 8 lanes. x = n ln2 + r, |r| <= ln2/2, e^r by a degree-6 polynomial,
+ * times 2^n built in the exponent field (x is clamped so that n + 127 stays in 1..254: a normal float). */
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3f)), _mm256_set1_ps(-87.3f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+static inline __m256 silu256(__m256 x) {
+    return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+}
+
+/* v[i] = silu(v[i]) = v / (1 + e^-v), in place, n values (the tail through the same vector code) */
+static void silu_inplace(float *v, int n) {
+    int i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(v + i, silu256(_mm256_loadu_ps(v + i)));
+    if (i < n) {
+        float t[8] = {0};
+        for (int j = 0; j < n - i; j++) t[j] = v[i + j];
+        _mm256_storeu_ps(t, silu256(_mm256_loadu_ps(t)));
+        for (int j = 0; j < n - i; j++) v[i + j] = t[j];
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------------------
+ * One token of a Gated DeltaNet mixer, after its input projections and before its output projection (native.c's
+ * ds_deltanet_step: the conv and SiLU, the L2 norms, the gates, the delta rule, the gated RMS norm).
+ * ------------------------------------------------------------------------------------------------------- */
+
+/* The conv over [conv_state; qkv] (the state shifts by one), SiLU, and the L2 norms of the q (scaled by
+ * dk^-1/2) and k heads, into u [C]. Serial: C is a few thousand values. */
+static void dn_mix(const float *qkv, const float *conv_w, float *conv_state, float *u, int C, int Kc, int nk, int dk) {
+    for (int c = 0; c < C; c++) {
+        const float *w = conv_w + (size_t)c * Kc;
+        float acc = w[Kc - 1] * qkv[c];
+        for (int j = 0; j < Kc - 1; j++) acc += w[j] * conv_state[(size_t)j * C + c];
+        for (int j = 0; j < Kc - 2; j++) conv_state[(size_t)j * C + c] = conv_state[(size_t)(j + 1) * C + c];
+        conv_state[(size_t)(Kc - 2) * C + c] = qkv[c];
+        u[c] = acc;
+    }
+    silu_inplace(u, C);
+    for (int hh = 0; hh < 2 * nk; hh++) {
+        float *x = u + (size_t)hh * dk, ss = 0.0f;
+        for (int i = 0; i < dk; i++) ss += x[i] * x[i];
+        float r = 1.0f / sqrtf(ss + 1e-6f);
+        if (hh < nk) r *= 1.0f / sqrtf((float)dk);
+        for (int i = 0; i < dk; i++) x[i] *= r;
+    }
+}
+
+/* Value head h of the step, after dn_mix: the gates, the delta rule on its state, the gated RMS norm. One pass
+ * over the old state gathers S^T k and S^T q; the second applies the update (o = e^g S^T q + (k.q) delta). */
+static void dn_head(int h, const float *u, const float *z, const float *b, const float *a, const float *a_neg,
+                    const float *dt_bias, const float *norm_w, float *S, float *out, int nk, int dk, int nv, int dv,
+                    int tiled, float eps) {
+    const float *q = u, *k = u + nk * dk, *v = u + 2 * nk * dk;
+    int kh = tiled ? h % nk : h / (nv / nk);
+    const float *kk = k + (size_t)kh * dk, *qq = q + (size_t)kh * dk, *vv = v + (size_t)h * dv;
+    float beta = 1.0f / (1.0f + expf(-b[h]));
+    float sp = a[h] + dt_bias[h];
+    sp = sp > 20.0f ? sp : log1pf(expf(sp));
+    float decay = expf(a_neg[h] * sp);
+    float *s = S + (size_t)h * dk * dv;
+    float kv[dv], sq[dv], delta[dv], o[dv];
+    float kq = 0.0f;
+    for (int i = 0; i < dk; i++) kq += kk[i] * qq[i];
+    for (int j = 0; j < dv; j++) kv[j] = sq[j] = 0.0f;
+    for (int i = 0; i < dk; i++) {
+        float ki = kk[i], qi = qq[i];
+        const float *row = s + (size_t)i * dv;
+        for (int j = 0; j < dv; j++) { kv[j] += ki * row[j]; sq[j] += qi * row[j]; }
+    }
+    for (int j = 0; j < dv; j++) {
+        delta[j] = beta * (vv[j] - decay * kv[j]);
+        o[j] = decay * sq[j] + kq * delta[j];
+    }
+    for (int i = 0; i < dk; i++) {
+        float ki = kk[i];
+        float *row = s + (size_t)i * dv;
+        for (int j = 0; j < dv; j++) row[j] = decay * row[j] + ki * delta[j];
+    }
+    float ss = 0.0f;
+    for (int j = 0; j < dv; j++) ss += o[j] * o[j];
+    float r = 1.0f / sqrtf(ss / (float)dv + eps);
+    float gate[dv];
+    for (int j = 0; j < dv; j++) gate[j] = z[(size_t)h * dv + j];
+    silu_inplace(gate, dv);
+    for (int j = 0; j < dv; j++) out[(size_t)h * dv + j] = o[j] * r * norm_w[j] * gate[j];
+}
+
+int ds_deltanet_step(const float *qkv, const float *z, const float *b, const float *a, const float *conv_w,
+                     const float *a_neg, const float *dt_bias, const float *norm_w, float *conv_state, float *S,
+                     float *out, int nk, int dk, int nv, int dv, int Kc, int tiled, float eps, int nthreads) {
+    int C = 2 * nk * dk + nv * dv;
+    if (nk <= 0 || nv % nk || Kc < 2 || dk <= 0 || dv <= 0) return -1;
+    float *u = malloc((size_t)C * sizeof(float));
+    if (!u) return -1;
+    dn_mix(qkv, conv_w, conv_state, u, C, Kc, nk, dk);
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int h = 0; h < nv; h++) dn_head(h, u, z, b, a, a_neg, dt_bias, norm_w, S, out, nk, dk, nv, dv, tiled, eps);
+    free(u);
+    return 0;
+}
+
+/* The depthwise causal conv of a DeltaNet layer over T new rows, then SiLU: out[t, c] = silu(sum_j
+ * w[c, j] * window[t + j, c]) with window = [conv_state; x] ([Kc-1+T, C]); conv_state becomes the window's
+ * last Kc-1 rows. One pass over x and out. */
+int ds_causal_conv(const float *x, float *conv_state, const float *w, float *out, int T, int C, int Kc,
+                   int nthreads) {
+    if (T <= 0 || C <= 0 || Kc < 2) return -1;
+    int H = Kc - 1;
+    float *wt = malloc((size_t)Kc * C * sizeof(float)), *keep = malloc((size_t)H * C * sizeof(float));
+    if (!wt || !keep) { free(wt); free(keep); return -1; }
+    for (int c = 0; c < C; c++)
+        for (int j = 0; j < Kc; j++) wt[(size_t)j * C + c] = w[(size_t)c * Kc + j];
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int t = 0; t < T; t++) {
+        float *o = out + (size_t)t * C;
+        int c = 0;
+        for (; c + 8 <= C; c += 8) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int j = 0; j < Kc; j++) {
+                int r = t + j;  /* row of the window */
+                const float *src = r < H ? conv_state + (size_t)r * C : x + (size_t)(r - H) * C;
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(wt + (size_t)j * C + c), _mm256_loadu_ps(src + c), acc);
+            }
+            _mm256_storeu_ps(o + c, silu256(acc));
+        }
+        for (; c < C; c++) {
+            float acc = 0.0f;
+            for (int j = 0; j < Kc; j++) {
+                int r = t + j;
+                const float *src = r < H ? conv_state + (size_t)r * C : x + (size_t)(r - H) * C;
+                acc += wt[(size_t)j * C + c] * src[c];
+            }
+            o[c] = acc;
+        }
+        if (C % 8) silu_inplace(o + C / 8 * 8, C % 8);
+    }
+    /* the new state: the window's last H rows (some may still be old state rows when T < H) */
+    for (int i = 0; i < H; i++) {
+        int r = T + i;
+        const float *src = r < H ? conv_state + (size_t)r * C : x + (size_t)(r - H) * C;
+        for (int c = 0; c < C; c++) keep[(size_t)i * C + c] = src[c];
+    }
+    for (size_t i = 0; i < (size_t)H * C; i++) conv_state[i] = keep[i];
+    free(keep); free(wt);
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------------------
+ * The gated delta rule over T tokens of one sequence (a prefill), token by token, updating S [H, dk, dv]:
+ * S = e^g S; delta = beta (v - S^T k); S += k delta^T; o = S^T q (native.c's ds_delta_rule). The work is split
+ * into (head, 16 columns) items whose dk x 16 slice of the state (8 KB at dk 128) stays in L1 for all T tokens;
+ * one pass over the slice per token both applies token t's update and gathers S^T k and S^T q for token t + 1
+ * (o = S_new^T q = e^g S_old^T q + (k.q) delta). q, k: [T, H, dk]; v, out: [T, H, dv]; g, beta: [T, H].
+ *
+ * The pass is bound by the FMA pipes (a row of a slice: two ymm, 2 updates and 4 gathers), so the decay is kept out
+ * of it: the slice holds S' with S = c S' (c the product of the decays since the last rescale), and token t's update
+ * is S' += k (delta / c) with one FMA a vector instead of a multiply and an FMA. When c falls below 2^-40 (and at the
+ * last token, so that S is left as it is) the pass multiplies by c instead and c returns to 1. Returns -1 where dv is
+ * not a multiple of 16.
+ * ------------------------------------------------------------------------------------------------------- */
+/* One pass over a 16-column slice s (rows of stride dv), two rows an iteration (eight accumulation chains: the FMA
+ * latency of two pipes). UPDATE 1: row_i += ku[i] (d0, d1); UPDATE 2: row_i = vd row_i + ku[i] (d0, d1); then stored.
+ * GATHER: the next token's S'^T k and S'^T q from the (updated) rows into kv[0..1], qs[0..1]. A macro, so that each
+ * kind of pass is its own loop with no test inside. */
+#define DR_ROW(R, UPDATE, GATHER, A0, A1, B0, B1)                                                              \
+    {                                                                                                         \
+        float *r0 = s + (size_t)(R) * dv;                                                                     \
+        __m256 s0 = _mm256_loadu_ps(r0), s1 = _mm256_loadu_ps(r0 + 8);                                        \
+        if (UPDATE) {                                                                                         \
+            __m256 k0 = _mm256_broadcast_ss(ku + (R));                                                        \
+            s0 = _mm256_fmadd_ps(k0, d0, UPDATE == 2 ? _mm256_mul_ps(vd, s0) : s0);                           \
+            s1 = _mm256_fmadd_ps(k0, d1, UPDATE == 2 ? _mm256_mul_ps(vd, s1) : s1);                           \
+            _mm256_storeu_ps(r0, s0); _mm256_storeu_ps(r0 + 8, s1);                                           \
+        }                                                                                                     \
+        if (GATHER) {                                                                                         \
+            __m256 k0 = _mm256_broadcast_ss(kn + (R)), q0 = _mm256_broadcast_ss(qn + (R));                    \
+            A0 = _mm256_fmadd_ps(k0, s0, A0); A1 = _mm256_fmadd_ps(k0, s1, A1);                               \
+            B0 = _mm256_fmadd_ps(q0, s0, B0); B1 = _mm256_fmadd_ps(q0, s1, B1);                               \
+        }                                                                                                     \
+    }
+#define DR_PASS(UPDATE, GATHER)                                                                               \
+    do {                                                                                                      \
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, e0 = a0, e1 = a0, f0 = a0, f1 = a0;       \
+        int i = 0;                                                                                            \
+        for (; i + 2 <= dk; i += 2) {                                                                         \
+            DR_ROW(i, UPDATE, GATHER, a0, a1, b0, b1)                                                         \
+            DR_ROW(i + 1, UPDATE, GATHER, e0, e1, f0, f1)                                                     \
+        }                                                                                                     \
+        if (i < dk) DR_ROW(i, UPDATE, GATHER, a0, a1, b0, b1)                                                 \
+        if (GATHER) {                                                                                         \
+            kv[0] = _mm256_add_ps(a0, e0); kv[1] = _mm256_add_ps(a1, e1);                                     \
+            qs[0] = _mm256_add_ps(b0, f0); qs[1] = _mm256_add_ps(b1, f1);                                     \
+        }                                                                                                     \
+    } while (0)
+
+#define DR_RESCALE 9.094947e-13f  /* 2^-40 */
+
+int ds_delta_rule(const float *q, const float *k, const float *v, const float *g, const float *beta, float *S,
+                  float *out, int T, int H, int dk, int dv, int nthreads) {
+    if (T <= 0 || H <= 0 || dk <= 0 || dv <= 0 || dv % 16) return -1;
+    int per_head = dv / 16;
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int item = 0; item < H * per_head; item++) {
+        int h = item / per_head, c0 = (item % per_head) * 16;
+        float *s = S + (size_t)h * dk * dv + c0;
+        float c = 1.0f;  /* S = c S' */
+        __m256 zero = _mm256_setzero_ps(), kv[2] = {zero, zero}, qs[2] = {zero, zero};
+        {  /* what the first token reads */
+            const float *kn = k + (size_t)h * dk, *qn = q + (size_t)h * dk, *ku = NULL;
+            __m256 vd = zero, d0 = zero, d1 = zero;
+            (void)ku; (void)vd; (void)d0; (void)d1;
+            DR_PASS(0, 1);
+        }
+        for (int t = 0; t < T; t++) {
+            size_t th = (size_t)t * H + h;
+            const float *kt = k + th * dk, *qt = q + th * dk, *vt = v + th * dv + c0;
+            __m256 kqv = _mm256_setzero_ps();
+            int i = 0;
+            for (; i + 8 <= dk; i += 8) kqv = _mm256_fmadd_ps(_mm256_loadu_ps(kt + i), _mm256_loadu_ps(qt + i), kqv);
+            float kq = hsum256(kqv);
+            for (; i < dk; i++) kq += kt[i] * qt[i];
+            float decay = expf(g[th]), cd = c * decay;  /* S_old = c S', S_old e^g = cd S' */
+            __m256 vc = _mm256_set1_ps(cd), vb = _mm256_set1_ps(beta[th]), vkq = _mm256_set1_ps(kq);
+            __m256 d0 = _mm256_mul_ps(vb, _mm256_fnmadd_ps(vc, kv[0], _mm256_loadu_ps(vt)));
+            __m256 d1 = _mm256_mul_ps(vb, _mm256_fnmadd_ps(vc, kv[1], _mm256_loadu_ps(vt + 8)));
+            float *ot = out + th * dv + c0;
+            _mm256_storeu_ps(ot, _mm256_fmadd_ps(vkq, d0, _mm256_mul_ps(vc, qs[0])));
+            _mm256_storeu_ps(ot + 8, _mm256_fmadd_ps(vkq, d1, _mm256_mul_ps(vc, qs[1])));
+            const float *ku = kt, *kn = k + (th + H) * dk, *qn = q + (th + H) * dk;
+            if (t + 1 < T && cd >= DR_RESCALE) {  /* S' += k delta^T / cd: S_new = cd S' */
+                __m256 inv = _mm256_set1_ps(1.0f / cd), vd = zero;
+                (void)vd;
+                d0 = _mm256_mul_ps(d0, inv);
+                d1 = _mm256_mul_ps(d1, inv);
+                c = cd;
+                DR_PASS(1, 1);
+            } else {  /* S' = cd S' + k delta^T: S_new = S' */
+                __m256 vd = vc;
+                c = 1.0f;
+                if (t + 1 < T) DR_PASS(2, 1); else DR_PASS(2, 0);
+            }
+        }
+    }
+    return 0;
+}
+
+#endif  /* AVX2 + FMA + F16C, no AVX512 */
