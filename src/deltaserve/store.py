@@ -18,6 +18,14 @@ longest and prefills only its new suffix.
   token ids, and a CRC-32 of the data. Written under a temporary name, fsynced and renamed: a crash mid-write
   leaves no half file under the final name. A file that does not match, is truncated or corrupt is refused
   with one notice and its turn prefills from scratch.
+- **Several processes on one directory** (replicas on a shared `--state-dir`, deltaserve/ray.py). Each process
+  indexes the files the others write: whenever the directory has changed since it last looked (its mtime moves with
+  every rename into it and every removal; a change within the last `RECENT_S` is looked at again, since mtimes are
+  coarse), a look-up first lists it, reads the headers of the files it does not know and forgets the ones another
+  process removed (quietly: that is the other's budget at work, not damage). The disk budget is the directory's:
+  every process counts every state file in it and removes the least recently used (file times, comparable across
+  processes) while the total is over; RAM budgets are each process's own. A temporary file is removed at start only
+  when its writer is gone (a pid of this host that no longer runs) or it is older than `STALE_TMP_S`.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import hashlib
 import json
 import os
 import re
+import socket
 import threading
 import time
 import zlib
@@ -44,6 +53,10 @@ FORMAT = "deltaserve-state/1"
 SUFFIX = ".state"
 _MOD = (1 << 61) - 1
 _BASE = 1_000_003
+RECENT_S = 2.0        # a directory changed this recently is listed again at the next look-up (coarse mtimes)
+STALE_TMP_S = 600.0   # a temporary file this old is a crashed write, whoever wrote it
+_HOST = re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32] or "host"
+_TMP = re.compile(r"^\.tmp-(?P<host>[A-Za-z0-9]+)-(?P<pid>\d+)-(?P<tid>\d+)-")
 
 
 class StateFileError(DeltaserveError):
@@ -120,7 +133,7 @@ def write_state(path: Path, tokens: Sequence[int], ck: Checkpoint, model_sha256:
             "crc32": _crc(tensors)}
     data = save(tensors, metadata=meta)
     path = Path(path)
-    tmp = path.with_name(f".tmp-{os.getpid()}-{threading.get_ident()}-{path.name}")
+    tmp = path.with_name(f".tmp-{_HOST}-{os.getpid()}-{threading.get_ident()}-{path.name}")
     try:
         with open(tmp, "wb") as f:
             f.write(data)
@@ -211,7 +224,7 @@ class Entry:
     file: Path | None = None
     file_bytes: int = 0
     writing: bool = False
-    used: float = field(default_factory=time.monotonic)
+    used: float = field(default_factory=time.time)  # wall clock: compared with the file times of other processes
 
 
 @dataclass
@@ -254,6 +267,9 @@ class StateStore:
         self._wake = threading.Condition(self._lock)
         self._closed = False
         self._writer: threading.Thread | None = None
+        self._dir_mtime: int | None = None        # the directory's mtime (ns) when it was last listed
+        self._passed: set[str] = set()           # file names not to read again (another model's, or refused)
+        self._refresh_lock = threading.Lock()    # one listing at a time
         if self.directory is not None:
             try:
                 self.directory.mkdir(parents=True, exist_ok=True)
@@ -343,13 +359,14 @@ class StateStore:
         """The longest stored state that is a proper prefix of `prompt` and longer than `longer_than`, loaded
         (from disk if it is only there), or None (a miss, counted when `count_miss`). A file that is refused is
         dropped and the next longest tried."""
+        self.refresh()
         while True:
             with self._lock:
                 e = self._longest(prompt, longer_than)
                 if e is None:
                     self.stats.misses += count_miss
                     return None
-                e.used = time.monotonic()
+                e.used = time.time()
                 ck, path = e.ram, e.file
             if ck is not None:
                 with self._lock:
@@ -366,6 +383,10 @@ class StateStore:
                 if tokens != e.tokens:
                     raise StateFileError(f"{path.name} covers other tokens than its index entry")
             except (StateFileError, OSError) as err:
+                if not path.exists():  # another process on the directory removed it (its budget): not damage
+                    with self._lock:
+                        self._forget_file(e)
+                    continue
                 self.say(f"[deltaserve] state store: refused {err}; the turn prefills instead")
                 with self._lock:
                     self.stats.refused_files += 1
@@ -394,7 +415,7 @@ class StateStore:
         with self._lock:
             old = self._entries.get(tokens)
             if old is not None:
-                old.used = time.monotonic()
+                old.used = time.time()
                 return True
             fits_ram, fits_disk = nbytes <= self.ram_budget, self.on_disk and nbytes <= self.disk_budget
             if not (fits_ram or fits_disk):
@@ -469,8 +490,8 @@ class StateStore:
                 elif path is not None:
                     self.stats.writes += 1
                     if self._entries.get(e.tokens) is e:
+                        self.disk_used += size - (e.file_bytes if e.file is not None else 0)
                         e.file, e.file_bytes = path, size
-                        self.disk_used += size
                     else:
                         path.unlink(missing_ok=True)
                     msg = None
@@ -504,40 +525,98 @@ class StateStore:
             self._writer.join(timeout=5)
 
     def _scan(self) -> None:
-        """Index the states a previous run left in the directory (headers only), oldest first; a file that is
-        refused is said once and removed; one saved for another model or version is left alone."""
+        """At start: remove the temporary files crashed writes left (not those of a write another process on this
+        directory is making), then index every state file in it (`refresh`)."""
+        now = time.time()
+        for tmp in self.directory.glob(".tmp-*" + SUFFIX):
+            if _stale_tmp(tmp, now):
+                tmp.unlink(missing_ok=True)  # a write a crash interrupted
+        self.refresh(force=True)
+
+    def refresh(self, force: bool = False) -> int:
+        """Index what other processes wrote to the directory since it was last listed, and forget what they removed;
+        nothing to do (one stat) when it has not changed. The states it found. A file that is refused is said once
+        and removed; one saved for another model or version is left alone (said once per listing that finds some)."""
         d = self.directory
-        for tmp in d.glob(".tmp-*" + SUFFIX):
-            tmp.unlink(missing_ok=True)  # a write a crash interrupted
-        found = sorted(d.glob("*" + SUFFIX), key=lambda p: p.stat().st_mtime)
-        foreign = 0
-        for path in found:
+        if d is None:
+            return 0
+        with self._refresh_lock:
             try:
-                meta = read_header(path)
-                try:
-                    check_identity(meta, self.model_sha256, path.name)
-                except StateFileError:
-                    foreign += 1
+                mtime = os.stat(d).st_mtime_ns
+            except OSError:
+                return 0
+            if not force and mtime == self._dir_mtime and time.time() - mtime / 1e9 > RECENT_S:
+                return 0
+            try:
+                listed = {x.name: x for x in os.scandir(d) if x.name.endswith(SUFFIX) and not x.name.startswith(".")}
+            except OSError:
+                return 0
+            self._dir_mtime = mtime
+            with self._lock:
+                known = {e.file.name: e for e in self._entries.values() if e.file is not None}
+                for name, e in known.items():
+                    if name not in listed:  # another process removed it (its share of the disk budget)
+                        self._forget_file(e)
+                have = set(self._entries)
+            new = []
+            for name, x in listed.items():
+                if name in known or name in self._passed:
                     continue
-                tokens = tuple(int(t) for t in json.loads(meta["tokens"]))
-                if not tokens or int(meta.get("length", -1)) != len(tokens) or path.name != file_name(tokens):
-                    raise StateFileError(f"{path.name} does not hold what its name and header say")
-            except (StateFileError, ValueError, KeyError, OSError) as err:
-                self.stats.refused_files += 1
-                self.say(f"[deltaserve] state store: refused {err}; removed it")
-                path.unlink(missing_ok=True)
-                continue
-            size = path.stat().st_size
-            e = Entry(tokens, saved_state_bytes(self.config, len(tokens)), _prefix_hashes(tokens, len(tokens))[-1],
-                      file=path, file_bytes=size)
-            e.used = time.monotonic()
-            self._add(e)
-            self.disk_used += size
-        if foreign:
-            self.say(f"[deltaserve] state store: {foreign} state file{'s' if foreign != 1 else ''} in {d} "
-                     f"belong to another model or deltaserve version: left alone, not used")
-        with self._lock:
-            self._enforce()
+                try:
+                    st = x.stat()
+                except OSError:
+                    continue
+                new.append((st.st_mtime, st.st_size, Path(x.path)))
+            found, foreign = 0, 0
+            for mtime_s, size, path in sorted(new):  # oldest first
+                try:
+                    meta = read_header(path)
+                    try:
+                        check_identity(meta, self.model_sha256, path.name)
+                    except StateFileError:
+                        foreign += 1
+                        self._passed.add(path.name)
+                        continue
+                    tokens = tuple(int(t) for t in json.loads(meta["tokens"]))
+                    if not tokens or int(meta.get("length", -1)) != len(tokens) or path.name != file_name(tokens):
+                        raise StateFileError(f"{path.name} does not hold what its name and header say")
+                except (StateFileError, ValueError, KeyError, OSError) as err:
+                    if not path.exists():
+                        continue  # removed by another process while this one looked
+                    self.stats.refused_files += 1
+                    self.say(f"[deltaserve] state store: refused {err}; removed it")
+                    path.unlink(missing_ok=True)
+                    self._passed.add(path.name)
+                    continue
+                with self._lock:
+                    e = self._entries.get(tokens)
+                    if e is not None and tokens in have and (e.writing or e.file is not None):
+                        continue  # this process's own write, just renamed into place: the writer counts it
+                    if e is None:
+                        e = Entry(tokens, saved_state_bytes(self.config, len(tokens)),
+                                  _prefix_hashes(tokens, len(tokens))[-1])
+                        e.used = mtime_s
+                        self._add(e)
+                    if e.file is None:  # another process wrote these tokens' state: this one may read it too
+                        e.file, e.file_bytes = path, size
+                        self.disk_used += size
+                        found += 1
+            if foreign:
+                self.say(f"[deltaserve] state store: {foreign} state file{'s' if foreign != 1 else ''} in {d} "
+                         f"belong to another model or deltaserve version: left alone, not used")
+            with self._lock:
+                self._enforce()
+            return found
+
+    def _forget_file(self, e: Entry) -> None:
+        """`e`'s file is gone (removed by another process): not counted any more; the entry goes unless RAM holds it.
+        Lock held."""
+        if e.file is None:
+            return
+        self.disk_used -= e.file_bytes
+        e.file, e.file_bytes = None, 0
+        if e.ram is None and not e.writing:
+            self._remove(e)
 
     # -- what the operator sees -------------------------------------------------------------------------------
     def snapshot(self) -> dict:
@@ -556,6 +635,28 @@ class StateStore:
                 "tokens_not_prefilled": s.saved_tokens, "refused_files": s.refused_files,
                 "writes": s.writes, "write_errors": s.write_errors,
             }
+
+
+def _stale_tmp(path: Path, now: float) -> bool:
+    """Whether a temporary state file is what a crashed write left: older than STALE_TMP_S, or named by this host
+    and a pid that no longer runs, or not named the way this version names them. A write in progress of another
+    process on this directory is left alone."""
+    m = _TMP.match(path.name)
+    try:
+        age = now - path.stat().st_mtime
+    except OSError:
+        return False
+    if m is None or age > STALE_TMP_S:
+        return True
+    if m["host"] != _HOST:
+        return False
+    try:
+        os.kill(int(m["pid"]), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def _to_cpu(ck: Checkpoint) -> Checkpoint:
