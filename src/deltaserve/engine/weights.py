@@ -18,7 +18,8 @@ from deltaserve.errors import ModelFormatError
 from deltaserve.formats import quant
 from deltaserve.formats.config import HybridConfig
 from deltaserve.formats.layout import TensorSource, check_tensors
-from deltaserve.kernels.linear import DenseLinear, Int8Linear, Linear, StackedLinear
+from deltaserve.kernels import native
+from deltaserve.kernels.linear import GGUF_TYPES, BlockLinear, DenseLinear, Int8Linear, Linear, StackedLinear
 from deltaserve.kernels.native import BLOCK_TYPES
 
 
@@ -26,27 +27,27 @@ class Embedding:
     """Token embedding rows [vocab, hidden], looked up by row: a dense tensor or an int8 table. A tied LM
     head is the same table seen as a Linear (no second copy)."""
 
-    def __init__(self, table: torch.Tensor | Int8Linear):
+    def __init__(self, table: torch.Tensor | Int8Linear | BlockLinear):
         self.table = table
-        self.num_embeddings, self.dim = (table.out_features, table.in_features) if isinstance(table, Int8Linear) \
+        self.num_embeddings, self.dim = (table.out_features, table.in_features) if isinstance(table, Linear) \
             else tuple(table.shape)
 
     @property
     def weight(self) -> torch.Tensor:
-        return self.table.dense() if isinstance(self.table, Int8Linear) else self.table
+        return self.table.dense() if isinstance(self.table, Linear) else self.table
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.table, Int8Linear):
+        if isinstance(self.table, Linear):
             return self.table.rows(ids)
         return self.table.index_select(0, ids).float()
 
     def as_linear(self) -> Linear:
-        return self.table if isinstance(self.table, Int8Linear) else DenseLinear(self.table)
+        return self.table if isinstance(self.table, Linear) else DenseLinear(self.table)
 
     @property
     def nbytes(self) -> int:
         t = self.table
-        return t.nbytes if isinstance(t, Int8Linear) else t.numel() * t.element_size()
+        return t.nbytes if isinstance(t, Linear) else t.numel() * t.element_size()
 
     def to(self, device) -> "Embedding":
         return Embedding(self.table.to(device))
@@ -122,6 +123,13 @@ class Weights:
                 seen.add(key)
                 total += t.untyped_storage().nbytes()
 
+        def add_view(t: torch.Tensor):  # a view of the file's mapping: its own bytes, not the whole file's
+            nonlocal total
+            key = t.data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += t.numel() * t.element_size()
+
         def visit(obj):
             if isinstance(obj, torch.Tensor):
                 add(obj)
@@ -136,6 +144,8 @@ class Weights:
                         add(v)
                 for _, blocks in getattr(obj, "blocks", ()):  # a quantized file's own blocks, kept for decode
                     add(blocks)
+                for _, blocks in getattr(obj, "segments", ()):  # a tensor held as the file's blocks
+                    add_view(blocks)
         visit(self.embed)
         visit(self.final_norm)
         visit(self.lm_head)
@@ -145,17 +155,27 @@ class Weights:
         return total
 
 
-WEIGHT_MODES = ("fast", "exact")
+WEIGHT_MODES = ("fast", "blocks", "tables", "exact")
 CHUNK_ELEMENTS = 1 << 21  # a big tensor converts this many elements at a time (bounds the f32 transient)
 
 
 def weight_mode(mode: str | None = None) -> str:
-    """"fast" (default): quantized tensors become int8 per-row tables, f16/bf16 become bf16, f32 stays f32;
-    "exact": every tensor dequantized to f32 (the parity reference). DELTASERVE_WEIGHTS picks it too."""
+    """"blocks": every GGUF tensor stays the file's own blocks where they lie in its mapping (nothing converted;
+    F32 used in place); "tables": quantized tensors become int8 per-row tables, f16/bf16 become bf16, f32 stays f32
+    (the AVX512-VNNI kernels of native.c multiply those); "exact": every tensor dequantized to f32 (the parity
+    reference); "fast" (default): "tables" where native.c's AVX512 kernels run, else "blocks".
+    DELTASERVE_WEIGHTS picks it too."""
     mode = mode or os.environ.get("DELTASERVE_WEIGHTS", "fast")
     if mode not in WEIGHT_MODES:
         raise ModelFormatError(f"unknown weight mode {mode!r}; expected one of {', '.join(WEIGHT_MODES)}")
     return mode
+
+
+def resolve_mode(mode: str) -> str:
+    """The weight mode "fast" stands for on this machine."""
+    if mode != "fast":
+        return mode
+    return "tables" if native.status()[0] else "blocks"
 
 
 def make_linear(w: torch.Tensor, source_type: str, mode: str) -> Linear:
@@ -168,11 +188,18 @@ def make_linear(w: torch.Tensor, source_type: str, mode: str) -> Linear:
 
 
 def load_linear(src: TensorSource, name: str, mode: str) -> Linear:
-    """One matrix of `src` as the Linear `mode` makes of it. A file's tensor converts a chunk of rows at a time
-    (each chunk's file pages given back once converted); a Q4_K/Q6_K tensor's own blocks are kept too, as a view
-    of the mapping, for the native decode (its pages come back from the page cache when decode reads them)."""
+    """One matrix of `src` as the Linear `mode` makes of it. In "blocks" mode a GGUF tensor is a view of the
+    mapping (nothing read now). Otherwise a file's tensor converts a chunk of rows at a time (each chunk's file
+    pages given back once converted); a Q4_K/Q6_K tensor's own blocks are kept too, as a view of the mapping, for
+    the native decode (its pages come back from the page cache when decode reads them)."""
     kind, (rows, cols) = src.type_name(name), src.shape(name)
     data = src.blocks(name)
+    if mode == "blocks" and data is not None and kind in GGUF_TYPES:
+        blocks = torch.from_numpy(data)
+        if kind == "F32":
+            return DenseLinear(blocks.view(torch.float32).reshape(rows, cols))
+        return BlockLinear([(kind, blocks)], cols)
+    mode = "tables" if mode == "blocks" else mode  # a source without GGUF blocks (safetensors): as before
     step = max(1, CHUNK_ELEMENTS // cols)
     if data is None or rows <= step:
         out = make_linear(src.dense(name), kind, mode)
@@ -202,9 +229,11 @@ def load_linear(src: TensorSource, name: str, mode: str) -> Linear:
     return out
 
 
+
+
 def load_embedding(src: TensorSource, name: str, mode: str) -> Embedding:
     table = load_linear(src, name, mode)
-    return Embedding(table if isinstance(table, Int8Linear) else table.weight)
+    return Embedding(table if isinstance(table, (Int8Linear, BlockLinear)) else table.weight)
 
 
 def trim_heap() -> None:
@@ -226,7 +255,7 @@ def _down_projection(down: Linear) -> Linear:
 
 def build_weights(c: HybridConfig, src: TensorSource, where: str, mode: str | None = None) -> Weights:
     """The forward's weights from a source, every matrix made what `mode` (see `weight_mode`) makes of it."""
-    mode = weight_mode(mode)
+    mode = resolve_mode(weight_mode(mode))
     check_tensors(c, src, where)
     layers = []
 

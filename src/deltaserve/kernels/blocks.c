@@ -220,6 +220,7 @@ typedef struct {
     const int8_t *q;
     const float *d;
     const int16_t *bs;
+    const float *x;  /* the f32 row itself (F16/BF16 weights multiply it as it is) */
 } act_t;
 
 /* ---- one weight row against up to MG activation rows -------------------------------------------------- */
@@ -339,16 +340,45 @@ static void row_q6k(const uint8_t *row, int K, const act_t *a, int M, float *out
     for (int m = 0; m < M; m++) out[m] = acc[m];
 }
 
+/* F16 / BF16: the weights widened to f32 (exact) and multiplied with the f32 activations, 8 at a time. */
+static inline __m256 load_half8(int type, const uint8_t *p) {
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    if (type == T_F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static void row_half(int type, const uint8_t *row, int K, const act_t *a, int M, float *out) {
+    __m256 acc[MG];
+    for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
+    int k = 0;
+    for (; k + 8 <= K; k += 8) {
+        __m256 w = load_half8(type, row + 2 * (size_t)k);
+        for (int m = 0; m < M; m++) acc[m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(a[m].x + k), acc[m]);
+    }
+    for (int m = 0; m < M; m++) {
+        float s = hsum8(acc[m]);
+        for (int i = k; i < K; i++) {
+            float wi;
+            if (type == T_F16) wi = h2f(row + 2 * (size_t)i);
+            else { uint32_t u = (uint32_t)(row[2 * i] | (row[2 * i + 1] << 8)) << 16; memcpy(&wi, &u, 4); }
+            s += wi * a[m].x[i];
+        }
+        out[m] = s;
+    }
+}
+
 /* ---- the team-level pieces (blocks.h), and the product built from them ----------------------------------- */
 
 int blk_kind(int type) {
     int elems, bytes;
-    if (block_info(type, &elems, &bytes) || elems == 1) return 0;
-    return elems == 256 ? 2 : 1;
+    if (block_info(type, &elems, &bytes) || type == T_F32) return 0;
+    return elems == 256 ? 2 : elems == 32 ? 1 : 3;
 }
 
 size_t blk_scratch_bytes(int M, int K) {
-    return (size_t)M * K + 64 + ((size_t)M * (K / 32) * sizeof(float) + 64) + ((size_t)M * (K / 16) * sizeof(int16_t) + 64);
+    size_t ints = (size_t)M * K + 64 + ((size_t)M * (K / 32) * sizeof(float) + 64) + ((size_t)M * (K / 16) * sizeof(int16_t) + 64);
+    size_t floats = (size_t)M * K * sizeof(float);
+    return ints > floats ? ints : floats;
 }
 
 static void scratch_parts(void *scratch, int M, int K, int8_t **q, float **d, int16_t **bs) {
@@ -363,7 +393,11 @@ static void scratch_parts(void *scratch, int M, int K, int8_t **q, float **d, in
 static act_t act_row(int kind, void *scratch, int M, int K, int m) {
     int8_t *q; float *d; int16_t *bs;
     scratch_parts(scratch, M, K, &q, &d, &bs);
-    act_t a = {q + (size_t)m * K, d + (size_t)m * (K / 32), kind == 2 ? bs + (size_t)m * (K / 16) : NULL};
+    if (kind == 3) {  /* the f32 rows themselves, copied where the int8 ones would be */
+        act_t a = {NULL, NULL, NULL, (const float *)scratch + (size_t)m * K};
+        return a;
+    }
+    act_t a = {q + (size_t)m * K, d + (size_t)m * (K / 32), kind == 2 ? bs + (size_t)m * (K / 16) : NULL, NULL};
     return a;
 }
 
@@ -371,7 +405,8 @@ void blk_prepare(int kind, const float *x, int M, int K, long ldx, void *scratch
     #pragma omp for schedule(static)
     for (int m = 0; m < M; m++) {
         act_t a = act_row(kind, scratch, M, K, m);
-        if (kind == 2) quant_q8_k(x + (size_t)m * ldx, K, (int8_t *)a.q, (float *)a.d, (int16_t *)a.bs);
+        if (kind == 3) memcpy((float *)a.x, x + (size_t)m * ldx, (size_t)K * sizeof(float));
+        else if (kind == 2) quant_q8_k(x + (size_t)m * ldx, K, (int8_t *)a.q, (float *)a.d, (int16_t *)a.bs);
         else quant_q8_0(x + (size_t)m * ldx, K, (int8_t *)a.q, (float *)a.d);
     }
 }
@@ -390,6 +425,7 @@ void blk_tiles(int type, const uint8_t *blocks, int N, int K, void *scratch, int
             for (int m = 0; m < mg; m++) a[m] = act_row(kind, scratch, M, K, m0 + m);
             float out[MG];
             if (type == T_Q6_K) row_q6k(row, K, a, mg, out);
+            else if (kind == 3) row_half(type, row, K, a, mg, out);
             else if (kind == 2) row_q45k(type, row, K, a, mg, out);
             else row_q32(type, row, K, a, mg, out);
             for (int m = 0; m < mg; m++) y[(size_t)(m0 + m) * ldy + n] = out[m];

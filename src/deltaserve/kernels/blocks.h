@@ -1,6 +1,6 @@
 /* blocks.h: blocks.c's products on a GGUF file's own blocks, as pieces a caller's OpenMP team runs (the one-call
- * decode of native_avx2.c shares them). Block types are GGUF's type ids: Q4_0 2, Q8_0 8, Q4_K 12, Q5_K 13,
- * Q6_K 14. A product of M rows (M <= DS_MAX_ROWS inside a team) against a tensor [N, K]:
+ * decode of native_avx2.c shares them). Block types are GGUF's type ids: F16 1, Q4_0 2, Q8_0 8, Q4_K 12, Q5_K 13,
+ * Q6_K 14, BF16 30. A product of M rows (M <= DS_MAX_ROWS inside a team) against a tensor [N, K]:
  *   every thread of the team calls blk_prepare (the activations quantized as the type's kind wants them, into
  *   `scratch` of blk_scratch_bytes(M, K); a worksharing loop with its barrier), then blk_tiles for each tensor
  *   (an orphaned worksharing loop over the output rows, no barrier: put one after the last).
@@ -10,7 +10,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-int blk_kind(int type);  /* 1: blocks of 32 (Q8_0, Q4_0), 2: blocks of 256 (K-quants), 0: not a block type */
+int blk_kind(int type);  /* 1: blocks of 32 (Q8_0, Q4_0), 2: blocks of 256 (K-quants), 3: F16/BF16, 0: none of them */
 size_t blk_scratch_bytes(int M, int K);
 void blk_prepare(int kind, const float *x, int M, int K, long ldx, void *scratch);
 void blk_tiles(int type, const uint8_t *blocks, int N, int K, void *scratch, int M, float *y, long ldy);

@@ -1,8 +1,12 @@
 """The linear-layer seam: every matrix product of the forward goes through one `Linear.__call__`.
 
-Two kinds behind it:
+Three kinds behind it:
 - `DenseLinear`: a full-precision weight (f32 for exact parity work, bf16 for speed); activations are cast
   to the weight's dtype for the product.
+- `BlockLinear`: the file's own blocks (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, F16, BF16) where they lie in its mapping,
+  nothing converted at load. Up to BLOCK_GEMV_ROWS input rows run on blocks.c's products (activations int8 per
+  block as llama.cpp quantizes them); more rows dequantize a chunk of rows at a time, exactly, into an f32
+  buffer of CHUNK_ELEMENTS and multiply it with torch's f32 GEMM (the chunk is the only copy, and it is reused).
 - `Int8Linear`: int8 values with one f32 scale per output row (what quantized GGUF tensors become).
   On the CPU, decode-sized inputs (up to 8 rows: one conversation's step, or a batch of them) go through
   the native AVX512-VNNI kernel (`native.py`; activations int8 per block of 32), or torch's weight-only
@@ -17,6 +21,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from deltaserve.formats import quant
 from deltaserve.kernels import native
 
 NATIVE_ROWS = native.MAX_ROWS  # up to this many input rows take the native kernel (beyond, int8 x int8 wins)
@@ -210,6 +215,133 @@ class Int8Linear(Linear):
         return self.dequant(torch.float32)
 
 
+GGUF_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "BF16": 30}
+PRODUCT_TYPES = {"Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16"}  # blocks.c multiplies these as they are
+BLOCK_GEMV_ROWS = 16  # up to this many rows: blocks.c's int8 products; beyond: exact chunks and an f32 GEMM
+CHUNK_ELEMENTS = 1 << 20  # an f32 chunk of 4 MiB: cache-sized, and each product's only transient of weights
+
+
+class BlockLinear(Linear):
+    """A weight [out, in] held as the file's own blocks: `segments` of (GGUF type name, uint8 [rows, row bytes])
+    whose rows follow each other along the output (one for a tensor; a stack of projections keeps each part's).
+    The tensors are views of the file's mapping: their pages are the file's, read when a product needs them."""
+
+    def __init__(self, segments: list[tuple[str, torch.Tensor]], in_features: int):
+        if not segments or any(k not in GGUF_TYPES or d.dim() != 2 or d.dtype != torch.uint8 for k, d in segments):
+            raise ValueError(f"BlockLinear needs (type, uint8 [rows, bytes]) segments, got "
+                             f"{[(k, tuple(d.shape), d.dtype) for k, d in segments]}")
+        self.segments = [(k, d) for k, d in segments]
+        self.in_features = in_features
+        self.out_features = sum(d.shape[0] for _, d in segments)
+
+    @property
+    def types(self) -> list[str]:
+        return [k for k, _ in self.segments]
+
+    @property
+    def block_kind(self) -> str | None:
+        return "+".join(dict.fromkeys(self.types))
+
+    def path(self, rows: int) -> str:
+        """How a product of `rows` input rows runs: "blocks" (blocks.c's int8 products on the file's blocks) or
+        "chunks" (exact f32 chunks of the weight, torch's f32 GEMM)."""
+        if rows <= BLOCK_GEMV_ROWS and all(k in PRODUCT_TYPES for k in self.types) and native.portable()[0]:
+            return "blocks"
+        return "chunks"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.dtype != torch.float32 or x2.stride(-1) != 1:
+            x2 = x2.float().contiguous()
+        m = x2.shape[0]
+        y = torch.empty(m, self.out_features)
+        blocks = self.path(m) == "blocks"
+        off = 0
+        for kind, data in self.segments:
+            n = data.shape[0]
+            if not (blocks and native.linear_on_blocks(x2, GGUF_TYPES[kind], data, y, off)):
+                self._chunks(x2, kind, data, y, off)
+            off += n
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def _chunks(self, x: torch.Tensor, kind: str, data: torch.Tensor, y: torch.Tensor, off: int) -> None:
+        n, k = data.shape[0], self.in_features
+        step = max(1, min(n, CHUNK_ELEMENTS // k))
+        buf = torch.empty(step, k)
+        for r in range(0, n, step):
+            r1 = min(n, r + step)
+            w = dequantize_rows(kind, data[r:r1], k, buf[:r1 - r])
+            y[:, off + r:off + r1] = x @ w.t()
+
+    def dequant(self, dtype=torch.float32) -> torch.Tensor:
+        out = torch.empty(self.out_features, self.in_features)
+        off = 0
+        for kind, data in self.segments:
+            dequantize_rows(kind, data, self.in_features, out[off:off + data.shape[0]])
+            off += data.shape[0]
+        return out.to(dtype)
+
+    def dense(self) -> torch.Tensor:
+        return self.dequant(torch.float32)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantized rows (an embedding lookup): only those rows' blocks are read."""
+        (kind, data), = self.segments
+        sel = data.index_select(0, ids.reshape(-1).to(torch.long))
+        out = torch.empty(sel.shape[0], self.in_features)
+        return dequantize_rows(kind, sel, self.in_features, out).reshape(*ids.shape, self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(d.numel() for _, d in self.segments)
+
+    @property
+    def kind(self) -> str:
+        return self.block_kind or "blocks"
+
+    def to(self, device: torch.device | str) -> Linear:
+        """On the CPU, itself; on an accelerator, an int8 table per output row (what its products take), built
+        from the exact values a chunk at a time."""
+        if torch.device(device).type == "cpu":
+            return self
+        q = torch.empty(self.out_features, self.in_features, dtype=torch.int8)
+        scale = torch.empty(self.out_features)
+        step = max(1, CHUNK_ELEMENTS // self.in_features)
+        for r in range(0, self.out_features, step):
+            part = self._rows_dense(r, min(self.out_features, r + step))
+            q[r:r + part.shape[0]], scale[r:r + part.shape[0]] = quantize_rows_int8(part)
+        return Int8Linear(q, scale).to(device)
+
+    def _rows_dense(self, r0: int, r1: int) -> torch.Tensor:
+        parts, off = [], 0
+        for kind, data in self.segments:
+            n = data.shape[0]
+            lo, hi = max(r0, off), min(r1, off + n)
+            if lo < hi:
+                parts.append(dequantize_rows(kind, data[lo - off:hi - off], self.in_features,
+                                             torch.empty(hi - lo, self.in_features)))
+            off += n
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def dequantize_rows(kind: str, data: torch.Tensor, cols: int, out: torch.Tensor) -> torch.Tensor:
+    """Rows of blocks (uint8 [rows, row bytes]) into `out` (f32 [rows, cols], contiguous), exactly (what gguf's
+    dequantization gives, bit for bit): blocks.c where it runs, formats.quant (torch) otherwise."""
+    if not native.dequant(GGUF_TYPES[kind], data, cols, out):
+        out.copy_(quant.dequantize(data.reshape(-1), kind, (data.shape[0], cols)))
+    return out
+
+
+def blocks_route() -> str:
+    """What the CPU products of a model held as its file's blocks run on, said in the backend's description."""
+    ok, why = native.portable()
+    if not ok:
+        return f"the file's own blocks, dequantized in chunks for torch's f32 GEMM (native kernel not used: {why})"
+    return (f"products on the file's own blocks: up to {BLOCK_GEMV_ROWS} rows on the native kernel ({why}, "
+            f"activations int8 per block as llama.cpp's), more rows on exact f32 chunks and torch's f32 GEMM")
+
+
 def int8_route() -> str:
     """What a CPU decode product of an int8 table runs on, said in the backend's description."""
     if activations() != "int8":
@@ -242,6 +374,9 @@ class StackedLinear(Linear):
                 fused.keep_blocks([(k, d[0] if len(d) == 1 else torch.cat(d)) for k, d in segments])
             self.fused: Linear | None = fused
             self.parts: list[Linear] = []
+        elif all(isinstance(p, BlockLinear) for p in parts):  # one product over the parts' segments, no copy
+            self.fused = BlockLinear([seg for p in parts for seg in p.segments], self.in_features)
+            self.parts = []
         elif all(isinstance(p, DenseLinear) for p in parts) and len({p.weight.dtype for p in parts}) == 1:
             self.fused = DenseLinear(torch.cat([p.weight for p in parts]))
             self.parts = []

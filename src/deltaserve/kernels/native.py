@@ -246,6 +246,27 @@ def linear_blocks(x: torch.Tensor, kind: str, blocks: torch.Tensor, out_features
     return y
 
 
+def dequant(gguf_type: int, data: torch.Tensor, cols: int, out: torch.Tensor) -> bool:
+    """blocks.c's exact dequantization of rows of blocks (uint8 [rows, row bytes], rows contiguous) into out (f32
+    [rows, cols], rows contiguous); False, with nothing written, where it does not run."""
+    if not has("ds_dequant") or data.dtype != torch.uint8 or data.stride(-1) != 1 or out.dtype != torch.float32 \
+            or out.stride(-1) != 1 or (data.shape[0] > 1 and data.stride(0) != data.shape[1]):
+        return False
+    return library().ds_dequant(gguf_type, data.data_ptr(), data.shape[0], cols, out.data_ptr(), out.stride(0),
+                                torch.get_num_threads()) == 0
+
+
+def linear_on_blocks(x: torch.Tensor, gguf_type: int, data: torch.Tensor, y: torch.Tensor, off: int) -> bool:
+    """y[:, off:off + rows] = x [M, K] (f32, rows contiguous) times the blocks (uint8 [rows, row bytes]) with
+    blocks.c's products; False, with nothing written, where they do not take it."""
+    if not has("ds_linear_blocks") or data.stride(-1) != 1 or (data.shape[0] > 1 and data.stride(0) != data.shape[1]):
+        return False
+    m, k = x.shape
+    return library().ds_linear_blocks(gguf_type, x.data_ptr(), m, k, x.stride(0), data.data_ptr(), data.shape[0],
+                                      y.data_ptr() + off * y.element_size(), y.stride(0),
+                                      torch.get_num_threads()) == 0
+
+
 def takes(in_features: int) -> bool:
     """Whether the native int8-table kernel takes products with this inner size (and runs on this CPU)."""
     return in_features % 32 == 0 and has("ds_linear_i8")

@@ -16,7 +16,7 @@ from deltaserve.runtime import capacity as cap
 from deltaserve.runtime.capacity import Memory, cpu_memory
 from deltaserve.engine.host import HostModel
 from deltaserve.engine.forward import Forward
-from deltaserve.kernels.linear import Int8Linear, int8_route
+from deltaserve.kernels.linear import BlockLinear, Int8Linear, blocks_route, int8_route
 from deltaserve.engine.state import Checkpoint, DecodeState
 from deltaserve.kernels.cpu import plural
 
@@ -106,7 +106,12 @@ class Backend:
 
     def describe(self) -> str:
         head = self.host.weights.lm_head
-        route = f"; {int8_route()}; {self.forward.token_program()[1]}" if isinstance(head, Int8Linear) else ""
+        if isinstance(head, Int8Linear):
+            route = f"; {int8_route()}; {self.forward.token_program()[1]}"
+        elif isinstance(head, BlockLinear):
+            route = f"; {blocks_route()}; {self.forward.token_program()[1]}"
+        else:
+            route = ""
         why = f": {self.threads_why}" if self.threads_why else ""
         return f"CPU ({plural(torch.get_num_threads(), 'thread')}{why}{route})"
 

@@ -1,0 +1,210 @@
+"""A GGUF model held as its file's own blocks (weights="blocks", the default where native.c's AVX512 kernels do not
+run): nothing converted at load, every product on the file's values, as close to f32 as llama.cpp on the same file.
+
+Oracles: gguf.quants (dequantization bit for bit), llama.cpp on the same files (logits, in a child process), and
+the arithmetic of llama.cpp's block products written out in float64 here.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import quants
+
+import deltaserve
+from deltaserve.demo import DEMO_FILE
+from deltaserve.engine.forward import Forward
+from deltaserve.kernels import linear as L
+from deltaserve.kernels import native
+from tests import llama_oracle as oracle
+from tests.fixtures import models as fx
+from tests.test_fast_weights import decode_all, demo_by_llama_cpp, ids_for
+
+TYPES = ["Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16"]
+
+
+def random_blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random bytes of `kind` with finite, modest scales: uint8 [rows, row bytes]."""
+    rng = np.random.default_rng(seed)
+    qt = T[kind]
+    if kind in ("F16", "BF16"):
+        x = rng.standard_normal((rows, cols)).astype(np.float32)
+        raw = x.astype(np.float16).view(np.uint8) if kind == "F16" else \
+            (x.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+        return np.ascontiguousarray(raw).reshape(rows, -1)
+    block, size = quants.GGML_QUANT_SIZES[qt]
+    b = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+
+    def f16(lo, hi):
+        return rng.uniform(lo, hi, (b.shape[0], 1)).astype(np.float16).view(np.uint8)
+
+    if kind in ("Q8_0", "Q4_0"):
+        b[:, 0:2] = f16(0.002, 0.02)
+    elif kind in ("Q4_K", "Q5_K"):
+        b[:, 0:2], b[:, 2:4] = f16(0.002, 0.02), f16(0.001, 0.01)
+    else:
+        b[:, 208:210] = f16(0.001, 0.004)
+    return b.reshape(rows, -1)
+
+
+def quantized_activations(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """x as llama.cpp's block products see it, in float64: int8 per block of 32 with the block's f16-rounded scale
+    (Q8_0, Q4_0) or per block of 256 with an f32 scale (K-quants), rounded to nearest, ties to even; F16/BF16
+    weights multiply x as it is."""
+    if kind in ("F16", "BF16"):
+        return x.double()
+    n = 256 if kind.endswith("_K") else 32
+    b = x.double().reshape(x.shape[0], -1, n)
+    amax = b.abs().amax(-1, keepdim=True).float()
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(b.float() * inv)  # the f32 product, rounded half to even
+    d = amax / 127.0
+    if n == 32:
+        d = d.half().float()
+    return (q.double() * d.double()).reshape(x.shape)
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_every_block_type_dequantizes_bit_for_bit_as_gguf_does(kind):
+    rows, cols = 37, 512
+    raw = random_blocks(kind, rows, cols, seed=len(kind))
+    want = quants.dequantize(raw, T[kind]).reshape(rows, cols)
+    lin = L.BlockLinear([(kind, torch.from_numpy(raw))], cols)
+    got = lin.dense().numpy()
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    ids = torch.tensor([0, 36, 5, 5])
+    assert np.array_equal(lin.rows(ids).numpy().view(np.uint32), want[ids.numpy()].view(np.uint32))
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_a_product_on_the_blocks_is_the_arithmetic_llama_cpp_does_and_each_row_is_its_own(kind):
+    rows, cols = 67, 768  # rows not a multiple of anything; three K-quant blocks a row
+    raw = torch.from_numpy(random_blocks(kind, rows, cols, seed=3 + len(kind)))
+    lin = L.BlockLinear([(kind, raw)], cols)
+    w = lin.dense().double()
+    g = torch.Generator().manual_seed(9)
+    for m in (1, 3, 8, 16):
+        x = torch.randn(m, cols, generator=g)
+        x[0, 7] = 25.0  # an outlier coarsens its own block only
+        y = lin(x)
+        assert lin.path(m) == ("blocks" if native.portable()[0] else "chunks")
+        claimed = quantized_activations(x, kind) @ w.t() if lin.path(m) == "blocks" else x.double() @ w.t()
+        assert ((y - claimed).norm(dim=1) / claimed.norm(dim=1)).max().item() < 1e-5, (kind, m)
+        exact = x.double() @ w.t()
+        assert ((y - exact).norm(dim=1) / exact.norm(dim=1)).max().item() < 0.03, (kind, m)
+        if lin.path(1) == "blocks":  # torch's GEMM may take another kernel for one row; blocks.c never does
+            for i in range(m):
+                assert torch.equal(lin(x[i:i + 1])[0], y[i]), (kind, m, i)
+
+
+def test_many_rows_multiply_exact_chunks_of_the_weight_with_f32_activations():
+    rows, cols = 300, 512
+    raw = torch.from_numpy(random_blocks("Q8_0", rows, cols, seed=1))
+    lin = L.BlockLinear([("Q8_0", raw)], cols)
+    x = torch.randn(L.BLOCK_GEMV_ROWS + 1, cols)
+    assert lin.path(x.shape[0]) == "chunks"
+    want = x.double() @ lin.dense().double().t()
+    y = lin(x)
+    assert ((y - want).norm(dim=1) / want.norm(dim=1)).max().item() < 1e-6  # no activation rounding at all
+    small = L.CHUNK_ELEMENTS
+    try:
+        L.CHUNK_ELEMENTS = 7 * cols  # chunks of 7 rows: the last one partial
+        assert torch.allclose(lin(x), y, rtol=1e-5, atol=1e-4)
+    finally:
+        L.CHUNK_ELEMENTS = small
+
+
+def test_a_stack_of_projections_is_one_product_over_their_segments_without_a_copy():
+    a = torch.from_numpy(random_blocks("Q4_K", 20, 512, seed=1))
+    b = torch.from_numpy(random_blocks("Q6_K", 12, 512, seed=2))
+    stack = L.StackedLinear([L.BlockLinear([("Q4_K", a)], 512), L.BlockLinear([("Q6_K", b)], 512)])
+    assert isinstance(stack.fused, L.BlockLinear) and stack.fused.block_kind == "Q4_K+Q6_K"
+    assert [d.data_ptr() for _, d in stack.fused.segments] == [a.data_ptr(), b.data_ptr()]
+    x = torch.randn(2, 512)
+    ya, yb = stack.split(stack(x))
+    assert torch.equal(ya, L.BlockLinear([("Q4_K", a)], 512)(x)) and torch.equal(yb, L.BlockLinear([("Q6_K", b)], 512)(x))
+
+
+@functools.lru_cache(maxsize=None)
+def blocks_model(path):
+    return deltaserve.load(path, weights="blocks", cache=False)
+
+
+def test_a_quantized_file_is_held_as_views_of_its_mapping_with_no_converted_copy():
+    path = fx.gguf_path("hybrid", "q8_0")
+    m = blocks_model(path)
+    w = m.host.weights
+    lins = [w.lm_head] + [p for lw in w.layers for p in (lw.gate_up.fused, lw.down)]
+    assert all(isinstance(lin, L.BlockLinear) for lin in lins)
+    assert w.embed.table is w.lm_head  # the tied head is the embedding's blocks
+    from deltaserve.formats.gguf import read_gguf
+
+    f = read_gguf(path)
+    stored = sum(t.nbytes for t in f.tensors.values())
+    quantized = sum(t.nbytes for t in f.tensors.values() if t.qtype.name == "Q8_0")
+    # every quantized tensor counted once, as its stored bytes; the rest (norms, conv, f32 vectors) is small
+    assert quantized <= w.nbytes <= stored * 1.01 + 65536, (w.nbytes, stored)
+    mapping = np.frombuffer(f.buf, np.uint8)
+    lo = mapping.__array_interface__["data"][0]
+    for lin in lins:  # the blocks are the file's own pages (a view of a mapping of the file), not copies
+        for _, d in lin.segments:
+            assert d.untyped_storage().nbytes() < stored and d.dtype == torch.uint8
+    del lo
+
+
+def test_the_route_line_says_the_products_run_on_the_files_own_blocks_and_on_which_instructions():
+    m = blocks_model(fx.gguf_path("hybrid", "q8_0"))
+    line = m.session().notices[-1]
+    if native.portable()[0]:
+        assert "products on the file's own blocks: up to 16 rows on the native kernel (AVX2" in line, line
+    else:
+        assert "dequantized in chunks for torch's f32 GEMM" in line, line
+
+
+@pytest.mark.parametrize("name", ["hybrid", "deep"])
+def test_a_blocks_prefill_adds_nothing_to_the_files_own_error_and_decode_stays_near_it(name):
+    m = blocks_model(fx.gguf_path(name, "q8_0"))
+    exact = deltaserve.load(fx.gguf_path(name, "q8_0"), weights="exact", cache=False)
+    ref = deltaserve.load(fx.gguf_path(name, "f32"), weights="exact", cache=False)
+    ids = ids_for(ref)
+    want = ref.logits(ids)
+    own = (exact.logits(ids) - want).abs().mean().item()
+    prefill = m.logits(ids)  # exact weights, f32 activations: the file's own error and nothing more (measured 1.000x)
+    assert (prefill - exact.logits(ids)).abs().mean().item() <= 0.01 * own
+    # one token at a time: int8 activations per block of 32, as llama.cpp's decode (measured 1.36x and 1.48x; the
+    # int8 tables with bf16 activations: 1.32x and 1.42x; their prefill with int8 activations per row: 1.71x)
+    assert (decode_all(m, ids) - want).abs().mean().item() <= 1.6 * own
+
+
+@pytest.mark.parametrize("ftype,name", [("Q8_0", "q8_0"), ("Q4_K_M", "q4_k_m")])
+def test_on_a_trained_model_blocks_are_no_farther_from_f32_than_llama_cpp_on_the_same_file(ftype, name):
+    path = demo_by_llama_cpp(ftype, name)
+    ref = deltaserve.load(DEMO_FILE, weights="exact", cache=False)
+    m = blocks_model(path)
+    turns = [("My locker code is 4821. What is 12 + 9?", "21."), ("Reverse these words: red fox blue", "blue fox red"),
+             ("What is my locker code?", None)]
+    text = "".join(f"<|im_start|>user\n{u}<|im_end|>\n<|im_start|>assistant\n" + (f"{a}<|im_end|>\n" if a else "")
+                   for u, a in turns)
+    ids = ref.tokenizer.encode(text)
+    want = ref.logits(ids)
+    for n_batch, ours in ((256, m.logits(ids)), (1, decode_all(m, ids))):  # a prefill, then one token at a time
+        theirs = torch.from_numpy(oracle.logits(path, ids, n_ctx=256, n_batch=n_batch))
+        d_ours, d_theirs = (ours - want).abs().mean().item(), (theirs - want).abs().mean().item()
+        assert d_ours <= 1.1 * d_theirs, (ftype, n_batch, d_ours, d_theirs)
+        agree = lambda got: (got.argmax(-1) == want.argmax(-1)).float().mean().item()  # noqa: E731
+        assert agree(ours) >= agree(theirs) - 0.03, (ftype, n_batch)
+
+
+def test_a_batch_of_conversations_reads_the_same_blocks_as_one_conversation_alone():
+    m = blocks_model(demo_by_llama_cpp("Q4_K_M", "q4_k_m"))
+    ids = m.tokenizer.encode("<|im_start|>user\nWhat is 12 + 9?<|im_end|>\n<|im_start|>assistant\n")
+    f = Forward(m.config, m.host.weights)
+    alone = decode_all(m, ids)
+    trio = [f.new_state(len(ids)) for _ in range(3)]
+    batched = torch.stack([f.decode_batch(trio, [t, t, t]) for t in ids])
+    for j in range(3):
+        assert torch.allclose(batched[:, j], alone, rtol=1e-5, atol=1e-5)
