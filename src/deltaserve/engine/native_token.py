@@ -1,13 +1,19 @@
-"""One decoded token in one native call (`ds_decode_token` in native.c).
+"""One decoded token in one native call (`ds_decode_tokens`: native.c on AVX512-VNNI CPUs, native_avx2.c on AVX2 ones).
 
 The torch decode runs ~25 operations per layer, each a Python call and a dispatch; at 24 layers that is
 several milliseconds a token around ~13 ms of products. `TokenProgram` describes a model's layers once (the
-pointers to its norms, tables or quantized blocks, its shapes) as the C structs of native.c, and decodes a
+pointers to its norms, tables or quantized blocks, its shapes) as the C structs of native.h, and decodes a
 token with one call: one OpenMP team for the whole token, the products and per-head steps shared among its
 threads. The math is layers.py's; tests compare it with the torch decode and with llama.cpp.
 
-It takes a model whose every product is an int8 table or Q4_K/Q6_K blocks (a Q8_0, Q4_0 or K-quant file on
-the int8 route) and a state with f32 caches; anything else keeps the torch decode, and `why_not` says why.
+Two routes, by what the CPU runs:
+- native.c (AVX512-VNNI, `native.status()`): every product an int8 table or Q4_K/Q6_K blocks kept beside it (a
+  Q8_0, Q4_0 or K-quant file loaded as int8 tables);
+- native_avx2.c (AVX2, where only `native.has("ds_decode_tokens")`): every product the file's own blocks (a model
+  loaded as `BlockLinear`s: Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, and F16/BF16 where blocks.c multiplies them; a stack may
+  mix types, and an F32 part of a stack is multiplied as it is), with blocks.c's products (activations quantized
+  as llama.cpp does, the same as the torch decode's products on those blocks).
+Either needs a state with f32 caches; anything else keeps the torch decode, and `why_not` says why.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ def _vector(t: torch.Tensor, keep: list) -> int:
 
 
 def _linear(layer, keep: list) -> Lin:
-    """A linear (an Int8Linear, or a stack fused into one) as segments of int8 table or Q4_K/Q6_K blocks."""
+    """A linear (an Int8Linear, or a stack fused into one) as segments of int8 table or Q4_K/Q6_K blocks (native.c)."""
     table = getattr(layer, "fused", None) if isinstance(layer, lin.StackedLinear) else layer
     if not isinstance(table, lin.Int8Linear) or table.q.device.type != "cpu":
         raise NotNative(f"a {layer.kind} projection is not an int8 table or quantized blocks")
@@ -61,19 +67,69 @@ def _linear(layer, keep: list) -> Lin:
     return out
 
 
+# GGUF block types native_avx2.c's decode reads (through blocks.c): id -> (values, bytes) per block
+FILE_BLOCKS = {1: (1, 2), 2: (32, 18), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210), 30: (1, 2)}
+
+
+def _file_segments(layer, in_features: int, in_stack: bool) -> list[tuple[int, torch.Tensor]]:
+    """(GGUF type id, rows as stored) of a BlockLinear, a stack of them, or an F32 part of such a stack (type 0:
+    F32 rows)."""
+    if isinstance(layer, lin.StackedLinear):
+        if layer.fused is not None:
+            return _file_segments(layer.fused, in_features, in_stack)
+        return [seg for part in layer.parts for seg in _file_segments(part, in_features, True)]
+    if isinstance(layer, getattr(lin, "BlockLinear", ())):
+        out = []
+        for kind, data in layer.segments:
+            gguf_type = kind if isinstance(kind, int) else getattr(lin, "GGUF_TYPES", {}).get(kind, -1)
+            if gguf_type not in FILE_BLOCKS or not native.library().blk_kind(gguf_type):
+                raise NotNative(f"a {layer.kind} projection (the one-call decode reads "
+                                f"Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, F16, BF16)")
+            values, size = FILE_BLOCKS[gguf_type]
+            if in_features % values or data.device.type != "cpu" or data.dtype != torch.uint8 \
+                    or data.shape[1] != in_features // values * size or not data.is_contiguous():
+                raise NotNative(f"{kind} blocks {tuple(data.shape)} for an inner size of {in_features}")
+            out.append((gguf_type, data))
+        return out
+    dense = getattr(layer, "weight", None)
+    if in_stack and isinstance(layer, lin.DenseLinear) and dense.dtype == torch.float32 and dense.is_contiguous() \
+            and dense.device.type == "cpu":
+        return [(0, dense)]
+    raise NotNative(f"a {layer.kind} projection is not the file's own blocks")
+
+
+def _file_linear(layer, keep: list) -> Lin:
+    """A BlockLinear (or a stack of them) as native_avx2.c's segments: one per stored tensor, typed by GGUF id."""
+    segments = _file_segments(layer, layer.in_features, False)
+    if len(segments) > MAX_SEGMENTS:
+        raise NotNative(f"a stack of {len(segments)} tensors (at most {MAX_SEGMENTS})")
+    out = Lin()
+    out.K, out.nseg = layer.in_features, len(segments)
+    for j, (gguf_type, data) in enumerate(segments):
+        out.seg[j] = Seg(gguf_type, data.shape[0], data.data_ptr(), None)
+        keep.append(data)
+    return out
+
+
 class TokenProgram:
-    """A model's layers as native.c's structs, for `decode`. Build with `TokenProgram.build` (None + why
+    """A model's layers as native.h's structs, for `decode`. Build with `TokenProgram.build` (None + why
     where the model does not qualify)."""
 
     def __init__(self, config: HybridConfig, weights: Weights):
         c = config
-        if lin.activations() != "int8":
-            raise NotNative(f"DELTASERVE_ACTIVATIONS={lin.activations()}")
         ok, why = native.status()
-        if not ok:
+        if ok:  # native.c: int8 tables (and the Q4_K/Q6_K blocks kept beside them)
+            if lin.activations() != "int8":
+                raise NotNative(f"DELTASERVE_ACTIVATIONS={lin.activations()}")
+            if c.head_dim % 16:
+                raise NotNative(f"head dim {c.head_dim} is not a multiple of 16")
+            _lin = _linear
+        elif native.has("ds_decode_tokens"):  # native_avx2.c: the file's own blocks
+            if c.head_dim % 8:
+                raise NotNative(f"head dim {c.head_dim} is not a multiple of 8")
+            _lin = _file_linear
+        else:
             raise NotNative(why)
-        if c.head_dim % 16:
-            raise NotNative(f"head dim {c.head_dim} is not a multiple of 16")
         self.keep: list = []
         self.config = config
         self.weights = weights
@@ -81,15 +137,15 @@ class TokenProgram:
         for i, lw in enumerate(weights.layers):
             L = layers[i]
             L.attn_norm, L.post_norm = _vector(lw.attn_norm, self.keep), _vector(lw.post_norm, self.keep)
-            L.gate_up, L.down = _linear(lw.gate_up, self.keep), _linear(lw.down, self.keep)
+            L.gate_up, L.down = _lin(lw.gate_up, self.keep), _lin(lw.down, self.keep)
             mx = lw.mixer
             if isinstance(mx, AttentionWeights):
                 L.attention = 1
-                L.mix_in, L.mix_out = _linear(mx.qkv, self.keep), _linear(mx.o, self.keep)
+                L.mix_in, L.mix_out = _lin(mx.qkv, self.keep), _lin(mx.o, self.keep)
                 L.q_norm, L.k_norm = _vector(mx.q_norm, self.keep), _vector(mx.k_norm, self.keep)
             else:
                 L.attention = 0
-                L.mix_in, L.mix_out = _linear(mx.in_proj, self.keep), _linear(mx.out, self.keep)
+                L.mix_in, L.mix_out = _lin(mx.in_proj, self.keep), _lin(mx.out, self.keep)
                 L.conv_w, L.a_neg = _vector(mx.conv, self.keep), _vector(mx.a_neg, self.keep)
                 L.dt_bias, L.norm_w = _vector(mx.dt_bias, self.keep), _vector(mx.norm, self.keep)
         m = Model()
@@ -100,7 +156,7 @@ class TokenProgram:
         m.nh, m.nkv, m.hd, m.rotary = c.num_attention_heads, c.num_kv_heads, c.head_dim, c.rotary_dim
         m.eps, m.theta = float(c.rms_norm_eps), float(c.rope_theta)
         m.final_norm = _vector(weights.final_norm, self.keep)
-        m.head = _linear(weights.lm_head, self.keep)
+        m.head = _lin(weights.lm_head, self.keep)
         m.layers = layers
         self.layers, self.model = layers, m
         self.lib = native.library()

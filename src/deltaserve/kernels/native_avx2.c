@@ -289,4 +289,240 @@ int ds_delta_rule(const float *q, const float *k, const float *v, const float *g
     return 0;
 }
 
+/* ---------------------------------------------------------------------------------------------------------
+ * One token through the whole model in one call, for B <= 8 sequences (native.c's ds_decode_tokens, the same
+ * structs and math): every layer's RMSNorms, products, DeltaNet or attention step, SwiGLU and residual adds, then
+ * the final norm and the head, in one OpenMP team. The products are blocks.c's on the file's own blocks: a lin_t
+ * segment's type is the GGUF type id of its rows (Q4_0 2, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14, and F16 1 / BF16 30
+ * where blocks.c multiplies them), or 0 for F32 rows (multiplied here); a stacked linear may mix them, and each
+ * kind of activation quantization that occurs is prepared once per product.
+ * ------------------------------------------------------------------------------------------------------- */
+/* seg_t, lin_t, layer_t, model_t: native.h */
+
+#define NKIND 4  /* blk_kind's kinds 1..3 (0: F32 rows, no preparation) */
+
+static void rms_norm_row(const float *x, const float *w, float *out, int n, float eps) {
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) { __m256 v = _mm256_loadu_ps(x + i); acc = _mm256_fmadd_ps(v, v, acc); }
+    float ss = hsum256(acc);
+    for (; i < n; i++) ss += x[i] * x[i];
+    float r = 1.0f / sqrtf(ss / (float)n + eps);
+    for (i = 0; i < n; i++) out[i] = x[i] * r * w[i];
+}
+
+static int lin_rows(const lin_t *L) {
+    int n = 0;
+    for (int s = 0; s < L->nseg; s++) n += L->seg[s].rows;
+    return n;
+}
+
+/* The kind of a segment's activations: blk_kind's for a block type, 0 for F32 rows, -1 for what is not taken. */
+static int seg_kind(const seg_t *g, int K) {
+    if (g->type == 0) return 0;
+    int kind = blk_kind(g->type);
+    if (kind <= 0 || kind >= NKIND || (kind == 1 && K % 32) || (kind == 2 && K % 256)) return -1;
+    return kind;
+}
+
+static int lin_ok(const lin_t *L) {
+    if (L->nseg < 1 || L->nseg > DS_MAX_SEGMENTS || L->K <= 0) return 0;
+    for (int s = 0; s < L->nseg; s++)
+        if (L->seg[s].rows <= 0 || !L->seg[s].data || seg_kind(&L->seg[s], L->K) < 0) return 0;
+    return 1;
+}
+
+/* F32 rows [N, K] against M activation rows (stride K): an orphaned worksharing loop, no barrier. */
+static void f32_tiles(const float *W, int N, int K, const float *x, int M, float *y, long ldy) {
+    #pragma omp for schedule(static) nowait
+    for (int n = 0; n < N; n++) {
+        const float *w = W + (size_t)n * K;
+        for (int m = 0; m < M; m++) {
+            const float *xm = x + (size_t)m * K;
+            __m256 acc = _mm256_setzero_ps();
+            int k = 0;
+            for (; k + 8 <= K; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(xm + k), acc);
+            float sum = hsum256(acc);
+            for (; k < K; k++) sum += w[k] * xm[k];
+            y[(size_t)m * ldy + n] = sum;
+        }
+    }
+}
+
+/* y [M, N] = x [M, K] W^T for a stacked linear (rows of x and y contiguous); called by every thread of the team
+ * (the rows are shared among them); ends on a barrier. scratch[kind]: blk_scratch_bytes(M, K) or more each. */
+static void team_product(const lin_t *L, const float *x, int M, float *y, void *const *scratch) {
+    int K = L->K, ldy = lin_rows(L), need[NKIND] = {0};
+    for (int s = 0; s < L->nseg; s++) need[seg_kind(&L->seg[s], K)] = 1;
+    for (int kind = 1; kind < NKIND; kind++)
+        if (need[kind]) blk_prepare(kind, x, M, K, K, scratch[kind]);  /* each ends on its barrier */
+    int off = 0;
+    for (int s = 0; s < L->nseg; s++) {  /* each segment's rows shared out without a barrier between them */
+        const seg_t *g = &L->seg[s];
+        if (g->type == 0) f32_tiles((const float *)g->data, g->rows, K, x, M, y + off, ldy);
+        else blk_tiles(g->type, (const uint8_t *)g->data, g->rows, K, scratch[seg_kind(g, K)], M, y + off, ldy);
+        off += g->rows;
+    }
+    #pragma omp barrier
+}
+
+/* q/k RMS norm per head, rotary embedding (rotate-half over the first `rotary` dims) at `pos`, k and v
+ * written at `pos` of the caches [nkv, cap, hd]; the rotated queries to qout [nh, hd]. Serial. */
+static void attn_prepare(const model_t *m, const layer_t *L, const float *qkv, float *kc, float *vc, int pos,
+                         int cap, float *qout) {
+    int nh = m->nh, nkv = m->nkv, hd = m->hd, r = m->rotary, half = r / 2;
+    float cs[half + 1], sn[half + 1];
+    for (int i = 0; i < half; i++) {
+        float inv = 1.0f / powf(m->theta, (float)(2 * i) / (float)r);
+        float f = (float)pos * inv;
+        cs[i] = cosf(f);
+        sn[i] = sinf(f);
+    }
+    const float *kin = qkv + (size_t)nh * 2 * hd, *vin = kin + (size_t)nkv * hd;
+    for (int h = 0; h < nh + nkv; h++) {
+        int is_q = h < nh;
+        const float *src = is_q ? qkv + (size_t)h * 2 * hd : kin + (size_t)(h - nh) * hd;
+        float *dst = is_q ? qout + (size_t)h * hd : kc + ((size_t)(h - nh) * cap + pos) * hd;
+        float t[hd];
+        rms_norm_row(src, is_q ? L->q_norm : L->k_norm, t, hd, m->eps);
+        for (int i = 0; i < half; i++) {
+            dst[i] = t[i] * cs[i] - t[i + half] * sn[i];
+            dst[i + half] = t[i + half] * cs[i] + t[i] * sn[i];
+        }
+        for (int i = r; i < hd; i++) dst[i] = t[i];
+    }
+    for (int h = 0; h < nkv; h++)
+        for (int i = 0; i < hd; i++) vc[((size_t)h * cap + pos) * hd + i] = vin[(size_t)h * hd + i];
+}
+
+/* Query head h over cache positions 0..pos, softmax in f32, times sigmoid of its output gate: out [hd]. */
+static void attn_head(const model_t *m, int h, const float *qkv, const float *q, const float *kc, const float *vc,
+                      int pos, int cap, float *scores, float *out) {
+    int hd = m->hd, kvh = h / (m->nh / m->nkv), n = pos + 1;
+    const float *qh = q + (size_t)h * hd, *keys = kc + (size_t)kvh * cap * hd, *vals = vc + (size_t)kvh * cap * hd;
+    float scale = 1.0f / sqrtf((float)hd), mx = -INFINITY;
+    for (int t = 0; t < n; t++) {
+        const float *kt = keys + (size_t)t * hd;
+        __m256 acc = _mm256_setzero_ps();
+        for (int i = 0; i < hd; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), _mm256_loadu_ps(kt + i), acc);
+        float sc = hsum256(acc) * scale;
+        scores[t] = sc;
+        if (sc > mx) mx = sc;
+    }
+    __m256 vsum = _mm256_setzero_ps(), vmx = _mm256_set1_ps(mx);
+    int t0 = 0;
+    for (; t0 + 8 <= n; t0 += 8) {  /* e^(s - max) eight at a time (a long context has thousands per head) */
+        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(scores + t0), vmx));
+        _mm256_storeu_ps(scores + t0, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    float sum = hsum256(vsum);
+    for (int t = t0; t < n; t++) { scores[t] = expf(scores[t] - mx); sum += scores[t]; }
+    float o[hd];
+    for (int i = 0; i < hd; i++) o[i] = 0.0f;
+    for (int t = 0; t < n; t++) {
+        const float *vt = vals + (size_t)t * hd;
+        float p = scores[t] / sum;
+        for (int i = 0; i < hd; i++) o[i] += p * vt[i];
+    }
+    const float *gate = qkv + (size_t)h * 2 * hd + hd;
+    for (int i = 0; i < hd; i++) out[(size_t)h * hd + i] = o[i] / (1.0f + expf(-gate[i]));
+}
+
+/* B sequences, one token each (B <= 8: the products read every weight once for all of them).
+ * x [B, hidden]: the tokens' embedding rows (overwritten: the residual streams). state[b][2i], state[b][2i+1]:
+ * sequence b's layer i (conv [Kc-1, C], ssm [nv, dk, dv]) or (k cache, v cache) [nkv, cap[b], hd], f32;
+ * pos[b]: the position its token takes. logits [B, vocab] out. Returns 0, or -1 (nothing touched) where a
+ * product's segments are not taken, a shape is not supported or memory ran out. */
+int ds_decode_tokens(const model_t *m, int B, float *x, float *const *const *state, const int *pos, const int *cap,
+                     float *logits, int nthreads) {
+    int H = m->hidden, C = 2 * m->nk * m->dk + m->nv * m->dv, nh = m->nh, nv = m->nv;
+    if (B < 1 || B > MAXM || m->nk <= 0 || nv % m->nk || m->nkv <= 0 || nh % m->nkv || m->hd % 8
+        || m->rotary > m->hd || m->rotary % 2 || !lin_ok(&m->head)) return -1;
+    size_t kmax = (size_t)H, nmax = (size_t)H, spos[MAXM + 1];
+    spos[0] = 0;
+    for (int b = 0; b < B; b++) {
+        if (pos[b] < 0 || pos[b] >= cap[b]) return -1;
+        spos[b + 1] = spos[b] + (size_t)nh * (pos[b] + 1);  /* sequence b's score rows start at spos[b] */
+    }
+    for (int i = 0; i < m->n_layers; i++) {
+        const layer_t *L = &m->layers[i];
+        const lin_t *ls[4] = {&L->mix_in, &L->mix_out, &L->gate_up, &L->down};
+        for (int j = 0; j < 4; j++) {
+            if (!lin_ok(ls[j])) return -1;
+            if (ls[j]->K > (int)kmax) kmax = (size_t)ls[j]->K;
+            if (lin_rows(ls[j]) > (int)nmax) nmax = (size_t)lin_rows(ls[j]);
+        }
+    }
+    if (m->head.K > (int)kmax) kmax = (size_t)m->head.K;
+    kmax = (kmax + 255) / 256 * 256;
+    float *hbuf = malloc(B * kmax * sizeof(float)), *big = malloc(B * nmax * sizeof(float)),
+          *mid = malloc(B * kmax * sizeof(float)), *u = malloc((size_t)B * C * sizeof(float)),
+          *qr = malloc((size_t)B * nh * m->hd * sizeof(float)), *scores = malloc(spos[B] * sizeof(float));
+    void *scratch[NKIND] = {NULL};
+    int ok = hbuf && big && mid && u && qr && scores;
+    for (int kind = 1; kind < NKIND; kind++) ok = ok && (scratch[kind] = malloc(blk_scratch_bytes(B, (int)kmax)));
+    if (ok) {
+        #pragma omp parallel num_threads(nthreads)
+        {
+            for (int i = 0; i < m->n_layers; i++) {
+                const layer_t *L = &m->layers[i];
+                int nin = lin_rows(&L->mix_in), nmid = L->mix_out.K;
+                #pragma omp for schedule(static)
+                for (int b = 0; b < B; b++) rms_norm_row(x + (size_t)b * H, L->attn_norm, hbuf + (size_t)b * H, H, m->eps);
+                team_product(&L->mix_in, hbuf, B, big, scratch);
+                if (L->attention) {
+                    #pragma omp for schedule(static)
+                    for (int b = 0; b < B; b++)
+                        attn_prepare(m, L, big + (size_t)b * nin, state[b][2 * i], state[b][2 * i + 1], pos[b], cap[b],
+                                     qr + (size_t)b * nh * m->hd);
+                    #pragma omp for schedule(static)
+                    for (int t = 0; t < B * nh; t++) {
+                        int b = t / nh, h = t % nh;
+                        attn_head(m, h, big + (size_t)b * nin, qr + (size_t)b * nh * m->hd, state[b][2 * i],
+                                  state[b][2 * i + 1], pos[b], cap[b], scores + spos[b] + (size_t)h * (pos[b] + 1),
+                                  mid + (size_t)b * nmid);
+                    }
+                } else {
+                    #pragma omp for schedule(static)
+                    for (int b = 0; b < B; b++)
+                        dn_mix(big + (size_t)b * nin, L->conv_w, state[b][2 * i], u + (size_t)b * C, C, m->Kc, m->nk, m->dk);
+                    #pragma omp for schedule(static)
+                    for (int t = 0; t < B * nv; t++) {
+                        int b = t / nv, h = t % nv;
+                        const float *z = big + (size_t)b * nin + C, *bb = z + nv * m->dv, *a = bb + nv;
+                        dn_head(h, u + (size_t)b * C, z, bb, a, L->a_neg, L->dt_bias, L->norm_w, state[b][2 * i + 1],
+                                mid + (size_t)b * nmid, m->nk, m->dk, nv, m->dv, m->tiled, m->eps);
+                    }
+                }
+                team_product(&L->mix_out, mid, B, hbuf, scratch);
+                #pragma omp for schedule(static)
+                for (int b = 0; b < B; b++) {
+                    float *xb = x + (size_t)b * H, *hb = hbuf + (size_t)b * H;
+                    for (int j = 0; j < H; j++) xb[j] += hb[j];
+                    rms_norm_row(xb, L->post_norm, hb, H, m->eps);
+                }
+                team_product(&L->gate_up, hbuf, B, big, scratch);
+                #pragma omp for schedule(static)
+                for (int b = 0; b < B; b++) {
+                    int I = m->inter;
+                    float *g = big + (size_t)b * 2 * I, *md = mid + (size_t)b * I;
+                    silu_inplace(g, I);
+                    for (int j = 0; j < I; j++) md[j] = g[j] * g[I + j];
+                }
+                team_product(&L->down, mid, B, hbuf, scratch);
+                #pragma omp for schedule(static)
+                for (int b = 0; b < B; b++)
+                    for (int j = 0; j < H; j++) x[(size_t)b * H + j] += hbuf[(size_t)b * H + j];
+            }
+            #pragma omp for schedule(static)
+            for (int b = 0; b < B; b++) rms_norm_row(x + (size_t)b * H, m->final_norm, hbuf + (size_t)b * H, H, m->eps);
+            team_product(&m->head, hbuf, B, logits, scratch);
+        }
+    }
+    free(hbuf); free(big); free(mid); free(u); free(qr); free(scores);
+    for (int kind = 1; kind < NKIND; kind++) free(scratch[kind]);
+    return ok ? 0 : -1;
+}
+
 #endif  /* AVX2 + FMA + F16C, no AVX512 */
