@@ -58,16 +58,19 @@ class Model:
         """A conversation's prompt ids (generation header added) and whether it leaves the model reasoning."""
         return render(self.tokenizer, messages, self.thinking_default if enable_thinking is None else enable_thinking)
 
-    def render_prompt(self, messages, enable_thinking: bool | None = None) -> RenderedPrompt:
+    def render_prompt(self, messages, enable_thinking: bool | None = None, tools=None) -> RenderedPrompt:
         """A conversation rendered (generation header added), not yet tokenized: `.encode(tokenizer)` encodes what
-        its messages contain as text, `.display` reads it, `.thinking` says whether it leaves the model reasoning."""
+        its messages contain as text, `.display` reads it, `.thinking` says whether it leaves the model reasoning.
+        `tools`: the functions offered (OpenAI's list), rendered by the template."""
         return render_prompt(self.tokenizer, messages,
-                             self.thinking_default if enable_thinking is None else enable_thinking)
+                             self.thinking_default if enable_thinking is None else enable_thinking, tools)
 
-    def render_text(self, messages, enable_thinking: bool | None = None) -> str:
+    def render_text(self, messages, enable_thinking: bool | None = None, tools=None) -> str:
         """A conversation's prompt text (generation header added), not yet tokenized."""
-        return render_text(self.tokenizer, messages,
-                           self.thinking_default if enable_thinking is None else enable_thinking)
+        from deltaserve.text.toolcalls import template_messages
+
+        return render_text(self.tokenizer, template_messages(messages),
+                           self.thinking_default if enable_thinking is None else enable_thinking, tools)
 
     def _reference_forward(self) -> Forward:
         if self._cpu_forward is None:

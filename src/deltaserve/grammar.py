@@ -49,6 +49,16 @@ Design choices:
   to sample that stop; an answer that closes on the budget's last token also ends "stop".
 * The engine comparison ran while another benchmark kept this 2-core machine busy: the absolute figures are noisy,
   the three engines were measured in one process under the same load.
+* Tool calls (`compile_tools`): `tool_choice` "required" or a named function, and `parallel_tool_calls: false`,
+  are enforced with xgrammar's structural tag for the Qwen3.5 tool-call format (`get_model_structural_tag
+  ("qwen_3_5")`: `<tool_call>\n<function=NAME>\n` for an offered NAME, then each parameter as `<parameter=P>\n
+  VALUE\n</parameter>` typed by the function's JSON schema, its required ones present, no others, one newline
+  between the markup's parts: `max_whitespace_cnt=1`, without which random weights pile up newlines). "required"
+  is the calls alone, one newline apart (xgrammar's tags with a separator: its built-in "required" lets free text
+  run between calls, where random weights wandered until max_tokens), one of them with parallel_tool_calls false;
+  a named function is exactly one call of it; auto with parallel_tool_calls false is xgrammar's built-in Qwen3.5
+  tag: text, then at most one call, then the end. The format needs
+  newlines, so tool grammars run on an engine whose vocabulary keeps tokens with control bytes (`text=True`).
 * Compiled grammars are cached per engine (an LRU of `CACHE_SIZE` schemas, keyed on the canonical JSON of the
   format): a repeated schema costs nothing. One engine (the tokenizer info, the compiler) per tokenizer, built once.
 """
@@ -183,7 +193,8 @@ class GrammarEngine:
     """The grammar engine for one tokenizer (xgrammar's tokenizer info and compiler, built once) and its LRU of
     compiled formats."""
 
-    def __init__(self, tokenizer, vocab_size: int | None = None, stop_ids: Iterable[int] | None = None):
+    def __init__(self, tokenizer, vocab_size: int | None = None, stop_ids: Iterable[int] | None = None,
+                 text: bool = False):
         xgr = _xgr()
         self.vocab_size = int(vocab_size or tokenizer.vocab_size)
         self.stop_ids = tuple(sorted(int(s) for s in (tokenizer.stop_ids if stop_ids is None else stop_ids)))
@@ -196,7 +207,7 @@ class GrammarEngine:
         vocab = []
         for i in range(min(tokenizer.vocab_size, self.vocab_size)):
             piece = b"" if i in control else tokenizer.token_bytes(i)
-            if i not in stops and _CONTROL.search(piece):
+            if i not in stops and not text and _CONTROL.search(piece):
                 piece = b""
             vocab.append(piece)
         vocab += [b""] * (self.vocab_size - len(vocab))
@@ -231,6 +242,54 @@ class GrammarEngine:
                 self._cache.popitem(last=False)
         return out
 
+    def compile_tools(self, tools, choice) -> CompiledFormat:
+        """A tool choice's structural tag compiled (cached): see the module's notes."""
+        from deltaserve.text.toolcalls import normalize_tools
+
+        tools = normalize_tools(tools)
+        if choice.name is not None:
+            tools = tuple(t for t in tools if t.name == choice.name)
+        offered = [t.openai() for t in tools]
+        xgr_choice = ({"type": "function", "function": {"name": choice.name}} if choice.name is not None
+                      else choice.mode)
+        key = json.dumps({"tools": offered, "choice": xgr_choice, "parallel": choice.parallel}, sort_keys=True,
+                         separators=(",", ":"))
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+        xgr = _xgr()
+        try:
+            if choice.mode == "required":
+                from xgrammar.structural_tag import (JSONSchemaFormat, StructuralTag, TagFormat,
+                                                     TagsWithSeparatorFormat)
+
+                # calls and nothing else: xgrammar's own "required" tag lets text run between calls (random
+                # weights wandered there until max_tokens), so the calls are its tags, one newline apart
+                tags = [TagFormat(begin=f"<tool_call>\n<function={t.name}>\n",
+                                  content=JSONSchemaFormat(json_schema=t.parameters, style="qwen_xml",
+                                                           max_whitespace_cnt=1),
+                                  end="\n</function>\n</tool_call>") for t in tools]
+                fmt = tags[0] if choice.name is not None else TagsWithSeparatorFormat(
+                    tags=tags, separator="\n", at_least_one=True, stop_after_first=not choice.parallel)
+                tag = StructuralTag(format=fmt)
+            else:  # auto, one call at most: text, then a call or not, then the end
+                tag = xgr.get_model_structural_tag("qwen_3_5", tools=offered, tool_choice=xgr_choice,
+                                                   reasoning="disabled", parallel_tool_calls=choice.parallel,
+                                                   max_whitespace_cnt=1)
+            compiled = self.compiler.compile_structural_tag(tag)
+        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError / its own errors
+            msg = re.sub(r"\[[0-9:]+\] \S+:\d+: ", "", " ".join(str(e).split())) or type(e).__name__
+            raise GrammarError(f"tools: the functions' parameter schemas cannot be compiled: {msg}"[:400]) from None
+        out = CompiledFormat(self, compiled, f"tools {choice.mode}" + (f" {choice.name}" if choice.name else ""))
+        with self._lock:
+            self.compiles += 1
+            self._cache[key] = out
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return out
+
     def _compile(self, schema: str, strict: bool):
         try:
             return self.compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=strict)
@@ -243,16 +302,27 @@ _ENGINES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 _ENGINES_LOCK = threading.Lock()
 
 
-def engine_for(tokenizer, vocab_size: int | None = None, stop_ids: Iterable[int] | None = None) -> GrammarEngine:
-    """The engine of `tokenizer` (for these logits' width and stop ids), built on first use and kept."""
+def engine_for(tokenizer, vocab_size: int | None = None, stop_ids: Iterable[int] | None = None,
+               text: bool = False) -> GrammarEngine:
+    """The engine of `tokenizer` (for these logits' width and stop ids), built on first use and kept. `text`: the
+    vocabulary keeps tokens holding control bytes (newlines: the tool-call format needs them)."""
     key = (int(vocab_size or tokenizer.vocab_size),
-           tuple(sorted(int(s) for s in (tokenizer.stop_ids if stop_ids is None else stop_ids))))
+           tuple(sorted(int(s) for s in (tokenizer.stop_ids if stop_ids is None else stop_ids))), bool(text))
     with _ENGINES_LOCK:
         per = _ENGINES.setdefault(tokenizer, {})
         engine = per.get(key)
         if engine is None:
-            engine = per[key] = GrammarEngine(tokenizer, key[0], key[1])
+            engine = per[key] = GrammarEngine(tokenizer, key[0], key[1], text=key[2])
         return engine
+
+
+def compile_tools(tokenizer, tools, choice, vocab_size: int | None = None,
+                  stop_ids: Iterable[int] | None = None) -> CompiledFormat | None:
+    """The grammar that enforces a tool choice (a `text.toolcalls.ToolChoice`): None where nothing is enforced
+    ("none", or "auto" with parallel calls allowed); a schema xgrammar cannot compile raises GrammarError."""
+    if not tools or not choice.enforced:
+        return None
+    return engine_for(tokenizer, vocab_size, stop_ids, text=True).compile_tools(tools, choice)
 
 
 def compile_format(tokenizer, response_format: Any, vocab_size: int | None = None,

@@ -24,11 +24,14 @@ from deltaserve.runtime.backend import AcceleratorFailure, Backend, CPUBackend
 from deltaserve.engine.state import Checkpoint, DecodeState
 from deltaserve.engine.weights import trim_heap
 from deltaserve.errors import BackendError, CapacityError, ContextError, DeltaserveError
-from deltaserve.grammar import CompiledFormat, compile_format
+from deltaserve.grammar import CompiledFormat, compile_format, compile_tools
 from deltaserve.sampling import Sampler, SamplingParams
 from deltaserve.store import read_state, write_state
 from deltaserve.text.chat_template import render
 from deltaserve.text.stream import ReasoningSplitter, StopCutter, split_reasoning
+from deltaserve.text.toolcalls import (Content, ToolCall, ToolCallParser, normalize_tool_choice, normalize_tools,
+                                       template_messages)
+from deltaserve.text.toolcalls import parse as parse_tool_calls
 
 MIN_CAPACITY = 4096
 TRIM_AFTER = 64  # prefilled tokens after which a turn hands freed heap memory back (malloc_trim: 3-6 ms)
@@ -57,12 +60,13 @@ class Turn:
     reused: int
     prefilled: int
     prompt_tokens: int
-    finish_reason: str            # "stop" | "length" | "cancelled"
+    finish_reason: str            # "stop" | "length" | "cancelled" | "tool_calls" (a chat turn that called tools)
     context_capped: bool
     backend: str
     start: str                    # "extend" | "checkpoint" | "store" | "reset"
     timings: Timings = field(default_factory=Timings)
     reasoning: str | None = None  # what a chat turn reasoned before its answer (None: the prompt opened no reasoning)
+    tool_calls: list[ToolCall] = field(default_factory=list)  # the calls a chat turn with tools made (text: the rest)
 
     @property
     def generated(self) -> int:
@@ -421,33 +425,57 @@ class Session:
         schema the engine cannot compile raises grammar.GrammarError (a DeltaserveError naming the problem)."""
         return compile_format(self.tokenizer, response_format, self.host.config.vocab_size, self.stop_ids)
 
-    def render(self, messages, enable_thinking: bool | None = None) -> tuple[list[int], bool]:
+    def render(self, messages, enable_thinking: bool | None = None, tools=None) -> tuple[list[int], bool]:
         """The prompt ids of a conversation rendered with the model's chat template (generation header added),
-        and whether it leaves the model reasoning. `enable_thinking` None: the model's default."""
-        return render(self.tokenizer, messages, self.thinking_default if enable_thinking is None else enable_thinking)
+        and whether it leaves the model reasoning. `enable_thinking` None: the model's default. `tools`: the
+        functions offered (OpenAI's list), rendered by the template."""
+        return render(self.tokenizer, messages, self.thinking_default if enable_thinking is None else enable_thinking,
+                      tools)
 
     def chat(self, messages, max_tokens: int = 256, enable_thinking: bool | None = None,
              on_token: OnToken | None = None, on_reasoning: Callable[[str], None] | None = None,
-             response_format=None, **sampling) -> Turn:
+             response_format=None, tools=None, tool_choice=None, parallel_tool_calls: bool = True,
+             **sampling) -> Turn:
         """Render `messages` with the model's template and run a turn. The Turn's `text` is the answer alone (no
         template markup); what the model reasoned first is in `reasoning`. `on_token` sees the answer's text,
         `on_reasoning` the reasoning's, as they stream.
 
         With a `response_format` (see `generate`) the answer is constrained and thinking is off for the turn
-        (rendered with enable_thinking=False whatever was asked): only the answer is ever constrained."""
+        (rendered with enable_thinking=False whatever was asked): only the answer is ever constrained.
+
+        `tools` (OpenAI's list of functions) are offered through the template; the calls the model writes come
+        back parsed in `turn.tool_calls` (`text.toolcalls`: offered functions only, arguments typed by their
+        schemas), the rest of the answer in `text`, and `finish_reason` is "tool_calls". `tool_choice`: "auto"
+        (default), "none" (the tools are not rendered and nothing is parsed), "required" or {"type": "function",
+        "function": {"name": N}} (enforced by a grammar, thinking off); `parallel_tool_calls` False: at most one
+        call (enforced). Assistant messages may carry `tool_calls` (arguments as JSON strings or objects, or the
+        ToolCalls of an earlier turn) and `tool` messages the results."""
+        offered = normalize_tools(tools)
+        choice = normalize_tool_choice(tool_choice, offered, parallel_tool_calls)
         grammar = self.compile_format(response_format)
+        if grammar is not None and choice.mode != "none":
+            raise DeltaserveError("a response_format and tools cannot both shape one answer: send tool_choice "
+                                  "'none' with a response_format, or no response_format")
+        if grammar is None and choice.mode != "none":
+            grammar = compile_tools(self.tokenizer, offered, choice, self.host.config.vocab_size, self.stop_ids)
         if grammar is not None:
             enable_thinking = False
-        ids, thinking = self.render(messages, enable_thinking)
+        messages = template_messages(messages)
+        rendered = [t.openai() for t in offered] if choice.mode != "none" else None
+        ids, thinking = self.render(messages, enable_thinking, rendered)
         if grammar is not None and thinking:
             raise DeltaserveError("this model's chat template leaves the model reasoning even with thinking off: "
                                   "a response_format cannot constrain its answer")
         splitter = ReasoningSplitter(thinking)
+        parser = ToolCallParser(offered, choice.parallel) if choice.mode != "none" else None
 
         def route(tid, piece, final=False):
             reasoning, content = splitter.flush() if final else splitter.push(piece)
             if reasoning and on_reasoning is not None:
                 on_reasoning(reasoning)
+            if parser is not None:
+                events = parser.push(content) + (parser.finish() if final else [])
+                content = "".join(e.text for e in events if isinstance(e, Content))
             if content and on_token is not None:
                 return on_token(tid, content)
             return None
@@ -456,6 +484,11 @@ class Session:
         if turn.finish_reason != "cancelled":
             route(None, "", final=True)  # what the splitter held back (a tail that might have begun </think>)
         turn.reasoning, turn.text = split_reasoning(turn.text, thinking)
+        if parser is not None:  # the whole answer parsed as the stream was (text.toolcalls.parse)
+            content, turn.tool_calls = parse_tool_calls(turn.text, offered, choice.parallel)
+            turn.text = content or ""
+            if turn.tool_calls and turn.finish_reason == "stop":
+                turn.finish_reason = "tool_calls"
         return turn
 
     def _turn(self, prompt: list[int], max_tokens: int, params: SamplingParams, stop, on_token,

@@ -70,16 +70,20 @@ def _replace(value: Any, table: list[tuple[str, str]]) -> Any:
     return value
 
 
-def render_prompt(tokenizer, messages, enable_thinking: bool | None = None) -> RenderedPrompt:
+def render_prompt(tokenizer, messages, enable_thinking: bool | None = None, tools=None) -> RenderedPrompt:
     """`messages` rendered with the generation header added (`enable_thinking` None: the template's default),
-    special-token text in their strings held apart as literals."""
+    special-token text in their strings held apart as literals. `tools`: the functions offered (OpenAI's list of
+    {"type": "function", "function": {...}}), rendered by the template; assistant messages' `tool_calls` need
+    their arguments as objects (`toolcalls.arguments_object`)."""
     messages = [m.model_dump() if hasattr(m, "model_dump") else m for m in messages]
+    extra = {"tools": list(tools)} if tools else {}
     found: list[str] = []
     _strings(messages, found)
+    _strings(extra, found)
     specials = [s for s in tokenizer.special_texts if any(s in text for text in found)]
     if not specials:
         return RenderedPrompt(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                            enable_thinking=enable_thinking))
+                                                            enable_thinking=enable_thinking, **extra))
     used = {ch for text in found for ch in text if ord(ch) >= _PUA_BASES[0]}
     marks: list[str] = []
     for base in _PUA_BASES:  # placeholders that occur nowhere in the conversation
@@ -90,17 +94,17 @@ def render_prompt(tokenizer, messages, enable_thinking: bool | None = None) -> R
             c += 1
     table = sorted(zip(specials, marks), key=lambda p: -len(p[0]))  # the longest special text first
     text = tokenizer.apply_chat_template(_replace(messages, table), add_generation_prompt=True,
-                                         enable_thinking=enable_thinking)
+                                         enable_thinking=enable_thinking, **_replace(extra, table))
     return RenderedPrompt(text, {mark: literal for literal, mark in table})
 
 
-def render_text(tokenizer, messages, enable_thinking: bool | None = None) -> str:
+def render_text(tokenizer, messages, enable_thinking: bool | None = None, tools=None) -> str:
     """The prompt text of `messages` with the generation header added, as a person reads it."""
-    return render_prompt(tokenizer, messages, enable_thinking).display
+    return render_prompt(tokenizer, messages, enable_thinking, tools).display
 
 
-def render(tokenizer, messages, enable_thinking: bool | None = None) -> tuple[list[int], bool]:
+def render(tokenizer, messages, enable_thinking: bool | None = None, tools=None) -> tuple[list[int], bool]:
     """The prompt ids of `messages` with the generation header added (message contents encoded as text), and
     whether the prompt leaves the model inside a reasoning block."""
-    p = render_prompt(tokenizer, messages, enable_thinking)
+    p = render_prompt(tokenizer, messages, enable_thinking, tools)
     return p.encode(tokenizer), p.thinking

@@ -28,7 +28,7 @@ from starlette.requests import ClientDisconnect
 from deltaserve.version import __version__
 from deltaserve.frontends.common import load_model
 from deltaserve.errors import ContextError, DeltaserveError
-from deltaserve.grammar import compile_format
+from deltaserve.grammar import compile_format, compile_tools
 from deltaserve.session import check_prompt
 from deltaserve.frontends.server import connections
 from deltaserve.frontends.server.metrics import Metrics
@@ -36,6 +36,8 @@ from deltaserve.frontends.server.protocol import APIError, GenerationRequest, Li
 from deltaserve.frontends.server.slots import QueueFull, SlotPool
 from deltaserve.text.chat_template import RenderedPrompt
 from deltaserve.text.stream import ReasoningSplitter, split_reasoning
+from deltaserve.text.toolcalls import CallArguments, CallStart, Content, ToolCallParser
+from deltaserve.text.toolcalls import parse as parse_tool_calls
 
 def host_name(value: str) -> str:
     """The name in a Host header (or an --allowed-hosts entry), lowercased, without its port or a final dot:
@@ -235,7 +237,7 @@ class Server:
                 prompt, thinking = RenderedPrompt(req.prompt), False
             else:  # what the messages contain is encoded as text: no forged turns (text/chat_template.py)
                 think = req.enable_thinking if req.enable_thinking is not None else self.think_default
-                prompt = self.model.render_prompt(req.messages, think)
+                prompt = self.model.render_prompt(req.messages, think, req.rendered_tools)
                 thinking = prompt.thinking
             least = self.model.tokenizer.fewest_tokens(prompt.display)
             if least >= self.context:
@@ -283,6 +285,14 @@ class Server:
                     self.model.config.vocab_size, stops)
             except DeltaserveError as e:
                 raise bad(str(e), "response_format") from None
+        elif req.tools and req.tool_choice.enforced:  # tool_choice required / named, or one call at most
+            stops = frozenset(self.model.tokenizer.stop_ids) | frozenset(self.model.config.eos_token_ids)
+            try:
+                grammar = await asyncio.get_running_loop().run_in_executor(
+                    self.text_pool, compile_tools, self.model.tokenizer, req.tools, req.tool_choice,
+                    self.model.config.vocab_size, stops)
+            except DeltaserveError as e:
+                raise bad(str(e), "tools") from None
         try:
             slot = await until_gone(self.pool.acquire(ids), request)  # a client gone while queued leaves the queue
         except QueueFull:
@@ -348,9 +358,16 @@ class Server:
             if endpoint == "chat":
                 reasoning, content = split_reasoning(turn.text, thinking)
                 message = {"role": "assistant", "content": content}
+                finish = turn.finish_reason
+                if req.rendered_tools:  # the calls the model wrote (offered functions only), the rest content
+                    content, calls = parse_tool_calls(content, req.tools, req.tool_choice.parallel)
+                    message["content"] = content
+                    if calls:
+                        message["tool_calls"] = [c.openai() for c in calls]
+                        finish = "tool_calls" if finish == "stop" else finish
                 if reasoning is not None:
                     message["reasoning_content"] = reasoning
-                choice = {"index": 0, "message": message, "finish_reason": turn.finish_reason, "logprobs": None}
+                choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
                 obj = "chat.completion"
             else:
                 choice = {"index": 0, "text": turn.text, "finish_reason": turn.finish_reason, "logprobs": None}
@@ -373,6 +390,24 @@ class Server:
                 body["usage"] = usage
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
+        parser = ToolCallParser(req.tools, req.tool_choice.parallel) if req.rendered_tools else None
+
+        def content_chunks(content: str, final: bool = False):
+            """The answer's text as deltas: content, or (with tools) a call's name in its first delta and its
+            arguments in the next, as OpenAI streams them; text that may begin a call is held back meanwhile."""
+            if parser is None:
+                return [chunk({"content": content})] if content else []
+            out = []
+            for e in parser.push(content) + (parser.finish() if final else []):
+                if isinstance(e, Content) and e.text:
+                    out.append(chunk({"content": e.text}))
+                elif isinstance(e, CallStart):
+                    out.append(chunk({"tool_calls": [{"index": e.index, "id": e.id, "type": "function",
+                                                      "function": {"name": e.name, "arguments": ""}}]}))
+                elif isinstance(e, CallArguments):
+                    out.append(chunk({"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]}))
+            return out
+
         async def events():
             splitter = ReasoningSplitter(thinking)
             try:
@@ -388,8 +423,8 @@ class Server:
                     reasoning, content = splitter.push(text)
                     if reasoning:
                         yield chunk({"reasoning_content": reasoning})
-                    if content:
-                        yield chunk({"content": content})
+                    for c in content_chunks(content):
+                        yield c
                 try:
                     turn = await fut
                 except Exception as e:  # noqa: BLE001
@@ -400,9 +435,12 @@ class Server:
                     reasoning, content = splitter.flush()
                     if reasoning:
                         yield chunk({"reasoning_content": reasoning})
-                    if content:
-                        yield chunk({"content": content})
-                    yield chunk({}, finish=turn.finish_reason)
+                    for c in content_chunks(content, final=True):
+                        yield c
+                    finish = turn.finish_reason
+                    if parser is not None and parser.calls and finish == "stop":
+                        finish = "tool_calls"
+                    yield chunk({}, finish=finish)
                 else:
                     yield chunk(text="", finish=turn.finish_reason)
                 if req.include_usage:

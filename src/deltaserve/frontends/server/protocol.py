@@ -12,11 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, WrapValidator,
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, WrapValidator,
                       field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
 from deltaserve.grammar import GrammarError, normalize
+from deltaserve.text.toolcalls import (Tool, ToolChoice, ToolError, normalize_tool_choice, normalize_tools,
+                                       template_messages)
 
 
 class APIError(Exception):
@@ -65,6 +67,15 @@ class GenerationRequest:
     prompt: str | list[int] | None = None
     enable_thinking: bool | None = None
     response_format: dict | None = None  # deltaserve.grammar.normalize's form; None: text
+    tools: tuple[Tool, ...] = ()          # the functions offered (text.toolcalls)
+    tool_choice: ToolChoice = field(default_factory=lambda: ToolChoice("none"))
+
+    @property
+    def rendered_tools(self) -> list[dict] | None:
+        """The tools as the chat template renders them (None: no tools block; tool_choice "none" renders none)."""
+        if not self.tools or self.tool_choice.mode == "none":
+            return None
+        return [t.openai() for t in self.tools]
 
     def sampling(self) -> dict:
         return dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
@@ -116,6 +127,15 @@ def _response_format(v, handler):
     return handler(fmt)
 
 
+def _tools(v, handler):
+    """OpenAI's function tools, checked by deltaserve.text.toolcalls (names, parameter schemas as objects)."""
+    v = handler(v)
+    try:
+        return normalize_tools(v)
+    except ToolError as e:
+        raise _problem(str(e), whole=True, param="tools") from None
+
+
 def _text_parts(v, handler):
     try:
         return handler(v)
@@ -141,7 +161,7 @@ def _prompt(v, handler):
 Unit = Annotated[float, Field(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 ROLES = ("system", "user", "assistant", "tool", "developer")
-NO_TOOLS = "tools are not supported by this server"
+NO_TOOLS = "tools are served on /v1/chat/completions, not on /v1/completions"
 
 
 class _Strict(BaseModel):
@@ -158,10 +178,25 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=200)]
+    arguments: str | dict = "{}"
+
+
+class ToolCallIn(_Strict):
+    """An assistant message's tool call, as OpenAI sends it back (arguments: a JSON object, as a string)."""
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal[ROLES]
     content: Annotated[str | list[TextPart] | None, WrapValidator(_text_parts)] = Field(None, validate_default=True)
     reasoning_content: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
     @field_validator("content")
     @classmethod
@@ -200,8 +235,6 @@ class _Request(_Strict):
     echo: Annotated[bool | None, _refused_unless(None, False)] = None
     top_logprobs: Annotated[int | None, _refused_unless(None)] = None
     logit_bias: Annotated[dict[str, float] | None, _refused_unless(None, {})] = None
-    tools: Annotated[list[dict] | None, _refused_unless(None, [], message=NO_TOOLS)] = None
-    tool_choice: Annotated[str | dict | None, _refused_unless(None, "none", message=NO_TOOLS)] = None
     response_format: Annotated[dict | None, WrapValidator(_response_format)] = None
     user: str | None = None
     seed: Annotated[int, Field(ge=-(2 ** 63), le=2 ** 63 - 1)] | None = None
@@ -268,6 +301,21 @@ class ChatCompletionRequest(_Request):
     """POST /v1/chat/completions."""
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     chat_template_kwargs: ChatTemplateKwargs | None = None
+    tools: Annotated[list[dict] | None, WrapValidator(_tools)] = None
+    tool_choice: Annotated[str | dict | None, _one_error("must be 'auto', 'none', 'required' or a function object")] = None
+    parallel_tool_calls: bool | None = None
+    _choice: ToolChoice = PrivateAttr(default_factory=lambda: ToolChoice("none"))
+
+    @model_validator(mode="after")
+    def _tool_choice_fits(self):
+        try:
+            self._choice = normalize_tool_choice(self.tool_choice, tuple(self.tools or ()), self.parallel_tool_calls)
+        except ToolError as e:
+            raise _problem(str(e), whole=True, param="tool_choice") from None
+        if self.response_format is not None and self._choice.mode != "none":
+            raise _problem("a response_format and tools cannot both shape one answer: send tool_choice 'none' with "
+                           "a response_format, or no response_format", whole=True, param="response_format")
+        return self
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -283,17 +331,30 @@ class ChatCompletionRequest(_Request):
             entry = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
             if m.reasoning_content is not None:
                 entry["reasoning_content"] = m.reasoning_content
+            if m.tool_calls:
+                entry["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                entry["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                entry["name"] = m.name
             messages.append(entry)
+        try:  # the calls' arguments as the template renders them (objects)
+            messages = template_messages(messages)
+        except ToolError as e:
+            raise bad(str(e)[:300], "messages") from None
         thinking = self.chat_template_kwargs.enable_thinking if self.chat_template_kwargs else None
-        if self.response_format is not None:
+        if self.response_format is not None or self._choice.enforced:
             thinking = False  # only the answer is constrained: a structured answer is asked for with thinking off
-        return GenerationRequest(messages=messages, enable_thinking=thinking, **self._common())
+        return GenerationRequest(messages=messages, enable_thinking=thinking, tools=tuple(self.tools or ()),
+                                 tool_choice=self._choice, **self._common())
 
 
 class CompletionRequest(_Request):
     """POST /v1/completions."""
     prompt: Annotated[str | Annotated[list[int], Field(min_length=1)], WrapValidator(_prompt)]
     suffix: Annotated[str | None, _refused_unless(None)] = None
+    tools: Annotated[list | None, _refused_unless(None, [], message=NO_TOOLS)] = None
+    tool_choice: Annotated[str | dict | None, _refused_unless(None, "none", message=NO_TOOLS)] = None
 
     def generation(self) -> GenerationRequest:
         return GenerationRequest(prompt=self.prompt, **self._common())
