@@ -100,3 +100,164 @@ def test_the_native_deltanet_step_follows_the_torch_step_on_either_head_order(or
         want = layers.gated_rms_norm(o, z.reshape(nv, dv), w.norm, cfg.rms_norm_eps).reshape(-1)
         assert torch.allclose(ours, want, atol=1e-5, rtol=1e-4), (step, (ours - want).abs().max().item())
         assert torch.allclose(conv_ours, conv_torch) and torch.allclose(ssm_ours, ssm_torch, atol=1e-5, rtol=1e-4)
+
+
+# ---- the one-call decode on the file's own blocks (native_avx2.c; native.c takes int8 tables instead) ------------
+
+def blocks_everywhere(m, mixed: bool):
+    """A loaded float model's weights with every projection and the head as the file's own blocks would be: Q8_0
+    (gguf's own quantizer), or, `mixed`, stacks of several types as a quantized file has them: the MLP's up part
+    and the attention output Q4_0, the DeltaNet z part F16 (where blocks.c multiplies F16), its beta part F32."""
+    import dataclasses
+
+    import gguf
+    import numpy as np
+
+    from deltaserve.engine.weights import AttentionWeights, Embedding, LayerWeights, Weights
+    from deltaserve.kernels.linear import BlockLinear, DenseLinear, StackedLinear
+
+    def one(w: torch.Tensor, kind: str):
+        w = w.float().contiguous()
+        if kind == "F32":
+            return DenseLinear(w)
+        data = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[kind])
+        return BlockLinear([(kind, torch.from_numpy(np.ascontiguousarray(data).view(np.uint8)))], w.shape[1])
+
+    f16 = "F16" if native.library().blk_kind(1) else "Q8_0"
+
+    def q(lin, kinds=()):
+        if isinstance(lin, StackedLinear):
+            parts = torch.split(lin.dense(), list(lin.sizes))
+            kinds = kinds if mixed and kinds else ("Q8_0",) * len(parts)
+            return StackedLinear([one(p, k) for p, k in zip(parts, kinds)])
+        return one(lin.dense(), kinds[0] if mixed and kinds else "Q8_0")
+
+    w = m.host.weights
+    layers = []
+    for lw in w.layers:
+        mx = lw.mixer
+        if isinstance(mx, AttentionWeights):
+            mixer = dataclasses.replace(mx, qkv=q(mx.qkv), o=q(mx.o, ("Q4_0",)))
+        else:
+            mixer = dataclasses.replace(mx, in_proj=q(mx.in_proj, ("Q8_0", f16, "F32", "Q8_0")), out=q(mx.out))
+        layers.append(LayerWeights(lw.attn_norm, lw.post_norm, mixer, q(lw.gate_up, ("Q8_0", "Q4_0")), q(lw.down)))
+    head = q(w.lm_head)
+    return Weights(Embedding(head), layers, w.final_norm, head)
+
+
+def block_products(monkeypatch):
+    """test_fast_weights' TorchProducts on BlockLinear's products: the activations of a block of 32 rounded one
+    int8 step the other way move the output by d * W[:, k], d the f16-rounded step Q8_0/Q4_0 products use."""
+    from deltaserve.kernels.linear import BlockLinear
+    from tests.test_fast_weights import TorchProducts
+
+    products = TorchProducts.__new__(TorchProducts)
+    products.calls, products.inject = None, {}
+    original = BlockLinear.__call__
+
+    def call(lin, x):
+        y = original(lin, x)
+        if products.calls is None or not any(kind in ("Q8_0", "Q4_0") for kind, _ in lin.segments):
+            return y  # (an F16 product quantizes nothing)
+        x2 = x.reshape(-1, lin.in_features).float()
+        moves = products.inject.get(len(products.calls), ())
+        products.calls.append(x2.clone())
+        if moves:
+            y = y.clone()
+            for row, k, dq in moves:
+                amax = x2[row, k // 32 * 32:k // 32 * 32 + 32].abs().amax()
+                d = (amax / 127).half().float()  # the block's int8 step, as blocks.c keeps it
+                y.view(-1, lin.out_features)[row] += dq * d * lin.dense()[:, k]
+        return y
+
+    monkeypatch.setattr(BlockLinear, "__call__", call)
+    return products
+
+
+@pytest.mark.parametrize("source,mixed", [("hf", False), ("gguf", False), ("gguf", True)])
+def test_the_one_call_decode_on_the_files_blocks_follows_the_torch_decode_on_either_head_order_and_mixed_stacks(
+        source, mixed, monkeypatch):
+    """The envelope of test_fast_weights' int8-table version: both routes run blocks.c's products on the same
+    blocks, so they differ only where an activation sits within float noise of a rounding tie."""
+    if native.status()[0]:
+        pytest.skip("native.c's one-call decode takes int8 tables (test_fast_weights compares it)")
+    need("ds_decode_tokens")
+    import deltaserve
+    from deltaserve.engine.forward import Forward
+    from tests.fixtures import models as fx
+    from tests.test_fast_weights import FLOAT_NOISE, STATE_TOLERANCE, ids_for, step_on_both_routes
+
+    m = deltaserve.load(fx.hf_dir("hybrid") if source == "hf" else fx.gguf_path("hybrid", "f32"), cache=False)
+    f = Forward(m.config, blocks_everywhere(m, mixed))
+    program, route = f.token_program()
+    assert program is not None and route == "one native call per decoded token", route
+    ids = ids_for(m, n=24)
+    products = block_products(monkeypatch)
+    st = f.new_state(40)
+    steps = [step_on_both_routes(f, products, [st], [t], monkeypatch) for t in ids]
+    trio = [f.new_state(40) for _ in range(3)]  # batches of 1, 2 and 3 sequences at different positions
+    steps.append(step_on_both_routes(f, products, trio[:1], ids[:1], monkeypatch))
+    steps += [step_on_both_routes(f, products, trio[:2], [t, ids[-1 - i]], monkeypatch) for i, t in enumerate(ids[:6])]
+    steps += [step_on_both_routes(f, products, trio, [t, t, ids[i]], monkeypatch) for i, t in enumerate(ids[6:12])]
+    assert st.length == len(ids) and [s.length for s in trio] == [13, 12, 6]
+    ours, theirs, env = (torch.cat(parts) for parts in zip(*(logits for logits, _ in steps)))
+    scale = theirs.abs().max().item()
+    off = (ours - theirs).abs()
+    assert (off <= env + FLOAT_NOISE * scale).all(), (off - env).max().item()
+    quiet = env.amax(-1) == 0
+    if quiet.any():
+        assert off[quiet].mean().item() <= 1e-5 * scale, off[quiet].mean().item()
+    for _, rows in steps:
+        for mine, torchs, envs in rows:
+            for (kind, a), (_, b), e in zip(mine, torchs, envs):
+                atol, rtol = STATE_TOLERANCE[kind]
+                assert ((a - b).abs() <= e + atol + rtol * b.abs()).all(), kind
+
+
+def test_the_one_call_decode_on_blocks_says_why_it_does_not_take_a_projection():
+    if native.status()[0] or not native.has("ds_decode_tokens"):
+        pytest.skip("the AVX2 one-call decode's route (native.c takes int8 tables)")
+    import deltaserve
+    from deltaserve.engine.forward import Forward
+    from deltaserve.kernels.linear import Int8Linear
+    from tests.fixtures import models as fx
+
+    m = deltaserve.load(fx.gguf_path("hybrid", "f32"), cache=False)
+    w = blocks_everywhere(m, mixed=False)
+    assert Forward(m.config, w).token_program()[0] is not None
+    w.layers[1].down = Int8Linear.from_float(w.layers[1].down.dense())  # an int8 table: native.c's only
+    program, why = Forward(m.config, w).token_program()
+    assert program is None and why == ("decode through torch ops (native token decode not used: "
+                                       "a int8 projection is not the file's own blocks)"), why
+
+
+def test_on_a_trained_q4_k_m_file_the_one_call_decode_on_its_blocks_is_the_torch_decode_to_float_noise():
+    """K-quant stacks (Q4_K with Q6_K parts, a Q6_K head) as llama.cpp's quantizer mixes them. Their activation
+    scales are f32 (amax / 127: no f16 rounding to absorb float noise, as Q8_0's has), so the two routes differ by
+    more than ties alone; measured: mean |one call - torch| 4.3e-3 where the file's own error (torch decode against
+    the f32 model) is 0.099, and the same argmax at every position."""
+    if native.status()[0]:
+        pytest.skip("native.c's one-call decode takes int8 tables (test_fast_weights compares it)")
+    need("ds_decode_tokens")
+    import deltaserve
+    from deltaserve.demo import DEMO_FILE
+    from deltaserve.engine.forward import Forward
+    from tests.test_fast_weights import demo_by_llama_cpp
+
+    m = deltaserve.load(demo_by_llama_cpp("Q4_K_M", "q4_k_m"), cache=False)
+    assert {getattr(lw.gate_up.fused, "block_kind", None) for lw in m.host.weights.layers} >= {"Q4_K"}
+    ref = deltaserve.load(DEMO_FILE, weights="exact", cache=False)
+    ids = ref.tokenizer.encode("<|im_start|>user\nMy locker code is 4821. What is 12 + 9?<|im_end|>\n"
+                               "<|im_start|>assistant\n21.<|im_end|>\n")
+    want = ref.logits(ids)
+    runs = []
+    for one_call in (True, False):
+        f = Forward(m.config, m.host.weights, one_call=one_call)
+        if one_call:
+            assert f.token_program()[0] is not None, f.token_program()[1]
+        st = f.new_state(len(ids))
+        runs.append(torch.stack([f.decode(st, t) for t in ids]))
+    ours, theirs = runs
+    own = (theirs - want).abs().mean().item()
+    assert (ours - theirs).abs().mean().item() <= 0.1 * own, ((ours - theirs).abs().mean().item(), own)
+    assert ((ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()) >= 0.97
