@@ -12,10 +12,13 @@ import os
 from pathlib import Path
 
 import gguf
+import numpy as np
 import torch
 
 from deltaserve.formats.config import HybridConfig
-from deltaserve.formats.convert import add_tensor, finish, write_metadata
+from deltaserve.formats.convert import _encode as encode
+from deltaserve.formats.convert import _storage_type as storage_type
+from deltaserve.formats.convert import write_metadata
 from deltaserve.formats.layout import expected_shapes
 from tools.bench.shapes import shape_config
 
@@ -72,9 +75,22 @@ def write_random_gguf(shape: str, out: str | os.PathLike, out_type: str = "bf16"
     shapes = expected_shapes(c)
     if not c.tie_word_embeddings:
         shapes["output.weight"] = (c.vocab_size, c.hidden_size)
+    # one tensor in memory at a time: the header first (each tensor's type and size from its shape), then the
+    # tensors drawn, encoded and written in order (the 9B shape is ~18 GB in f16: it never fits beside the rest)
     for name, tshape in shapes.items():
-        add_tensor(w, name, _tensor(name, tshape, c, seed), want)
-    return finish(w, tmp, out)
+        qtype = storage_type(name, torch.empty(tshape, device="meta"), want)
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        byte_shape = (*tshape[:-1], tshape[-1] // block * size)  # what the writer takes with a raw type
+        w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for name, tshape in shapes.items():
+        qtype = storage_type(name, torch.empty(tshape, device="meta"), want)
+        w.write_tensor_data(np.ascontiguousarray(encode(_tensor(name, tshape, c, seed), qtype)).view(np.uint8))
+    w.close()
+    os.replace(tmp, out)
+    return out
 
 
 def quantize_with_llama_cpp(src: Path, out: Path, ftype: str = "Q4_K_M", threads: int = 2) -> Path:
