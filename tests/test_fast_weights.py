@@ -149,7 +149,7 @@ def test_on_a_trained_model_the_decode_steps_stay_within_1_5x_llama_cpps_own_q8_
 
 
 def test_the_native_kernel_matches_the_float_product_for_every_row_count_and_odd_sizes():
-    if not native.status()[0]:
+    if not native.has("ds_linear_i8"):  # native.c's (AVX512-VNNI) only
         pytest.skip(f"the native kernel does not run here: {native.status()[1]}")
     g = torch.Generator().manual_seed(11)
     for n, k in ((37, 96), (64, 160), (1031, 1024)):  # rows not a multiple of 4; inner sizes with a half chunk
@@ -176,7 +176,7 @@ def test_the_native_kernel_matches_the_float_product_for_every_row_count_and_odd
 
 
 def test_the_native_row_quantization_and_product_epilogue_are_bit_for_bit_torchs():
-    if not native.status()[0]:
+    if not native.has("ds_quantize_rows"):  # native.c's (AVX512-VNNI) only
         pytest.skip(f"the native kernel does not run here: {native.status()[1]}")
     g = torch.Generator().manual_seed(8)
     for m, k in ((512, 1024), (7, 100), (3, 17)):  # row lengths with and without a partial vector
@@ -206,7 +206,7 @@ def random_blocks(kind: str, rows: int, cols: int, seed: int) -> torch.Tensor:
 
 
 def test_the_native_kernel_reads_q4_k_and_q6_k_blocks_as_the_file_defines_them():
-    if not native.status()[0]:
+    if not native.has("ds_linear_kq"):  # native.c's (AVX512-VNNI) only
         pytest.skip(f"the native kernel does not run here: {native.status()[1]}")
     from gguf import GGMLQuantizationType
 
