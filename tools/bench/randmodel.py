@@ -40,8 +40,9 @@ def real_vocabulary():
                      pad_id=backend.token_to_id("<|endoftext|>"))
 
 
-def _tensor(name: str, shape: tuple[int, ...], c: HybridConfig, seed: int) -> torch.Tensor:
-    digest = int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
+def _tensor(name: str, shape: tuple[int, ...], c: HybridConfig, seed: int, part: int | None = None) -> torch.Tensor:
+    key = f"{seed}:{name}" if part is None else f"{seed}:{name}#{part}"
+    digest = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little")
     g = torch.Generator().manual_seed(digest)
     if name.endswith("ssm_a"):
         return -torch.empty(shape).uniform_(1.0, 16.0, generator=g)
@@ -54,6 +55,38 @@ def _tensor(name: str, shape: tuple[int, ...], c: HybridConfig, seed: int) -> to
     if name == "token_embd.weight":
         return torch.randn(shape, generator=g) * (0.5 / c.hidden_size ** 0.5 if c.tie_word_embeddings else 1.0)
     return torch.randn(shape, generator=g) * shape[-1] ** -0.5
+
+
+HUGE = 1 << 28  # elements: a tensor above this is drawn and encoded in parts of PART rows' worth
+PART = 1 << 24
+
+
+def _tensor_parts(name: str, shape: tuple[int, ...], c: HybridConfig, seed: int):
+    """The tensor `_tensor` draws, or for a huge one (the 9B shape's 1G-element embedding and head) parts of rows
+    drawn from seeds of their own, so that no more than PART elements are in memory at once."""
+    n = 1
+    for s in shape:
+        n *= s
+    if n <= HUGE or len(shape) != 2:
+        yield _tensor(name, shape, c, seed)
+        return
+    rows = max(1, PART // shape[1])
+    for i, r in enumerate(range(0, shape[0], rows)):
+        yield _tensor(name, (min(rows, shape[0] - r), shape[1]), c, seed, part=i)
+
+
+def _write_tensor(w: gguf.GGUFWriter, parts) -> None:
+    """gguf's write_tensor_data for a tensor that arrives in parts (its next tensor info, its alignment)."""
+    fout = w.fout[0]
+    ti = w.tensors[0].pop(next(iter(w.tensors[0])))
+    w.write_padding(fout, fout.tell())
+    written = 0
+    for part in parts:
+        part.tofile(fout)
+        written += part.nbytes
+    assert written == ti.nbytes, (written, ti.nbytes)
+    w.write_padding(fout, written)
+    w.state = gguf.gguf_writer.WriterState.WEIGHTS
 
 
 def write_random_gguf(shape: str, out: str | os.PathLike, out_type: str = "bf16", seed: int = 0,
@@ -87,7 +120,8 @@ def write_random_gguf(shape: str, out: str | os.PathLike, out_type: str = "bf16"
     w.write_ti_data_to_file()
     for name, tshape in shapes.items():
         qtype = storage_type(name, torch.empty(tshape, device="meta"), want)
-        w.write_tensor_data(np.ascontiguousarray(encode(_tensor(name, tshape, c, seed), qtype)).view(np.uint8))
+        _write_tensor(w, (np.ascontiguousarray(encode(part, qtype)).view(np.uint8)
+                          for part in _tensor_parts(name, tshape, c, seed)))
     w.close()
     os.replace(tmp, out)
     return out
