@@ -39,6 +39,12 @@ class ServerProcess:
         self.stop()
         raise RuntimeError("the server did not come up in 120 s")
 
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
     @property
     def stderr(self) -> str:
         return self.log.read_text()

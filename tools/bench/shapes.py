@@ -10,6 +10,11 @@ SHAPES: dict[str, dict] = {
     "0.8B": dict(hidden_size=1024, intermediate_size=3584, num_layers=24, num_attention_heads=8, num_kv_heads=2,
                  head_dim=256, linear_num_key_heads=16, linear_key_head_dim=128, linear_num_value_heads=16,
                  linear_value_head_dim=128, tie_word_embeddings=True),
+    # not a published shape: the real vocabulary under a few small layers, for tests that need a model whose
+    # random answers do not end by chance (an end-of-text token 1 in 248,320)
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_layers=4, num_attention_heads=2, num_kv_heads=1,
+                 head_dim=64, linear_num_key_heads=2, linear_key_head_dim=32, linear_num_value_heads=2,
+                 linear_value_head_dim=32, tie_word_embeddings=True),
     "9B": dict(hidden_size=4096, intermediate_size=12288, num_layers=32, num_attention_heads=16, num_kv_heads=4,
                head_dim=256, linear_num_key_heads=16, linear_key_head_dim=128, linear_num_value_heads=32,
                linear_value_head_dim=128, tie_word_embeddings=False),

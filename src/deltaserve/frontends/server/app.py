@@ -474,6 +474,41 @@ class Server:
         }
 
 
+class HostsAndCounts:
+    """The Host check and the per-route answer counts, as a plain ASGI middleware. (Starlette's `@app.middleware`
+    kind runs the route in a task of its own behind a receive channel of its own, on which a client's disconnect
+    never arrives: `request.is_disconnected()` stayed False and an abandoned request ran to its full budget.)"""
+
+    ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+
+    def __init__(self, app, server: "Server"):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        server = self.server
+        endpoint = scope["path"] if scope["path"] in self.ROUTES else "other"
+        host = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), None)
+        if not server.hosts.allows(host):  # before anything else: a rebound page learns nothing, not even a 404
+            e = server.hosts.refusal(host)
+            server.metrics.request(endpoint, e.status)
+            return await JSONResponse(e.body(), status_code=e.status)(scope, receive, send)
+        status = []
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counted)
+        except Exception:
+            server.metrics.request(endpoint, 500)
+            raise
+        server.metrics.request(endpoint, status[0] if status else 499)
+
+
 def create_app(server: Server) -> FastAPI:
     app = FastAPI(title="deltaserve", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
@@ -494,19 +529,7 @@ def create_app(server: Server) -> FastAPI:
     async def unexpected(request: Request, e: Exception):
         return JSONResponse(APIError(500, f"internal error: {type(e).__name__}", "server_error").body(), status_code=500)
 
-    @app.middleware("http")
-    async def count(request: Request, call_next):
-        host = request.headers.get("host")
-        if not server.hosts.allows(host):  # before anything else: a rebound page learns nothing, not even a 404
-            e = server.hosts.refusal(host)
-            response = JSONResponse(e.body(), status_code=e.status)
-        else:
-            response = await call_next(request)
-        path = request.url.path
-        endpoint = path if path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health",
-                                    "/metrics") else "other"
-        server.metrics.request(endpoint, response.status_code)
-        return response
+    app.add_middleware(HostsAndCounts, server=server)
 
     async def run(request: Request, endpoint: str):
         t0 = time.perf_counter()
