@@ -508,7 +508,7 @@ class Router:
             return None
 
     async def __call__(self, request):
-        from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+        from starlette.responses import JSONResponse, Response, StreamingResponse
 
         self._start_watch()
         path = request.url.path
@@ -671,9 +671,9 @@ class Router:
         for status, data in answers.values():
             if status != 200:
                 return Response(content=data, status_code=status, media_type="application/json")
-        text = merge_metrics({r: data.decode("utf-8") for r, (_, data) in sorted(answers.items())})
         if not answers:
             return JSONResponse(_error(503, "no replica is up", "no_replica"), status_code=503)
+        text = merge_metrics({r: data.decode("utf-8") for r, (_, data) in sorted(answers.items())})
         return Response(content=text.encode() + generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -708,8 +708,10 @@ def _loopback_grpc() -> None:
 def _deployments():
     from ray import serve
 
+    quiet = {"enable_access_log": False}  # a line per request and per hop is Ray's; deltaserve says what it decides
+
     @serve.deployment(name="deltaserve-replica", health_check_period_s=2, health_check_timeout_s=30,
-                      graceful_shutdown_timeout_s=30)
+                      graceful_shutdown_timeout_s=30, logging_config=quiet)
     class DeltaserveReplica(ReplicaServer):
         def __init__(self, *args, **kwargs):
             _loopback_grpc()
@@ -721,7 +723,8 @@ def _deployments():
             except Exception:  # noqa: BLE001
                 pass
 
-    @serve.deployment(name="deltaserve-router", max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
+    @serve.deployment(name="deltaserve-router", max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0},
+                      logging_config=quiet)
     class DeltaserveRouter(Router):
         def __init__(self, *args, **kwargs):
             _loopback_grpc()
@@ -787,6 +790,10 @@ def main(a) -> int:
         opts["state_dir"] = cleanup = tempfile.mkdtemp(prefix="run-", dir=root)
         say(f"state store shared by the replicas: {cleanup} (removed at exit; --state-dir DIR keeps it)")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if not a.ray_address:
+        # Ray runs its workers at nice 15 (below everything else on the machine): a replica is the server, not
+        # background work, so on a local instance they run at the priority `deltaserve serve` would have
+        os.environ.setdefault("RAY_worker_niceness", "0")
     local = not a.ray_address
     from deltaserve.frontends.server.app import is_loopback
 

@@ -287,6 +287,8 @@ def main(a) -> None:
         print(f"[bench]   {e['throughput_tok_s']:.1f} tok/s, TTFT median {e['ttft_median_s'] * 1000:.0f} ms, "
               f"{e['hits']['full_hits']} of {e['hits']['follow_up_turns']} full hits ({e['wall_s']:.0f} s)",
               file=sys.stderr)
+        r["wall_s"] = time.perf_counter() - t0
+        write_report(r, out)  # what is measured so far, should a later run not finish
     r["wall_s"] = time.perf_counter() - t0
     md = write_report(r, out)
     print(md.read_text())
