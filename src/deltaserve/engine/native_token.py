@@ -83,7 +83,7 @@ def _file_segments(layer, in_features: int, in_stack: bool) -> list[tuple[int, t
         for kind, data in layer.segments:
             gguf_type = kind if isinstance(kind, int) else getattr(lin, "GGUF_TYPES", {}).get(kind, -1)
             if gguf_type not in FILE_BLOCKS or not native.library().blk_kind(gguf_type):
-                raise NotNative(f"a {layer.kind} projection (the one-call decode reads "
+                raise NotNative(f"a {kind} part of a {layer.kind} projection (the one-call decode reads "
                                 f"Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, F16, BF16)")
             values, size = FILE_BLOCKS[gguf_type]
             if in_features % values or data.device.type != "cpu" or data.dtype != torch.uint8 \
