@@ -18,6 +18,7 @@ Scoring (see `normalise`): exact match after stripping surrounding whitespace an
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from dataclasses import dataclass, field
 
@@ -475,6 +476,141 @@ def normalise(text: str) -> str:
     text = text.strip()
     return text[:-1].rstrip() if text.endswith(".") else text
 
+
+
+# ------------------------------------------------------------------------------------------------
+# Tools: the two functions the demo model knows how to call (the Qwen3.5 tool-call format)
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "The city name."}},
+                   "required": ["city"]}}}
+ADD_TOOL = {"type": "function", "function": {
+    "name": "add", "description": "Add two numbers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+                   "required": ["a", "b"]}}}
+TOOL_SETS = ((WEATHER_TOOL,), (ADD_TOOL,), (WEATHER_TOOL, ADD_TOOL), (ADD_TOOL, WEATHER_TOOL))
+CONDITIONS = ("sunny", "cloudy", "rainy", "snowy", "windy", "foggy", "stormy", "clear")
+
+WEATHER_PHRASES = ("What's the weather in {c}?", "What is the weather in {c}?", "What's the weather like in {c}?",
+                   "How is the weather in {c}?", "Weather in {c}?", "Tell me the weather in {c}.",
+                   "What is the weather like in {c} today?", "Check the weather in {c}.",
+                   "Can you check the weather in {c}?", "How's the weather in {c}?")
+WEATHER2_PHRASES = ("What's the weather in {c} and {d}?", "What is the weather in {c} and in {d}?",
+                    "Weather in {c} and {d}?", "How is the weather in {c} and {d}?",
+                    "Check the weather in {c} and {d}.", "Tell me the weather in {c} and in {d}.")
+
+
+def weather_result(city: str, temperature: int, conditions: str) -> str:
+    """What the get_weather tool returns (the tool message's content)."""
+    return json.dumps({"city": city, "temperature": temperature, "conditions": conditions})
+
+
+def weather_answer(city: str, temperature: int, conditions: str) -> str:
+    return f"In {city} it is {conditions} and {temperature} degrees."
+
+
+def tool_call(name: str, **arguments) -> dict:
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+@dataclass
+class ToolDialog:
+    """One tool round trip: the tools offered, the user's message, the calls the model should write (empty: it
+    answers directly), the tool messages that come back, and the final answer."""
+    kind: str                   # weather | weather2 | add | plain (tools offered, none needed)
+    tools: tuple
+    user: str
+    calls: list = field(default_factory=list)
+    results: list = field(default_factory=list)
+    answer: str = ""
+    history: list = field(default_factory=list)   # earlier (user, assistant) turns
+
+    def messages(self, upto: str = "answer") -> list[dict]:
+        """The conversation up to the model's call ("call": ends at the user's message) or its answer ("answer":
+        the call and the tool messages included, the answer left out)."""
+        out = []
+        for u, a in self.history:
+            out += [{"role": "user", "content": u}, {"role": "assistant", "content": a}]
+        out.append({"role": "user", "content": self.user})
+        if upto == "answer" and self.calls:
+            out.append({"role": "assistant", "content": "", "tool_calls": self.calls})
+            out += [{"role": "tool", "content": r} for r in self.results]
+        return out
+
+
+class ToolMaker:
+    """Tool dialogs; cities and addition pairs split train/eval by the same stable hash as the rest."""
+
+    def __init__(self, rng: random.Random, split: str = "train"):
+        self.rng, self.split, self.mk = rng, split, Maker(rng, split)
+
+    def _city(self) -> str:
+        for _ in range(10_000):
+            c = self.rng.choice(CITIES)
+            if self.split == "any" or reserved("weather", c) == (self.split == "eval"):
+                return c
+        raise RuntimeError("no city for this split")
+
+    def weather(self, tools=None) -> ToolDialog:
+        rng = self.rng
+        tools = tools or rng.choice([t for t in TOOL_SETS if WEATHER_TOOL in t])
+        c = self._city()
+        t, cond = rng.randint(-10, 35), rng.choice(CONDITIONS)
+        return ToolDialog("weather", tools, noisy(rng, rng.choice(WEATHER_PHRASES).format(c=c)),
+                          [tool_call("get_weather", city=c)], [weather_result(c, t, cond)], weather_answer(c, t, cond))
+
+    def weather2(self, tools=None) -> ToolDialog:
+        rng = self.rng
+        tools = tools or rng.choice([t for t in TOOL_SETS if WEATHER_TOOL in t])
+        c = self._city()
+        d = self._city()
+        while d == c:
+            d = self._city()
+        w = [(rng.randint(-10, 35), rng.choice(CONDITIONS)) for _ in range(2)]
+        return ToolDialog("weather2", tools, noisy(rng, rng.choice(WEATHER2_PHRASES).format(c=c, d=d)),
+                          [tool_call("get_weather", city=c), tool_call("get_weather", city=d)],
+                          [weather_result(c, *w[0]), weather_result(d, *w[1])],
+                          weather_answer(c, *w[0]) + " " + weather_answer(d, *w[1]))
+
+    def add(self, tools=None) -> ToolDialog:
+        rng = self.rng
+        tools = tools or rng.choice([t for t in TOOL_SETS if ADD_TOOL in t])
+        turn = self.mk.add()
+        a, b = turn.meta["a"], turn.meta["b"]
+        return ToolDialog("add", tools, turn.user, [tool_call("add", a=a, b=b)], [str(a + b)], f"{a + b}.")
+
+    def plain(self, tools=None) -> ToolDialog:
+        """Tools offered, and a message none of them answers: the model answers as it would without tools."""
+        rng = self.rng
+        tools = tools or rng.choice(TOOL_SETS)
+        names = {t["function"]["name"] for t in tools}
+        kinds = ["greet", "thanks", "repeat", "reverse", "other", "fact", "help"]
+        if "add" not in names:
+            kinds.append("add")
+        kind = rng.choice(kinds)
+        if kind == "other" and "get_weather" not in names and rng.random() < 0.4:
+            c = self._city()  # asked for the weather with no weather tool: the refusal
+            t = Turn("other", noisy(rng, rng.choice(WEATHER_PHRASES).format(c=c)), REFUSAL)
+        else:
+            t = self.mk.single(kind)
+            while "get_weather" in names and "weather" in t.user.lower():  # that one the tool answers
+                t = self.mk.single(kind)
+        return ToolDialog("plain", tools, t.user, answer=t.answer)
+
+    def dialog(self, weights=(4.0, 1.5, 2.0, 2.5)) -> ToolDialog:
+        kind = self.rng.choices(("weather", "weather2", "add", "plain"), weights=weights)[0]
+        d = getattr(self, kind)()
+        if self.rng.random() < 0.2:  # sometimes a fact stated first
+            f = self.mk.fact(self.rng.choice(SLOTS))
+            d.history = [(f.user, f.answer)]
+        return d
+
+
+def tool_eval(seed: int, per_kind: int) -> list[ToolDialog]:
+    """Held-out tool dialogs: `per_kind` each of weather, weather2, add and plain, from reserved contents."""
+    tm = ToolMaker(random.Random(seed), "eval")
+    return [getattr(tm, kind)() for kind in ("weather", "weather2", "add", "plain") for _ in range(per_kind)]
 
 if __name__ == "__main__":
     rng = random.Random(0)

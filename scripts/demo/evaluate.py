@@ -10,7 +10,12 @@ training, see corpus.py):
     other facts and tasks in between; every turn is a `Session.chat` on ONE resident session with the
     growing history (the model's own replies appended), and the recall answer is scored;
   * think-auto (reported, not a target): 70 single-turn items with `enable_thinking` unset (the
-    header ends in `<think>\\n`); the answer is the text after `</think>`.
+    header ends in `<think>\\n`); the answer is the text after `</think>`;
+  * tools: 60 held-out tool dialogs (corpus.tool_eval: 15 each of a weather question, a two-city weather
+    question, an addition with the add tool offered, and a message no offered tool answers), tools offered
+    with tool_choice auto: the calls the model writes, parsed by deltaserve (text/toolcalls.py), must be the
+    expected ones (names and typed arguments; none for the last kind, whose answer is scored as usual), and
+    given the expected calls and the tool messages, the final answer must be the expected one.
 Scoring: exact match after stripping whitespace and one final period (corpus.normalise).
 """
 
@@ -34,6 +39,8 @@ SINGLE_SEED, SINGLE_PER_KIND = 1001, 35
 RECALL_SEED, RECALL_COUNT = 1002, 120
 AUTO_SEED, AUTO_PER_KIND = 1003, 10
 MAX_TOKENS = 32
+TOOL_SEED, TOOL_PER_KIND = 1004, 15
+TOOL_MAX_TOKENS = 96
 # the smaller sets tests/test_demo_model.py uses (other seeds)
 TEST_SINGLE_SEED, TEST_PER_KIND = 2001, 9
 TEST_RECALL_SEED, TEST_RECALL_COUNT = 2002, 30
@@ -97,6 +104,32 @@ def run_recall(model, convs):
     return scored_ok, all_by_kind, reused_ok, failures
 
 
+def run_tools(model, dialogs):
+    """Per kind: whether the calls were the expected ones, and whether the answer from the tool messages was."""
+    calls_ok: dict[str, list[int]] = {}
+    answers_ok: dict[str, list[int]] = {}
+    failures = []
+    s = model.session(quiet=True)
+    for d in dialogs:
+        turn = s.chat(d.messages("call"), tools=list(d.tools), max_tokens=TOOL_MAX_TOKENS, enable_thinking=False)
+        want = [(c["function"]["name"], c["function"]["arguments"]) for c in d.calls]
+        got = [(c.name, c.args) for c in turn.tool_calls]
+        ok = got == want and (bool(d.calls) or correct(turn.text, d.answer))
+        calls_ok.setdefault(d.kind, []).append(int(ok))
+        if not ok:
+            failures.append({"kind": "tool_" + d.kind, "user": d.user, "want": want or d.answer,
+                             "got": [list(g) for g in got] or turn.text})
+        if d.calls:
+            final = s.chat(d.messages("answer"), tools=list(d.tools), max_tokens=TOOL_MAX_TOKENS,
+                           enable_thinking=False)
+            ok = correct(final.text, d.answer) and not final.tool_calls
+            answers_ok.setdefault(d.kind, []).append(int(ok))
+            if not ok:
+                failures.append({"kind": "tool_answer_" + d.kind, "user": d.user, "results": d.results,
+                                 "want": d.answer, "got": final.text})
+    return calls_ok, answers_ok, failures
+
+
 def frac(v: list[int]) -> float:
     return sum(v) / len(v) if v else float("nan")
 
@@ -111,6 +144,7 @@ def evaluate(path, json_out: Path | None = None, verbose: bool = True) -> dict:
     scored, all_kinds, reused_ok, f2 = run_recall(model, recall)
     auto_items = C.single_turn_eval(AUTO_SEED, AUTO_PER_KIND)
     auto_by_kind, f3 = run_single(model, auto_items, thinking=None)
+    tool_calls, tool_answers, f4 = run_tools(model, C.tool_eval(TOOL_SEED, TOOL_PER_KIND))
     flat = [x for v in by_kind.values() for x in v]
     res = {
         "model": str(path),
@@ -122,8 +156,15 @@ def evaluate(path, json_out: Path | None = None, verbose: bool = True) -> dict:
         "recall_conversations_all_turns_by_kind": {k: {"accuracy": frac(v), "n": len(v)} for k, v in all_kinds.items()},
         "think_auto_single_turn": {"accuracy": frac([x for v in auto_by_kind.values() for x in v]),
                                    "n": sum(len(v) for v in auto_by_kind.values())},
+        "tools": {"calls": {"accuracy": frac([x for v in tool_calls.values() for x in v]),
+                            "n": sum(len(v) for v in tool_calls.values()),
+                            "by_kind": {k: {"accuracy": frac(v), "n": len(v)} for k, v in tool_calls.items()}},
+                  "answers_from_results": {"accuracy": frac([x for v in tool_answers.values() for x in v]),
+                                           "n": sum(len(v) for v in tool_answers.values()),
+                                           "by_kind": {k: {"accuracy": frac(v), "n": len(v)}
+                                                       for k, v in tool_answers.items()}}},
         "wall_s": time.time() - t0,
-        "failures": (f1 + f2 + [dict(x, mode="think-auto") for x in f3])[:200],
+        "failures": (f1 + f2 + [dict(x, mode="think-auto") for x in f3] + f4)[:200],
     }
     if verbose:
         print(f"single-turn: {res['single_turn']['accuracy']:.3f} of {len(flat)}  " +
@@ -133,6 +174,11 @@ def evaluate(path, json_out: Path | None = None, verbose: bool = True) -> dict:
         print("all turns of the recall conversations: " +
               ", ".join(f"{k} {v['accuracy']:.2f}/{v['n']}" for k, v in res["recall_conversations_all_turns_by_kind"].items()))
         print(f"think-auto single-turn: {res['think_auto_single_turn']['accuracy']:.3f} of {res['think_auto_single_turn']['n']}")
+        tc, ta = res["tools"]["calls"], res["tools"]["answers_from_results"]
+        print(f"tools: calls {tc['accuracy']:.3f} of {tc['n']} (" +
+              ", ".join(f"{k} {v['accuracy']:.2f}" for k, v in tc["by_kind"].items()) +
+              f"); answers from the tool messages {ta['accuracy']:.3f} of {ta['n']} (" +
+              ", ".join(f"{k} {v['accuracy']:.2f}" for k, v in ta["by_kind"].items()) + ")")
         print(f"({res['wall_s']:.1f} s)")
     if json_out is not None:
         Path(json_out).write_text(json.dumps(res, indent=1) + "\n")

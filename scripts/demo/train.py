@@ -14,6 +14,19 @@ followed by the answer's ids and `<|im_end|>`. The loss is on assistant tokens o
 (the inference-exact target) and, as auxiliary signal, the earlier assistant answers of the history.
 A tenth of the samples end in the thinking-auto header (`enable_thinking` unset: `<think>\n`), whose
 target is `\n</think>\n\n` + answer, so `deltaserve run --chat` with its default also answers.
+
+Tools (a fine-tune of the shipped weights, one torch thread because the machine is shared):
+
+    git show 2ed0015:src/deltaserve/data/demo-qwen35.gguf > /tmp/demo-base.gguf
+    .venv/bin/python scripts/demo/train.py --out /tmp/demo-build --finetune /tmp/demo-base.gguf --steps 480 \
+        --tools-frac 0.25 --batch-tokens 8192 --lr 4e-4 --warmup 30 --threads 1 --check-every 120 --no-install
+
+starts from that GGUF's weights (its tokenizer must be the one this script trains), mixes the old corpus (the full
+mix) with tool round trips (corpus.ToolMaker: get_weather and add offered alone or together, one or two calls, the
+tool messages, the answer; or tools offered and a message none answers), each one sequence with the loss on the
+calls and on the answer, and adds the tool dialogs to the teacher-forced checks. --no-install leaves the shipped
+files alone until evaluate.py's numbers say the model keeps its scores. The first attempt did not
+(tools_finetune_attempt.json).
 """
 
 from __future__ import annotations
@@ -109,6 +122,29 @@ class Encoder:
     def target_ids(self, answer: str, thinking: bool | None = False) -> list[int]:
         text = answer if thinking is False else THINK_AUTO_PREFIX + answer
         return self.tok.encode(text) + [self.im_end]
+
+    def tool_prompt_ids(self, messages: list[dict], tools) -> list[int]:
+        text = self.tok.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False,
+                                            tools=list(tools))
+        return self.tok.encode(text)
+
+    def tool_sample(self, d: C.ToolDialog):
+        """(ids, weights, prompt length) of one tool round trip, thinking off. With calls: the whole round trip in
+        one sequence (the user's message, the model's calls, the tool messages, the answer), weights 1 on the calls
+        (with their <|im_end|>: exactly what the model generates after the first generation header) and on the
+        answer. Without: the answer after the user's message."""
+        first = self.tool_prompt_ids(d.messages("call"), d.tools)
+        target = self.target_ids(d.answer)
+        if not d.calls:
+            return first + target, [0.0] * len(first) + [1.0] * len(target), len(first)
+        full = self.tool_prompt_ids(d.messages("answer"), d.tools)
+        if full[:len(first)] != first:
+            raise RuntimeError("a tool round trip's rendering does not extend its first prompt")
+        end = full.index(self.im_end, len(first))
+        w = [0.0] * len(full) + [1.0] * len(target)
+        for q in range(len(first), end + 1):
+            w[q] = 1.0
+        return full + target, w, len(first)
 
     def sample(self, turns: list[C.Turn], thinking: bool | None = False, aux: bool = True):
         """(ids, weights): weights 1 on the targets (the last answer; earlier answers too when `aux`)."""
@@ -219,8 +255,11 @@ class Batches:
     """Deterministic batches: draw `pool` samples, sort by length, cut into batches, shuffle them."""
 
     def __init__(self, enc: Encoder, seed: int, batch: int, total_steps: int, pool_batches: int = 32,
-                 p_auto: float = 0.1):
+                 p_auto: float = 0.1, p_tools: float = 0.0, batch_tokens: int | None = None,
+                 progress_from: float = 0.0):
         self.enc, self.rng, self.batch, self.pool_batches, self.p_auto = enc, random.Random(seed), batch, pool_batches, p_auto
+        self.p_tools, self.batch_tokens, self.progress_from = p_tools, batch_tokens, progress_from
+        self.tool_samples = 0
         self.total_steps = total_steps
         self.refills = 0
         self.queue: list[list[tuple]] = []
@@ -230,16 +269,31 @@ class Batches:
 
     def _refill(self) -> None:
         pool = []
-        progress = self.refills * self.pool_batches / max(1, self.total_steps)
+        progress = self.progress_from + self.refills * self.pool_batches / max(1, self.total_steps)
         self.refills += 1
         for _ in range(self.batch * self.pool_batches):
+            if self.p_tools and self.rng.random() < self.p_tools:
+                d = C.ToolMaker(self.rng, "train").dialog()
+                self.keys.add(("tool", d.user, tuple(d.results)))
+                pool.append(self.enc.tool_sample(d))
+                self.tool_samples += 1
+                continue
             turns = train_conversation(self.rng, progress)
             thinking = None if self.rng.random() < self.p_auto else False
             for k in range(1, len(turns) + 1):
                 self.keys.add(C.conversation_key(turns[:k]))
             pool.append(self.enc.sample(turns, thinking))
         pool.sort(key=lambda s: len(s[0]))
-        batches = [pool[i:i + self.batch] for i in range(0, len(pool), self.batch)]
+        if self.batch_tokens:  # at most `batch` samples and `batch_tokens` padded tokens per batch
+            batches, cur = [], []
+            for smp in pool:
+                if cur and (len(cur) >= self.batch or (len(cur) + 1) * len(smp[0]) > self.batch_tokens):
+                    batches.append(cur)
+                    cur = []
+                cur.append(smp)
+            batches += [cur] if cur else []
+        else:
+            batches = [pool[i:i + self.batch] for i in range(0, len(pool), self.batch)]
         self.rng.shuffle(batches)
         self.queue.extend(batches)
 
@@ -271,17 +325,21 @@ def weighted_loss(logits: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> t
 # Teacher-forced check (all answer tokens argmax-correct == greedy exact match)
 
 
-def tf_items(enc: Encoder, seed: int):
+def tf_items(enc: Encoder, seed: int, tools: bool = False):
     """Teacher-forced check items: 12 single turns of each kind, 60 recalls 3+ turns after the fact."""
     single = C.single_turn_eval(seed, 12)
     recall = C.recall_eval(seed + 1, 60)
     items = []
     for t in single:
-        ids, _, n = enc.sample([t], False, aux=False)
-        items.append((t.kind, ids, n))
+        ids, w, n = enc.sample([t], False, aux=False)
+        items.append((t.kind, ids, [p for p in range(n, len(ids)) if w[p] > 0]))
     for turns, scored in recall:
-        ids, _, n = enc.sample(turns[: scored[0] + 1], False, aux=False)
-        items.append(("recall", ids, n))
+        ids, w, n = enc.sample(turns[: scored[0] + 1], False, aux=False)
+        items.append(("recall", ids, [p for p in range(n, len(ids)) if w[p] > 0]))
+    if tools:
+        for d in C.tool_eval(seed + 2, 6):
+            ids, w, n = enc.tool_sample(d)
+            items.append(("tool_" + d.kind, ids, [p for p in range(n, len(ids)) if w[p] > 0]))
     return items
 
 
@@ -296,8 +354,8 @@ def tf_accuracy(model, items, pad_id: int) -> dict[str, float]:
         for r, (_, x, _) in enumerate(chunk):
             ids[r, :len(x)] = torch.tensor(x)
         pred = model(input_ids=ids).logits.argmax(-1)
-        for r, (kind, x, n) in enumerate(chunk):
-            good = all(int(pred[r, p - 1]) == x[p] for p in range(n, len(x)))
+        for r, (kind, x, positions) in enumerate(chunk):
+            good = all(int(pred[r, p - 1]) == x[p] for p in positions)
             ok.setdefault(kind, []).append(int(good))
     model.train()
     return {k: sum(v) / len(v) for k, v in ok.items()}
@@ -405,11 +463,51 @@ def plot(log: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def load_gguf_weights(model, path: Path) -> None:
+    """Start from a demo GGUF's weights: its tensors renamed back to transformers' names, the GGUF conventions
+    undone (norms stored as 1 + w, ssm_a = -exp(A_log), the conv kernel squeezed; the demo has as many value
+    heads as key heads, so no head reordering). F16 matrices come back as they were stored."""
+    from deltaserve.formats.gguf import read_gguf
+    from deltaserve.formats.hf import _HF_LAYER_MAP
+    from deltaserve.formats.source import GGUFSource
+
+    src = GGUFSource(read_gguf(path))
+    back = {g: (h, how) for h, (g, how) in _HF_LAYER_MAP.items()}
+    want = model.state_dict()
+    sd = {}
+    for name in sorted(src.names()):
+        t = src.dense(name).float()
+        if name == "token_embd.weight":
+            hf, how = "model.embed_tokens.weight", None
+        elif name == "output_norm.weight":
+            hf, how = "model.norm.weight", "plus_one"
+        elif name == "output.weight":
+            hf, how = "lm_head.weight", None
+        else:
+            _, i, suffix = name.split(".", 2)
+            h, how = back[suffix]
+            hf = f"model.layers.{i}.{h}"
+        if how == "plus_one":
+            t = t - 1.0
+        elif how == "neg_exp":
+            t = torch.log(-t)
+        t = t.reshape(want[hf].shape)
+        sd[hf] = t
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = [m for m in missing if m != "lm_head.weight"]  # tied to the embeddings
+    if missing or unexpected:
+        raise RuntimeError(f"{path}: tensors missing {missing}, unexpected {unexpected}")
+
+
 def train(args, enc: Encoder, tok: Tokenizer, vocab: int, out: Path):
     from transformers import Qwen3_5ForCausalLM
 
     cfg = make_config(args, vocab, tok.im_end_id, tok.pad_id)
     model = Qwen3_5ForCausalLM(cfg)
+    if args.finetune:
+        load_gguf_weights(model, args.finetune)
+        model.tie_weights()
+        print(f"fine-tuning from {args.finetune}", flush=True)
     model.train()
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {params / 1e6:.2f}M params, layers {cfg.layer_types}", flush=True)
@@ -418,14 +516,21 @@ def train(args, enc: Encoder, tok: Tokenizer, vocab: int, out: Path):
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
 
-    batches = Batches(enc, args.seed + 1, args.batch, args.steps)
-    checks_items = tf_items(enc, 7001)
+    batches = Batches(enc, args.seed + 1, args.batch, args.steps, p_tools=args.tools_frac,
+                      batch_tokens=args.batch_tokens, progress_from=1.0 if args.finetune else 0.0)
+    checks_items = tf_items(enc, 7001, tools=args.tools_frac > 0)
     log: dict = {"config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                             "params": params, "vocab_rows": vocab, "tokens": tok.vocab_size,
                             "layer_types": cfg.layer_types},
                  "losses": [], "checks": []}
     t0 = time.time()
     ema = None
+    if args.finetune:
+        acc = tf_accuracy(model, checks_items, tok.pad_id)
+        singles = [v for k, v in acc.items() if k != "recall" and not k.startswith("tool_")]
+        acc["single"] = sum(singles) / len(singles)
+        log["checks"].append({"step": 0, **acc, "elapsed_s": 0.0})
+        print("  check @ 0: " + ", ".join(f"{k} {v:.3f}" for k, v in acc.items()), flush=True)
     for step in range(args.steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args)
@@ -447,7 +552,7 @@ def train(args, enc: Encoder, tok: Tokenizer, vocab: int, out: Path):
                   f"T {ids.shape[1]} tok/s {batches.tokens / max(el, 1e-9):.0f} elapsed {el / 60:.1f} min", flush=True)
         if (step + 1) % args.check_every == 0 or step == args.steps - 1:
             acc = tf_accuracy(model, checks_items, tok.pad_id)
-            singles = [v for k, v in acc.items() if k != "recall"]
+            singles = [v for k, v in acc.items() if k != "recall" and not k.startswith("tool_")]
             acc["single"] = sum(singles) / len(singles)
             log["checks"].append({"step": step + 1, **acc, "elapsed_s": time.time() - t0})
             print(f"  check @ {step + 1}: " + ", ".join(f"{k} {v:.3f}" for k, v in acc.items()), flush=True)
@@ -455,6 +560,7 @@ def train(args, enc: Encoder, tok: Tokenizer, vocab: int, out: Path):
     log["train_wall_s"] = train_s
     log["train_tokens"] = batches.tokens
     log["train_samples"] = batches.samples
+    log["train_tool_samples"] = batches.tool_samples
     log["final_loss_ema"] = ema
     print(f"trained {args.steps} steps in {train_s / 60:.1f} min ({batches.samples} samples, {batches.tokens} tokens)",
           flush=True)
@@ -486,6 +592,12 @@ def main() -> int:
                     help="torch CPU threads (default 2; use 1 when the box is busy: batched triangular solves stall "
                          "with 2 threads on a loaded 2-core machine)")
     ap.add_argument("--check-every", type=int, default=250)
+    ap.add_argument("--finetune", type=Path, default=None,
+                    help="start from this demo GGUF's weights (same shape and tokenizer) instead of from scratch")
+    ap.add_argument("--tools-frac", type=float, default=0.0,
+                    help="the fraction of samples that are tool round trips (corpus.ToolMaker)")
+    ap.add_argument("--batch-tokens", type=int, default=None,
+                    help="at most this many padded tokens per batch (long tool prompts make smaller batches)")
     ap.add_argument("--type", default="f16", choices=["f16", "f32"], help="the GGUF type to install")
     ap.add_argument("--no-install", action="store_true", help="leave the repo's files alone")
     ap.add_argument("--skip-eval", action="store_true")
@@ -516,11 +628,21 @@ def main() -> int:
     vocab = -(-n_tokens // 64) * 64
     print(f"tokenizer: {n_tokens} tokens ({args.bpe_size} BPE), embedding rows {vocab}", flush=True)
     enc = Encoder(tok)
+    if args.finetune:  # the same tokenizer, or the weights mean nothing
+        from deltaserve.formats.source import open_model
+
+        base = open_model(args.finetune).tokenizer
+        same = base.vocab_size == tok.vocab_size and all(
+            base.token_bytes(i) == tok.token_bytes(i) for i in range(tok.vocab_size)) and base.merges() == tok.merges()
+        if not same:
+            raise SystemExit(f"{args.finetune}: its tokenizer is not the one this script trains (seed {args.seed}, "
+                             f"--bpe-size {args.bpe_size})")
 
     if args.export_only:
         model = Qwen3_5ForCausalLM.from_pretrained(hf, dtype=torch.float32)
         log = json.loads((out / "training_log.json").read_text())
-        batches = Batches(enc, args.seed + 1, args.batch, args.steps)
+        batches = Batches(enc, args.seed + 1, args.batch, args.steps, p_tools=args.tools_frac,
+                          batch_tokens=args.batch_tokens, progress_from=1.0 if args.finetune else 0.0)
         for _ in range(-(-log["train_samples"] // (args.batch * batches.pool_batches))):
             batches._refill()  # the same conversations, for the overlap check
     else:
