@@ -178,6 +178,35 @@ def test_a_tool_round_trip_renders_the_call_and_the_tool_message_and_answers(cli
     assert '<|im_start|>user\n<tool_response>\n{"booked": true, "table": 17}\n</tool_response><|im_end|>' in text
 
 
+def test_the_round_trip_streamed_a_required_call_then_an_answer_after_the_tool_message(client):
+    messages = [{"role": "user", "content": "Look up a word."}]
+    calls, content, finish = {}, "", None
+    for ev in ask(client, messages=messages, tool_choice="required", parallel_tool_calls=False, temperature=1.0, seed=5,
+                  max_tokens=300, stream=True):
+        if ev.choices:
+            finish = ev.choices[0].finish_reason or finish
+            content += ev.choices[0].delta.content or ""
+            for tc in ev.choices[0].delta.tool_calls or []:
+                c = calls.setdefault(tc.index, {"id": tc.id, "name": tc.function.name, "arguments": ""})
+                c["arguments"] += tc.function.arguments or ""
+    assert finish == "tool_calls" and content == "" and len(calls) == 1
+    call = calls[0]
+    jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+    messages.append({"role": "assistant", "content": None, "tool_calls": [
+        {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}]})
+    messages.append({"role": "tool", "tool_call_id": call["id"], "content": "found: 3 meanings"})
+    text, finish, usage = "", None, None
+    for ev in ask(client, messages=messages, max_tokens=12, temperature=0.0, stream=True,
+                  stream_options={"include_usage": True}):
+        if ev.usage:
+            usage = ev.usage
+        if ev.choices:
+            finish = ev.choices[0].finish_reason or finish
+            text += ev.choices[0].delta.content or ""
+            assert not ev.choices[0].delta.tool_calls  # random weights write text here, and it streams as content
+    assert finish in ("stop", "length") and isinstance(text, str) and usage.completion_tokens >= 1
+
+
 BAD = [
     ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools"),
     ({"tools": [{"type": "retrieval"}]}, "tools"),

@@ -59,6 +59,10 @@ Design choices:
   a named function is exactly one call of it; auto with parallel_tool_calls false is xgrammar's built-in Qwen3.5
   tag: text, then at most one call, then the end. The format needs
   newlines, so tool grammars run on an engine whose vocabulary keeps tokens with control bytes (`text=True`).
+  Measured on the real 248K vocabulary (0.8B GGUF's tokenizer) with get_weather and add offered, on this 2-core
+  machine under a load average of 10: the text engine's setup (tokenizer info for 248K tokens, once per tokenizer)
+  and the first compile 17 s, a later compile 0.15 s; mask + accept per token 0.66 ms median (15-37 ms max) over
+  a two-call answer of 64 tokens, against a decode step of tens of ms.
 * Compiled grammars are cached per engine (an LRU of `CACHE_SIZE` schemas, keyed on the canonical JSON of the
   format): a repeated schema costs nothing. One engine (the tokenizer info, the compiler) per tokenizer, built once.
 """
