@@ -19,7 +19,9 @@ def run(label, replicas, wall, ttfts, cached_of_prev, routed=None):
          "ttft_follow_up_median_s": sorted(ttfts[1:])[0], "ttft_first_turn_median_s": ttfts[0],
          "hits": follow_up_hits(rows), "load_before": 1.0, "load_after": 1.5, "rows": rows}
     if routed is not None:
-        e.update(routed=routed, router_prefix_share=routed.get("prefix", 0) / 4,
+        from tools.bench.replicas import prefix_share
+
+        e.update(routed=routed, router_prefix_share=prefix_share(routed, 4),
                  per_replica=[{"replica": 0, "requests": 4, "restores_disk": 1, "restores_ram": 2}])
     return e
 
@@ -30,11 +32,11 @@ def test_the_replicas_report_gives_the_ratios_and_the_routings_hit_rate(tmp_path
 
     one = run("1 replica, 1 thread", 1, 20.0, [1.0, 0.4, 0.5], lambda prev: prev - HEADER, {"prefix": 4, "hash": 2})
     two = run("2 replicas, 1 thread each", 2, 10.0, [0.5, 0.2, 0.25], lambda prev: prev - HEADER if prev > 100 else 0,
-              {"prefix": 3, "hash": 2, "prefix replica full": 1})
+              {"prefix": 2, "prefix (all full)": 1, "hash": 2, "prefix replica full": 1})
     r = {"command": "deltaserve bench replicas", "cpu": "x", "cores": 2, "date": "d", "file": "f.gguf",
          "conversations": 2, "turns": 3, "runs": [one, two], "wall_s": 120.0}
     text = write_report(r, tmp_path).read_text()
     assert "**2.00x** the tokens per second" in text and "median TTFT **0.50x**" in text
     assert "| 4 of 4 (100%) |" in text and "| 2 of 4 (50%) |" in text  # full state hits on follow-ups
-    assert "3 to the replica their saved prefix went to (75%)" in text
+    assert "3 to the replica their saved prefix went to (75%" in text
     assert json.loads((tmp_path / "replicas.json").read_text())["runs"][1]["replicas"] == 2

@@ -201,7 +201,7 @@ def run_one(label: str, path: Path, replicas: int | None, threads: int, convs: l
             routed = {k: v - before["router"]["routed"].get(k, 0) for k, v in after["router"]["routed"].items()}
             out["routed"] = {k: v for k, v in routed.items() if v}
             follow = hits["follow_up_turns"]
-            out["router_prefix_share"] = routed.get("prefix", 0) / follow if follow else float("nan")
+            out["router_prefix_share"] = prefix_share(routed, follow)
             out["per_replica"] = [{"replica": x["replica"], "threads": x.get("threads"), "requests":
                                    sum(s["requests"] for s in x.get("slots", [])),
                                    "restores_disk": x["store"]["restores"]["disk"],
@@ -212,6 +212,13 @@ def run_one(label: str, path: Path, replicas: int | None, threads: int, convs: l
         import shutil
 
         shutil.rmtree(state_dir, ignore_errors=True)
+
+
+def prefix_share(routed: dict, follow_ups: int) -> float:
+    """The follow-up turns the router sent to the replica their saved prefix went to (with a free slot there, or
+    with every replica full, where it waits for one of its own slots)."""
+    hits = routed.get("prefix", 0) + routed.get("prefix (all full)", 0)
+    return hits / follow_ups if follow_ups else float("nan")
 
 
 def write_report(r: dict, out: Path) -> Path:
@@ -246,9 +253,11 @@ def write_report(r: dict, out: Path) -> Path:
                   f"{two['ttft_follow_up_median_s'] / one['ttft_follow_up_median_s']:.2f}x).", ""]
     for e in r["runs"]:
         if e.get("routed"):
+            kept = e["routed"].get("prefix", 0) + e["routed"].get("prefix (all full)", 0)
             lines.append(f"- {e['label']}: the router sent {e['hits']['follow_up_turns']} follow-up turns; "
-                         f"{e['routed'].get('prefix', 0)} to the replica their saved prefix went to "
-                         f"({e['router_prefix_share']:.0%}); every route it took: {e['routed']}; per replica: "
+                         f"{kept} to the replica their saved prefix went to ({e['router_prefix_share']:.0%}; "
+                         "'prefix (all full)': every replica's slots were busy, so it waited for one of its own); "
+                         f"every route it took: {e['routed']}; per replica: "
                          + ", ".join(f"replica {x['replica']} {x['requests']} requests, {x['restores_disk']} restores "
                                      f"from disk, {x['restores_ram']} from RAM" for x in e["per_replica"]) + ".")
     lines += ["", "A full state hit: `cached_tokens` equal to the conversation's previous prompt less its "
