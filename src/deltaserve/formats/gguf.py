@@ -107,6 +107,29 @@ class _Cursor:
         except UnicodeDecodeError:
             return raw.decode("utf-8", errors="replace")
 
+    def strings(self, count: int, what: str) -> list[str]:
+        """An array of `count` strings in one tight loop (a vocabulary is ~500,000 of them: the per-string
+        method calls of `string` took 3.4 s of a 0.8B file's 10 s load)."""
+        buf, pos, end, out = self.buf, self.pos, len(self.buf), []
+        append, length = out.append, struct.Struct("<Q").unpack_from
+        for _ in range(count):
+            if pos + 8 > end:
+                self.pos = pos
+                self.need(8, what)
+            (n,) = length(buf, pos)
+            pos += 8
+            if pos + n > end:
+                self.pos = pos
+                self.need(n, what)
+            raw = buf[pos:pos + n]
+            pos += n
+            try:
+                append(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                append(raw.decode("utf-8", errors="replace"))
+        self.pos = pos
+        return out
+
     def value(self, vtype: int, what: str) -> Any:
         if vtype == GGUFValueType.STRING:
             return self.string(what)
@@ -114,7 +137,7 @@ class _Cursor:
             sub = self.scalar("<I", what)
             count = self.scalar("<Q", what)
             if sub == GGUFValueType.STRING:
-                return [self.string(what) for _ in range(count)]
+                return self.strings(count, what)
             if sub in _NUMPY:
                 dt = np.dtype(_NUMPY[sub])
                 self.need(count * dt.itemsize, what)
