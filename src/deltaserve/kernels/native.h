@@ -12,7 +12,8 @@
 #define DS_Q4KR 112         /* Q4_K blocks repacked at load (scale bits unpacked) */
 
 typedef struct {
-    int type;               /* 0: int8 table with per-row scales; DS_Q6K; DS_Q4KR */
+    int type;               /* native.c: 0 int8 table with per-row scales, DS_Q6K, DS_Q4KR; native_avx2.c: a GGUF
+                               type id of the file's blocks (0: F32 rows) */
     int rows;               /* output rows of this segment (segments follow each other along the output) */
     const void *data;
     const float *scale;     /* the int8 table's row scales */

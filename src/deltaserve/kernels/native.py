@@ -8,7 +8,8 @@ they do not take. What is compiled depends on the CPU, and the library's symbols
   the prefill's delta rule: AVX512F + AVX512BW + AVX512-VNNI only (`status()` says whether they run, and why not);
 - `blocks.c`: the file's own blocks (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, F16, BF16) dequantized exactly, and products
   on them: AVX2 + FMA + F16C, so on every x86-64 CPU these machines have (the AVX512 ones included);
-- `native_avx2.c`: what native.c does, for CPUs without AVX512.
+- `native_avx2.c`: the DeltaNet kernels (prefill's delta rule, causal conv, decode step) and the one-call token
+  decode on the file's own blocks (blocks.c's products), for CPUs without AVX512.
 
 `DELTASERVE_NATIVE=off` turns all of it off; a CPU without AVX2/FMA/F16C, no compiler or a failed build: torch's
 kernels, with the reason.
