@@ -837,8 +837,11 @@ def main(a) -> int:
             pass
         say("stopping the replicas")
     finally:
-        try:
-            serve.shutdown()
+        try:  # on a cluster of someone else's, only this application goes; a local instance goes whole
+            if local:
+                serve.shutdown()
+            else:
+                serve.delete("deltaserve")
         finally:
             ray.shutdown()
             if cleanup is not None:
