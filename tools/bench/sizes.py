@@ -1,0 +1,117 @@
+"""`deltaserve bench sizes`: the sizes users run (issue 15): the 0.8B and the 9B shapes, Q8_0 and llama.cpp's Q4_K_M,
+deltaserve against llama.cpp side by side: load time, prefill (pp512), decode, and the peak resident memory of the
+process that did all three, against the file's size.
+
+Each engine runs in a fresh process of its own per file (its VmHWM is then its own peak), the engines in turn.
+Random weights of the real shapes (tools/bench/randmodel.py writes them one tensor at a time; the 9B Q4_K_M file is
+made by llama.cpp's quantizer from a 9B f16 file of ~18 GB: mind the disk).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from tools.bench.peers import _cpu_name, bench_ids, in_fresh_process, median
+
+PP = 512
+
+
+def _peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def deltaserve_sizes(path: Path, threads: int, pp: int, tg: int) -> dict:
+    import torch
+
+    import deltaserve
+    from deltaserve.engine.forward import Forward
+
+    torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    m = deltaserve.load(path, cache=False, threads=threads)
+    load_s = time.perf_counter() - t0
+    f = Forward(m.config, m.host.weights)
+    ids = bench_ids(m.config.vocab_size)[:pp]
+    st = f.new_state(pp + tg + 8)
+    t = time.perf_counter()
+    logits = f.prefill(st, ids)
+    pp_s = time.perf_counter() - t
+    tok = int(logits.argmax())
+    f.decode(st, tok)
+    t = time.perf_counter()
+    for _ in range(tg):
+        tok = int(f.decode(st, tok).argmax())
+    tg_s = time.perf_counter() - t
+    route = m.session(quiet=True).notices[-1]
+    return {"load_s": load_s, "pp": pp / pp_s, "tg": tg / tg_s, "peak_rss": _peak_rss(), "route": route}
+
+
+def llama_sizes(path: Path, threads: int, pp: int, tg: int) -> dict:
+    import llama_cpp
+
+    t0 = time.perf_counter()
+    m = llama_cpp.Llama(str(path), n_ctx=pp + tg + 16, n_batch=pp, n_ubatch=pp, n_threads=threads,
+                        n_threads_batch=threads, verbose=False)
+    load_s = time.perf_counter() - t0
+    ids = bench_ids(m.n_vocab())[:pp]
+    t = time.perf_counter()
+    m.eval(ids)
+    pp_s = time.perf_counter() - t
+    t = time.perf_counter()
+    for i in range(tg):
+        m.eval([ids[i]])
+    tg_s = time.perf_counter() - t
+    return {"load_s": load_s, "pp": pp / pp_s, "tg": tg / tg_s, "peak_rss": _peak_rss()}
+
+
+def main(a) -> None:
+    from tools.bench.run import model_file
+
+    out = Path(a.out) / "sizes"
+    out.mkdir(parents=True, exist_ok=True)
+    shapes = ["0.8B"] if a.quick else ["0.8B", "9B"]
+    tg = 8 if a.quick else 16
+    results: dict = {"command": a.command_line, "threads": a.threads, "cpu": _cpu_name(), "pp": PP, "tg": tg,
+                     "date": time.strftime("%Y-%m-%d %H:%M"), "rows": []}
+    for shape in shapes:
+        for kind in ("q8_0", "Q4_K_M"):
+            path = model_file(shape, kind)
+            row = {"shape": shape, "kind": kind, "file_bytes": path.stat().st_size}
+            runs: dict[str, list] = {"llama.cpp": [], "deltaserve": []}
+            for i in range(1 if shape == "9B" else max(1, a.repeats)):
+                for engine, fn in (("llama.cpp", "llama_sizes"), ("deltaserve", "deltaserve_sizes")):
+                    print(f"[bench] sizes {shape} {kind}: {engine}, round {i + 1}", file=sys.stderr, flush=True)
+                    runs[engine].append(in_fresh_process(fn, path, a.threads, PP, tg, module="tools.bench.sizes"))
+            for engine, rs in runs.items():
+                row[engine] = {k: median([r[k] for r in rs]) for k in ("load_s", "pp", "tg", "peak_rss")}
+                row[engine]["runs"] = rs
+            results["rows"].append(row)
+            (out / "results.json").write_text(json.dumps(results, indent=1))
+    md = write_report(results, out)
+    print(md.read_text())
+
+
+def write_report(r: dict, out: Path) -> Path:
+    lines = [f"# deltaserve bench sizes ({r['date']})", "", f"Command: `{r['command']}`  ",
+             f"CPU: {r['cpu']}, {r['threads']} threads. Random weights of the real Qwen3.5 shapes; each engine in a "
+             f"fresh process per file: load, a {r['pp']}-token prefill, {r['tg']} decoded tokens; peak RSS is that "
+             "process's VmHWM.", "",
+             "| shape | file | size | engine | load s | pp tok/s | tg tok/s | peak RSS | RSS / file | load / llama | "
+             "pp / llama | tg / llama |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in r["rows"]:
+        ref = row["llama.cpp"]
+        for engine in ("llama.cpp", "deltaserve"):
+            m = row[engine]
+            lines.append(f"| {row['shape']} | {row['kind']} | {row['file_bytes'] / 2**20:.0f} MiB | {engine} | "
+                         f"{m['load_s']:.2f} | {m['pp']:.1f} | {m['tg']:.2f} | {m['peak_rss'] / 2**20:.0f} MiB | "
+                         f"{m['peak_rss'] / row['file_bytes']:.2f}x | {m['load_s'] / ref['load_s']:.2f}x | "
+                         f"{m['pp'] / ref['pp']:.2f}x | {m['tg'] / ref['tg']:.2f}x |")
+    routes = {run.get("route") for row in r["rows"] for run in row["deltaserve"]["runs"]} - {None}
+    lines += ["", "deltaserve's route line(s):", ""] + [f"- `{x}`" for x in sorted(routes)]
+    md = out / "RESULTS.md"
+    md.write_text("\n".join(lines) + "\n")
+    return md
