@@ -229,8 +229,6 @@ def load_linear(src: TensorSource, name: str, mode: str) -> Linear:
     return out
 
 
-
-
 def load_embedding(src: TensorSource, name: str, mode: str) -> Embedding:
     table = load_linear(src, name, mode)
     return Embedding(table if isinstance(table, (Int8Linear, BlockLinear)) else table.weight)
