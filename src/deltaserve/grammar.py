@@ -239,12 +239,7 @@ class GrammarEngine:
             compiled = self._compile(json.dumps(fmt["schema"]), strict=True)
             description = "json_schema"
         out = CompiledFormat(self, compiled, description)
-        with self._lock:
-            self.compiles += 1
-            self._cache[key] = out
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
-        return out
+        return self._remember(key, out)
 
     def compile_tools(self, tools, choice) -> CompiledFormat:
         """A tool choice's structural tag compiled (cached): see the module's notes."""
@@ -287,6 +282,9 @@ class GrammarEngine:
             msg = re.sub(r"\[[0-9:]+\] \S+:\d+: ", "", " ".join(str(e).split())) or type(e).__name__
             raise GrammarError(f"tools: the functions' parameter schemas cannot be compiled: {msg}"[:400]) from None
         out = CompiledFormat(self, compiled, f"tools {choice.mode}" + (f" {choice.name}" if choice.name else ""))
+        return self._remember(key, out)
+
+    def _remember(self, key, out: "CompiledFormat") -> "CompiledFormat":
         with self._lock:
             self.compiles += 1
             self._cache[key] = out

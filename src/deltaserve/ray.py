@@ -58,6 +58,7 @@ from typing import Sequence
 
 from deltaserve.errors import DeltaserveError
 from deltaserve.kernels.cpu import SPLIT_MIN_BYTES, available_cores, plural
+from deltaserve.store import prefix_hashes
 
 # what `deltaserve serve` would take by default, for a config file that leaves options out
 DEFAULTS = dict(model=None, replicas=2, slots=2, queue=16, threads=None, ctx=None, device="cpu", think="auto",
@@ -68,8 +69,6 @@ INDEX_ENTRIES = 1 << 16      # saved prefixes the router remembers (least recent
 OPENING_TOKENS = 64          # the opening of a prompt with no assistant turn marker: its first tokens
 PROBE_S = 1.0                # how often the router checks its replicas
 PING_TIMEOUT_S = 5.0
-_MOD = (1 << 61) - 1
-_BASE = 1_000_003
 
 
 def options(args: dict | argparse.Namespace | None = None, **more) -> dict:
@@ -105,14 +104,6 @@ def replica_threads(model_bytes: int, replicas_here: int, cores: int, requested:
 
 # -- which replica holds what ------------------------------------------------------------------------------------
 
-def _prefix_hashes(tokens: Sequence[int], upto: int) -> list[int]:
-    out, h = [], 0
-    for t in tokens[:upto]:
-        h = (h * _BASE + int(t) + 1) % _MOD
-        out.append(h)
-    return out
-
-
 class PrefixIndex:
     """Which replica each saved prefix went to: the longest remembered proper prefix of a prompt, found as the
     state store finds its states (prefix hashes looked up at every remembered length, longest first, then the tokens
@@ -136,11 +127,11 @@ class PrefixIndex:
             self._entries.move_to_end(tokens)
             return
         self._entries[tokens] = replica
-        self._by_hash[(len(tokens), _prefix_hashes(tokens, len(tokens))[-1])] = tokens
+        self._by_hash[(len(tokens), prefix_hashes(tokens, len(tokens))[-1])] = tokens
         self._lengths[len(tokens)] = self._lengths.get(len(tokens), 0) + 1
         while len(self._entries) > self.limit:
             old, _ = self._entries.popitem(last=False)
-            self._by_hash.pop((len(old), _prefix_hashes(old, len(old))[-1]), None)
+            self._by_hash.pop((len(old), prefix_hashes(old, len(old))[-1]), None)
             self._lengths[len(old)] -= 1
             if not self._lengths[len(old)]:
                 del self._lengths[len(old)]
@@ -150,7 +141,7 @@ class PrefixIndex:
         lengths = sorted((n for n in self._lengths if n < len(prompt)), reverse=True)
         if not lengths:
             return None
-        hashes = _prefix_hashes(prompt, lengths[0])
+        hashes = prefix_hashes(prompt, lengths[0])
         for n in lengths:
             tokens = self._by_hash.get((n, hashes[n - 1]))
             if tokens is not None and tokens == tuple(prompt[:n]):

@@ -207,7 +207,8 @@ def file_name(tokens: Sequence[int]) -> str:
 
 # -- the store ----------------------------------------------------------------------------------------------------
 
-def _prefix_hashes(tokens: Sequence[int], upto: int) -> list[int]:
+def prefix_hashes(tokens: Sequence[int], upto: int) -> list[int]:
+    """The polynomial hash (mod 2^61 - 1) of every prefix of tokens[:upto], shortest first."""
     out, h = [], 0
     for t in tokens[:upto]:
         h = (h * _BASE + int(t) + 1) % _MOD
@@ -337,7 +338,7 @@ class StateStore:
         lengths = sorted((n for n in self._lengths if longer_than < n < len(prompt)), reverse=True)
         if not lengths:
             return None
-        hashes = _prefix_hashes(prompt, lengths[0])
+        hashes = prefix_hashes(prompt, lengths[0])
         for n in lengths:
             for e in self._by_hash.get((n, hashes[n - 1]), ()):
                 if e.tokens == tuple(prompt[:n]):
@@ -420,7 +421,7 @@ class StateStore:
             fits_ram, fits_disk = nbytes <= self.ram_budget, self.on_disk and nbytes <= self.disk_budget
             if not (fits_ram or fits_disk):
                 return False
-            e = Entry(tokens, nbytes, _prefix_hashes(tokens, len(tokens))[-1], ram=ck)
+            e = Entry(tokens, nbytes, prefix_hashes(tokens, len(tokens))[-1], ram=ck)
             self.ram_used += nbytes  # until it is written, even a state bound for disk only is held in RAM
             self._add(e)
             if fits_disk:
@@ -594,7 +595,7 @@ class StateStore:
                         continue  # this process's own write, just renamed into place: the writer counts it
                     if e is None:
                         e = Entry(tokens, saved_state_bytes(self.config, len(tokens)),
-                                  _prefix_hashes(tokens, len(tokens))[-1])
+                                  prefix_hashes(tokens, len(tokens))[-1])
                         e.used = mtime_s
                         self._add(e)
                     if e.file is None:  # another process wrote these tokens' state: this one may read it too
