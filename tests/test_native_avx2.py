@@ -185,7 +185,7 @@ def test_the_one_call_decode_on_the_files_blocks_follows_the_torch_decode_on_eit
     import deltaserve
     from deltaserve.engine.forward import Forward
     from tests.fixtures import models as fx
-    from tests.test_fast_weights import FLOAT_NOISE, STATE_TOLERANCE, ids_for, step_on_both_routes
+    from tests.test_fast_weights import assert_within_the_envelope, ids_for, step_on_both_routes
 
     m = deltaserve.load(fx.hf_dir("hybrid") if source == "hf" else fx.gguf_path("hybrid", "f32"), cache=False)
     f = Forward(m.config, blocks_everywhere(m, mixed))
@@ -200,18 +200,7 @@ def test_the_one_call_decode_on_the_files_blocks_follows_the_torch_decode_on_eit
     steps += [step_on_both_routes(f, products, trio[:2], [t, ids[-1 - i]], monkeypatch) for i, t in enumerate(ids[:6])]
     steps += [step_on_both_routes(f, products, trio, [t, t, ids[i]], monkeypatch) for i, t in enumerate(ids[6:12])]
     assert st.length == len(ids) and [s.length for s in trio] == [13, 12, 6]
-    ours, theirs, env = (torch.cat(parts) for parts in zip(*(logits for logits, _ in steps)))
-    scale = theirs.abs().max().item()
-    off = (ours - theirs).abs()
-    assert (off <= env + FLOAT_NOISE * scale).all(), (off - env).max().item()
-    quiet = env.amax(-1) == 0
-    if quiet.any():
-        assert off[quiet].mean().item() <= 1e-5 * scale, off[quiet].mean().item()
-    for _, rows in steps:
-        for mine, torchs, envs in rows:
-            for (kind, a), (_, b), e in zip(mine, torchs, envs):
-                atol, rtol = STATE_TOLERANCE[kind]
-                assert ((a - b).abs() <= e + atol + rtol * b.abs()).all(), kind
+    assert_within_the_envelope(steps)
 
 
 def test_the_one_call_decode_on_blocks_says_why_it_does_not_take_a_projection():

@@ -157,20 +157,6 @@ static inline float hmax8(__m256 v) {
     return _mm_cvtss_f32(m);
 }
 
-static inline float hsum8(__m256 v) {
-    __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_add_ss(m, _mm_movehdup_ps(m));
-    return _mm_cvtss_f32(m);
-}
-
-static inline int hsum8i(__m256i v) {
-    __m128i m = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    m = _mm_add_epi32(m, _mm_srli_si128(m, 8));
-    m = _mm_add_epi32(m, _mm_srli_si128(m, 4));
-    return _mm_cvtsi128_si32(m);
-}
-
 /* 32 floats * id rounded to nearest (ties to even), as int8 (|v| <= 127 by construction) */
 static inline __m256i round32(const float *x, float id) {
     __m256 s = _mm256_set1_ps(id);
@@ -256,7 +242,7 @@ static void row_q32(int type, const uint8_t *row, int K, const act_t *a, int M, 
             acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(dw * a[m].d[j]), _mm256_cvtepi32_ps(s), acc[m]);
         }
     }
-    for (int m = 0; m < M; m++) out[m] = hsum8(acc[m]);
+    for (int m = 0; m < M; m++) out[m] = blk_hsum8(acc[m]);
 }
 
 /* Four rows at once against M <= 2 activation rows: four independent accumulation chains (one row alone waits
@@ -280,7 +266,7 @@ static void rows4_q32(int type, const uint8_t *row0, size_t row_bytes, int K, co
         }
     }
     for (int r = 0; r < 4; r++)
-        for (int m = 0; m < M; m++) out[r * 2 + m] = hsum8(acc[r][m]);
+        for (int m = 0; m < M; m++) out[r * 2 + m] = blk_hsum8(acc[r][m]);
 }
 
 /* A Q4_K/Q5_K block's 8 six-bit scales (bytes 0..7) and 8 mins (bytes 8..15), unpacked with 32-bit operations
@@ -342,7 +328,7 @@ static void row_q45k(int type, const uint8_t *row, int K, const act_t *a, int M,
             acc[m] -= dmin * da * (float)_mm_cvtsi128_si32(ms);
         }
     }
-    for (int m = 0; m < M; m++) out[m] = acc[m] + hsum8(vacc[m]);
+    for (int m = 0; m < M; m++) out[m] = acc[m] + blk_hsum8(vacc[m]);
 }
 
 /* Q6_K: v = d sc (q - 32) per sub-block of 16, q 0..63 (four bits of ql, two of qh). */
@@ -383,7 +369,7 @@ static void row_q6k(const uint8_t *row, int K, const act_t *a, int M, float *out
             vacc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(d * a[m].d[j]), vacc[m]);
         }
     }
-    for (int m = 0; m < M; m++) out[m] = hsum8(vacc[m]);
+    for (int m = 0; m < M; m++) out[m] = blk_hsum8(vacc[m]);
 }
 
 /* F16 / BF16: the weights widened to f32 (exact) and multiplied with the f32 activations, 8 at a time. */
@@ -402,7 +388,7 @@ static void row_half(int type, const uint8_t *row, int K, const act_t *a, int M,
         for (int m = 0; m < M; m++) acc[m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(a[m].x + k), acc[m]);
     }
     for (int m = 0; m < M; m++) {
-        float s = hsum8(acc[m]);
+        float s = blk_hsum8(acc[m]);
         for (int i = k; i < K; i++) {
             float wi;
             if (type == T_F16) wi = h2f(row + 2 * (size_t)i);
@@ -458,7 +444,7 @@ void blk_prepare(int kind, const float *x, int M, int K, long ldx, void *scratch
 }
 
 void blk_tiles(int type, const uint8_t *blocks, int N, int K, void *scratch, int M, float *y, long ldy) {
-    int elems, bytes, kind = blk_kind(type);
+    int elems = 1, bytes = 0, kind = blk_kind(type);
     block_info(type, &elems, &bytes);
     size_t row_bytes = (size_t)(K / elems) * bytes;
     act_t a[DS_MAX_ROWS > MG ? DS_MAX_ROWS : MG];
@@ -501,7 +487,7 @@ void blk_tiles(int type, const uint8_t *blocks, int N, int K, void *scratch, int
  * Returns 0, or -1 when it cannot take the product (type, K, memory). */
 int ds_linear_blocks(int type, const float *x, int M, int K, long ldx, const uint8_t *blocks, int N, float *y,
                      long ldy, int nthreads) {
-    int kind = blk_kind(type), elems, bytes;
+    int kind = blk_kind(type), elems = 1, bytes = 0;
     if (M <= 0 || N <= 0 || !kind || (block_info(type, &elems, &bytes), K % elems)) return -1;
     void *scratch = malloc(blk_scratch_bytes(M, K));
     if (!scratch) return -1;

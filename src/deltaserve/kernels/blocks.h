@@ -9,6 +9,15 @@
 #define DS_BLOCKS_H
 #include <stddef.h>
 #include <stdint.h>
+#include <immintrin.h>
+
+/* the sum of a vector's 8 floats (blocks.c and native_avx2.c, both compiled only with AVX2) */
+static inline float blk_hsum8(__m256 v) {
+    __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_add_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
 
 int blk_kind(int type);  /* 1: blocks of 32 (Q8_0, Q4_0), 2: blocks of 256 (K-quants), 3: F16/BF16, 0: none of them */
 size_t blk_scratch_bytes(int M, int K);

@@ -23,13 +23,6 @@
 
 #define MAXM DS_MAX_ROWS
 
-static inline float hsum256(__m256 v) {
-    __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_add_ss(m, _mm_movehdup_ps(m));
-    return _mm_cvtss_f32(m);
-}
-
 /* e^x for 8 floats: native.c's exp512 on 8 lanes. x = n ln2 + r, |r| <= ln2/2, e^r by a degree-6 polynomial,
  * times 2^n built in the exponent field (x is clamped so that n + 127 stays in 1..254: a normal float). */
 static inline __m256 exp256(__m256 x) {
@@ -262,7 +255,7 @@ int ds_delta_rule(const float *q, const float *k, const float *v, const float *g
             __m256 kqv = _mm256_setzero_ps();
             int i = 0;
             for (; i + 8 <= dk; i += 8) kqv = _mm256_fmadd_ps(_mm256_loadu_ps(kt + i), _mm256_loadu_ps(qt + i), kqv);
-            float kq = hsum256(kqv);
+            float kq = blk_hsum8(kqv);
             for (; i < dk; i++) kq += kt[i] * qt[i];
             float decay = expf(g[th]), cd = c * decay;  /* S_old = c S', S_old e^g = cd S' */
             __m256 vc = _mm256_set1_ps(cd), vb = _mm256_set1_ps(beta[th]), vkq = _mm256_set1_ps(kq);
@@ -305,7 +298,7 @@ static void rms_norm_row(const float *x, const float *w, float *out, int n, floa
     __m256 acc = _mm256_setzero_ps();
     int i = 0;
     for (; i + 8 <= n; i += 8) { __m256 v = _mm256_loadu_ps(x + i); acc = _mm256_fmadd_ps(v, v, acc); }
-    float ss = hsum256(acc);
+    float ss = blk_hsum8(acc);
     for (; i < n; i++) ss += x[i] * x[i];
     float r = 1.0f / sqrtf(ss / (float)n + eps);
     for (i = 0; i < n; i++) out[i] = x[i] * r * w[i];
@@ -342,7 +335,7 @@ static void f32_tiles(const float *W, int N, int K, const float *x, int M, float
             __m256 acc = _mm256_setzero_ps();
             int k = 0;
             for (; k + 8 <= K; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(xm + k), acc);
-            float sum = hsum256(acc);
+            float sum = blk_hsum8(acc);
             for (; k < K; k++) sum += w[k] * xm[k];
             y[(size_t)m * ldy + n] = sum;
         }
@@ -405,7 +398,7 @@ static void attn_head(const model_t *m, int h, const float *qkv, const float *q,
         const float *kt = keys + (size_t)t * hd;
         __m256 acc = _mm256_setzero_ps();
         for (int i = 0; i < hd; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), _mm256_loadu_ps(kt + i), acc);
-        float sc = hsum256(acc) * scale;
+        float sc = blk_hsum8(acc) * scale;
         scores[t] = sc;
         if (sc > mx) mx = sc;
     }
@@ -416,7 +409,7 @@ static void attn_head(const model_t *m, int h, const float *qkv, const float *q,
         _mm256_storeu_ps(scores + t0, e);
         vsum = _mm256_add_ps(vsum, e);
     }
-    float sum = hsum256(vsum);
+    float sum = blk_hsum8(vsum);
     for (int t = t0; t < n; t++) { scores[t] = expf(scores[t] - mx); sum += scores[t]; }
     float o[hd];
     for (int i = 0; i < hd; i++) o[i] = 0.0f;
