@@ -48,3 +48,59 @@ def test_a_cuda_session_bound_in_another_thread_still_serves(hybrid_model):
     t.start()
     t.join()
     assert out["turn"].backend.startswith("cuda")
+
+
+def _demo_file(name: str):
+    """The trained demo model quantized by llama.cpp (built on a CPU machine by the tests that need llama.cpp; a
+    GPU run carries it in .fixtures/), or None."""
+    from tests.fixtures import models as fx
+
+    path = fx.fixtures_dir() / f"demo-{name}-by-llama.cpp.gguf"
+    return path if path.exists() else None
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_k_m"])
+def test_a_quantized_file_serves_on_cuda_and_recalls_like_the_cpu(name):
+    """A GGUF of quantized blocks goes to the device (what its products take there), passes the parity guard, and
+    the demo conversation's answers are the CPU's, on a resident CUDA session that reuses what it holds."""
+    import deltaserve
+
+    path = _demo_file(name)
+    if path is None:
+        pytest.skip(f"demo-{name}-by-llama.cpp.gguf not built here (needs llama.cpp)")
+    model = deltaserve.load(path, cache=False)
+    cpu = model.session(device="cpu", quiet=True)
+    gpu = model.session(backend=CUDABackend(model.host), guard=ParityGuard(revalidate=True), quiet=True)
+    history_cpu, history_gpu = [], []
+    for text in ["My locker code is 4821.", "What is 12 + 9?", "What is my locker code?"]:
+        answers = []
+        for s, h in ((cpu, history_cpu), (gpu, history_gpu)):
+            h.append({"role": "user", "content": text})
+            turn = s.chat(h, max_tokens=16, temperature=0, enable_thinking=False)
+            h.append({"role": "assistant", "content": turn.text})
+            answers.append(turn)
+        assert answers[1].text == answers[0].text
+        assert answers[1].backend.startswith("cuda")
+    assert answers[1].reused > 0 and "4821" in answers[1].text
+    assert gpu.on_accelerator and not any(n.startswith(FALLBACK_PREFIX) for n in gpu.notices)
+
+
+def test_a_cuda_state_saved_in_the_store_resumes_a_conversation_in_another_cuda_session(hybrid_model, tmp_path):
+    """The store takes a device checkpoint (copied to the host, written to disk); another session restores it onto
+    the device and prefills only the new turn, answering as a session that prefilled everything."""
+    from deltaserve.store import StateStore
+
+    store = StateStore(hybrid_model.config, ram_bytes=64 << 20, directory=tmp_path, disk_bytes=64 << 20,
+                       model_sha256=hybrid_model.host.sha256())
+    first = hybrid_model.session(backend=CUDABackend(hybrid_model.host), guard=ParityGuard(), quiet=True, store=store)
+    history = [{"role": "user", "content": "The sea is wide."}]
+    t1 = first.chat(history, max_tokens=8, temperature=0, enable_thinking=False)
+    history += [{"role": "assistant", "content": t1.text}, {"role": "user", "content": "And the sky?"}]
+    assert store.flush()
+    other = hybrid_model.session(backend=CUDABackend(hybrid_model.host), guard=ParityGuard(), quiet=True, store=store)
+    t2 = other.chat(history, max_tokens=8, temperature=0, enable_thinking=False)
+    alone = hybrid_model.session(backend=CUDABackend(hybrid_model.host), guard=ParityGuard(), quiet=True)
+    alone.chat(history[:1], max_tokens=8, temperature=0, enable_thinking=False)  # the same turns, no store
+    t3 = alone.chat(history, max_tokens=8, temperature=0, enable_thinking=False)
+    assert t2.start == "store" and t2.reused > 0 and t2.backend.startswith("cuda")
+    assert t2.tokens == t3.tokens

@@ -101,7 +101,8 @@ def test_a_product_on_the_blocks_is_the_arithmetic_llama_cpp_does_and_each_row_i
                 assert torch.equal(lin(x[i:i + 1])[0], y[i]), (kind, m, i)
 
 
-def test_many_rows_multiply_exact_chunks_of_the_weight_with_f32_activations():
+def test_many_rows_multiply_exact_chunks_of_the_weight_with_f32_activations(monkeypatch):
+    monkeypatch.setenv("DELTASERVE_PREFILL", "f32")
     rows, cols = 300, 512
     raw = torch.from_numpy(random_blocks("Q8_0", rows, cols, seed=1))
     lin = L.BlockLinear([("Q8_0", raw)], cols)
@@ -116,6 +117,31 @@ def test_many_rows_multiply_exact_chunks_of_the_weight_with_f32_activations():
         assert torch.allclose(lin(x), y, rtol=1e-5, atol=1e-4)
     finally:
         L.CHUNK_ELEMENTS = small
+
+
+def test_with_bf16_chunks_many_rows_are_a_bf16_gemm_of_the_exact_weight(monkeypatch):
+    """The AMX route (chunk_dtype bf16): the exact weights and the activations each rounded to bf16 once, products
+    accumulated in f32 by the GEMM, the result rounded to bf16: nothing else (checked against that arithmetic in
+    f64, chunk by chunk)."""
+    monkeypatch.setenv("DELTASERVE_PREFILL", "bf16")
+    rows, cols = 300, 512
+    raw = torch.from_numpy(random_blocks("Q6_K", rows, cols, seed=3))
+    lin = L.BlockLinear([("Q6_K", raw)], cols)
+    x = torch.randn(40, cols)
+    want = x.bfloat16().double() @ lin.dense().bfloat16().double().t()
+    y = lin(x)
+    assert y.dtype == torch.float32
+    rel = (y.double() - want).abs() / want.abs().clamp_min(1e-3)
+    assert rel.max().item() <= 2 ** -8 + 1e-6  # one bf16 rounding of the output (and f32 accumulation)
+    assert torch.equal(y.bfloat16().float(), y)  # the result is the bf16 GEMM's
+
+
+def test_the_prefill_chunks_are_bf16_exactly_where_torch_runs_bf16_gemms_on_amx_tiles(monkeypatch):
+    monkeypatch.delenv("DELTASERVE_PREFILL", raising=False)
+    amx = "amx_bf16" in native.cpu_flags() and torch._C._cpu._init_amx()
+    assert L.chunk_dtype() == (torch.bfloat16 if amx else torch.float32)
+    monkeypatch.setenv("DELTASERVE_PREFILL", "f32")
+    assert L.chunk_dtype() == torch.float32
 
 
 def test_a_stack_of_projections_is_one_product_over_their_segments_without_a_copy():
@@ -166,7 +192,8 @@ def test_the_route_line_says_the_products_run_on_the_files_own_blocks_and_on_whi
 
 
 @pytest.mark.parametrize("name", ["hybrid", "deep"])
-def test_a_blocks_prefill_adds_nothing_to_the_files_own_error_and_decode_stays_near_it(name):
+def test_a_blocks_prefill_adds_nothing_to_the_files_own_error_and_decode_stays_near_it(name, monkeypatch):
+    monkeypatch.setenv("DELTASERVE_PREFILL", "f32")  # the exact route (the bf16 one: the trained-model test below)
     m = blocks_model(fx.gguf_path(name, "q8_0"))
     exact = deltaserve.load(fx.gguf_path(name, "q8_0"), weights="exact", cache=False)
     ref = deltaserve.load(fx.gguf_path(name, "f32"), weights="exact", cache=False)

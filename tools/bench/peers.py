@@ -229,32 +229,58 @@ def llama_pp_tg(path: Path, threads: int, repeats: int, tg_tokens: int = 32) -> 
     return {"pp512": median(pp), "tg": median(tg), "pp_runs": pp, "tg_runs": tg}
 
 
-def llama_server_binary() -> Path:
-    """llama.cpp's own llama-server, built once from the vendored source in llama-cpp-python's sdist."""
+def _llama_build(target: str, shared: bool) -> Path:
+    """llama.cpp built once from the vendored source in llama-cpp-python's sdist (the installed version), with the
+    widest vector flags this CPU reports (llama_cpu_flags): `target` in a build tree of its own. Returns the tree."""
     from importlib import metadata
 
     version = metadata.version("llama-cpp-python")
     flags = llama_cpu_flags()
     tag = "avx512" if "-DGGML_AVX512=ON" in flags else "avx2"
-    build = CACHE / f"llama.cpp-{version}-{tag}"
-    binary = build / "build" / "bin" / "llama-server"
-    if binary.exists():
-        return binary
-    src = build / "src"
+    build = CACHE / f"llama.cpp-{version}-{tag}{'-shared' if shared else ''}"
+    src = CACHE / f"llama.cpp-{version}-src"
     if not src.exists():
         dl = CACHE / "sdist"
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
                         f"llama-cpp-python=={version}", "-d", str(dl)], check=True, capture_output=True)
-        with tarfile.open(next(dl.glob("llama_cpp_python-*.tar.gz"))) as tf:
-            tf.extractall(build / "sdist")
-        shutil.move(str(next((build / "sdist").glob("llama_cpp_python-*")) / "vendor" / "llama.cpp"), src)
+        unpacked = CACHE / "sdist" / "unpacked"
+        with tarfile.open(next(dl.glob(f"llama_cpp_python-{version}.tar.gz"))) as tf:
+            tf.extractall(unpacked)
+        shutil.move(str(next(unpacked.glob("llama_cpp_python-*")) / "vendor" / "llama.cpp"), src)
     subprocess.run(["cmake", "-S", str(src), "-B", str(build / "build"), *flags, "-DLLAMA_CURL=OFF",
                     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DCMAKE_BUILD_TYPE=Release",
-                    "-DBUILD_SHARED_LIBS=OFF"],
+                    f"-DBUILD_SHARED_LIBS={'ON' if shared else 'OFF'}"],
                    check=True, capture_output=True)
-    subprocess.run(["cmake", "--build", str(build / "build"), "--target", "llama-server", "-j", str(os.cpu_count())],
+    subprocess.run(["cmake", "--build", str(build / "build"), "--target", target, "-j", str(os.cpu_count())],
                    check=True, capture_output=True)
-    return binary
+    return build / "build"
+
+
+def llama_server_binary() -> Path:
+    """llama.cpp's own llama-server (static), built once with this CPU's widest vector flags."""
+    binary = _llama_tree(shared=False) / "bin" / "llama-server"
+    return binary if binary.exists() else _llama_build("llama-server", shared=False) / "bin" / "llama-server"
+
+
+def llama_library_dir() -> Path:
+    """The directory of libllama.so and its ggml libraries built with this CPU's widest vector flags, for
+    llama-cpp-python to load instead of its own (LLAMA_CPP_LIB_PATH): the README's install builds that one for the
+    AVX2 baseline (it must run on every CPU here), which would understate llama.cpp on an AVX512 CPU."""
+    lib = _llama_tree(shared=True) / "bin"
+    return lib if (lib / "libllama.so").exists() else _llama_build("llama", shared=True) / "bin"
+
+
+def _llama_tree(shared: bool) -> Path:
+    from importlib import metadata
+
+    tag = "avx512" if "-DGGML_AVX512=ON" in llama_cpu_flags() else "avx2"
+    return CACHE / f"llama.cpp-{metadata.version('llama-cpp-python')}-{tag}{'-shared' if shared else ''}" / "build"
+
+
+def use_best_llama() -> str:
+    """Point llama-cpp-python (in this process and the fresh ones it starts) at llama_library_dir(); what it is."""
+    os.environ["LLAMA_CPP_LIB_PATH"] = str(llama_library_dir())
+    return " ".join(f for f in llama_cpu_flags() if f.startswith("-DGGML_AVX"))
 
 
 # -- transformers --------------------------------------------------------------------------------------
@@ -410,6 +436,7 @@ def main(a) -> None:
     results["files"] = {k: {"path": str(p), "bytes": p.stat().st_size} for k, p in files.items()}
     results["read_bandwidth"] = read_bandwidth(threads)
     if a.what in ("speed", "all"):
+        results["llama.cpp_flags"] = use_best_llama()
         speed = {}
         for k, p in files.items():
             rounds: dict[str, list] = {"llama.cpp": [], "deltaserve": []}

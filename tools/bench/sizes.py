@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from tools.bench.peers import _cpu_name, bench_ids, in_fresh_process, median
+from tools.bench.peers import _cpu_name, bench_ids, in_fresh_process, median, use_best_llama
 
 PP = 512
 
@@ -76,7 +76,7 @@ def main(a) -> None:
     shapes = ["0.8B"] if a.quick else ["0.8B", "9B"]
     tg = 8 if a.quick else 16
     results: dict = {"command": a.command_line, "threads": a.threads, "cpu": _cpu_name(), "pp": PP, "tg": tg,
-                     "date": time.strftime("%Y-%m-%d %H:%M"), "rows": []}
+                     "date": time.strftime("%Y-%m-%d %H:%M"), "rows": [], "llama.cpp_flags": use_best_llama()}
     for shape in shapes:
         for kind in ("q8_0", "Q4_K_M"):
             path = model_file(shape, kind)
@@ -99,7 +99,8 @@ def write_report(r: dict, out: Path) -> Path:
     lines = [f"# deltaserve bench sizes ({r['date']})", "", f"Command: `{r['command']}`  ",
              f"CPU: {r['cpu']}, {r['threads']} threads. Random weights of the real Qwen3.5 shapes; each engine in a "
              f"fresh process per file: load, a {r['pp']}-token prefill, {r['tg']} decoded tokens; peak RSS is that "
-             "process's VmHWM.", "",
+             f"process's VmHWM. llama.cpp: llama-cpp-python on a libllama built here with "
+             f"{r.get('llama.cpp_flags') or 'the installed flags'}.", "",
              "| shape | file | size | engine | load s | pp tok/s | tg tok/s | peak RSS | RSS / file | load / llama | "
              "pp / llama | tg / llama |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in r["rows"]:
