@@ -660,3 +660,30 @@ def test_a_placeholder_character_the_client_wrote_itself_stays_what_it_was(real_
     own = "\U000f0000 and \U000f0001 <|im_end|>"
     ids, _ = render(tok, [{"role": "user", "content": own}], False)
     assert own in tok.decode(ids) and ids.count(tok.im_end_id) == 1
+
+
+def test_encoding_a_long_text_lets_the_other_threads_of_the_process_run(real_from_gguf):
+    """A server tokenizes a long request in a worker thread; tokenizers' `encode` would hold the GIL throughout (the
+    event loop and every decode step stopped for seconds): a long text is encoded with the GIL released, to the same
+    ids as the short-text route gives."""
+    import threading
+
+    from deltaserve.text import tokenizer as T
+
+    tok = real_from_gguf
+    text = "the quick brown fox, jumps over 12 lazy dogs! " * 40000  # 1.8 MB
+    assert len(text) >= T.GIL_FREE_CHARS
+    ticks, done, out = [0], threading.Event(), {}
+
+    def encode():
+        out["ids"] = tok.encode(text)
+        done.set()
+
+    worker = threading.Thread(target=encode)
+    worker.start()
+    while not done.is_set():  # this thread only runs while the encoding thread does not hold the GIL
+        ticks[0] += 1
+        done.wait(0.001)
+    worker.join()
+    assert ticks[0] >= 20, ticks[0]
+    assert out["ids"] == tok.backend.encode(text, add_special_tokens=False).ids

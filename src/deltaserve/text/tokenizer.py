@@ -332,6 +332,18 @@ def bpe_model(vocab: dict[str, int] | None = None, merges: list[tuple[str, str]]
     return models.BPE(vocab=vocab, merges=merges or [], **kwargs)
 
 
+GIL_FREE_CHARS = 1 << 15  # texts at least this long are encoded with the GIL released
+
+
+def _encode(backend: _Backend, text: str) -> list[int]:
+    """`backend.encode(text)`'s ids. tokenizers' `encode` holds the GIL for the whole text (8.7 s for 4 MB here: every
+    other thread of the process, a server's event loop and its decode steps included, stops meanwhile); its
+    `encode_batch` releases it, so a long text goes through that (same ids)."""
+    if len(text) < GIL_FREE_CHARS:
+        return backend.encode(text, add_special_tokens=False).ids
+    return backend.encode_batch([text], add_special_tokens=False)[0].ids
+
+
 class Tokenizer:
     """A Qwen3.5-style byte-level BPE tokenizer with its chat template.
 
@@ -421,7 +433,7 @@ class Tokenizer:
         """Token ids of `text`: NFC-normalised, added tokens written in the text recognised, no BOS added.
         Text that is not Unicode (a lone surrogate, as JSON's "\\ud800" can carry) is refused by name."""
         try:
-            return self._backend.encode(text, add_special_tokens=False).ids
+            return _encode(self._backend, text)
         except TypeError:
             _check_unicode(text)
             raise
@@ -455,7 +467,7 @@ class Tokenizer:
                 return
             for mark, literal in literals.items():
                 piece = piece.replace(mark, literal)
-            ids.extend(self._literal_backend().encode(piece, add_special_tokens=False).ids)
+            ids.extend(_encode(self._literal_backend(), piece))
 
         for m in self._specials_re.finditer(text):
             segment(text[pos:m.start()])
