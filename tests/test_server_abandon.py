@@ -16,13 +16,17 @@ from tests.fixtures import models as fx
 from tests.server_proc import ServerProcess
 
 
-@pytest.fixture(scope="module")
-def endless_model():
+def endless_model_path():
     from tools.bench.randmodel import write_random_gguf
 
     out = fx.fixtures_dir() / "tiny-real-vocab-q8_0.gguf"
     with fx._locked(out):
         return write_random_gguf("tiny", out, "q8_0")
+
+
+@pytest.fixture(scope="module")
+def endless_model():
+    return endless_model_path()
 
 
 def slot_state(url: str) -> list[dict]:

@@ -91,10 +91,24 @@ def test_the_no_cuda_notice_is_kept_and_said_through_the_python_api(hybrid_model
     assert "no CUDA device visible" in capsys.readouterr().err
 
 
-def test_a_4_mb_request_stalls_neither_a_running_stream_nor_health(server):
+@pytest.fixture(scope="module")
+def real_vocab_server():
+    """A server of a random model under the real 248,320-token vocabulary: a 4 MB prompt in it is really tokenized
+    (its longest token is too long for the cheap lower bound on the token count to refuse the text unread)."""
+    from tests.test_server_abandon import endless_model_path
+
+    s = ServerProcess(endless_model_path(), "--slots", "1", "--threads", "1")
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize("which", ["server", "real_vocab_server"])
+def test_a_4_mb_request_stalls_neither_a_running_stream_nor_health(which, request):
     import json as _json
     import threading
     import time
+
+    server = request.getfixturevalue(which)
 
     big = {"messages": [{"role": "user", "content": "word " * (4 * 1024 * 1024 // 5 - 100)}], "max_tokens": 4}
     raw = _json.dumps(big).encode()
@@ -136,6 +150,8 @@ def test_a_4_mb_request_stalls_neither_a_running_stream_nor_health(server):
     stop.set()
     t.join(120)
     assert gaps and streams[0] >= 1
+    print(f"{which}: /health worst {max(health):.3f} s, median {sorted(health)[len(health) // 2]:.3f} s; stream gap "
+          f"worst {max(gaps):.3f} s over {len(gaps)} gaps")
     # the defect stalled both for 4-8 s; a bound of 0.5 s (the issue asks 0.2, met on a quiet machine) tells it apart on a loaded two-core machine too
     assert max(health) < 0.5, f"/health took {max(health):.3f} s at worst"
     assert max(gaps) < 0.5, f"the stream paused {max(gaps):.3f} s at worst"
