@@ -33,7 +33,9 @@ def hybrid_gguf() -> Path:
 def hybrid_model(hybrid_gguf):
     import deltaserve
 
-    return deltaserve.load(hybrid_gguf)
+    from tests.server_proc import TEST_DEVICE
+
+    return deltaserve.load(hybrid_gguf, device=TEST_DEVICE)
 
 
 @pytest.fixture(scope="session")

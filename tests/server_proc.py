@@ -18,13 +18,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# the device of the test servers and of the shared fixture model: the CPU, unless a GPU run asks for another
+# (scripts/gpu_check.sh sets DELTASERVE_TEST_DEVICE=cuda); a test's own --device comes later on the command line and wins
+TEST_DEVICE = os.environ.get("DELTASERVE_TEST_DEVICE", "cpu")
+
+
 class ServerProcess:
     def __init__(self, model: Path, *args: str, env: dict | None = None, preexec_fn=None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = Path(os.environ.get("TMPDIR", "/tmp")) / f"deltaserve-{self.port}.log"
         cmd = [sys.executable, "-m", "deltaserve.frontends.cli", "serve", str(model), "--port", str(self.port),
-               "--device", "cpu", *args]
+               "--device", TEST_DEVICE, *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(self.log, "w"),
                                      env=dict(os.environ, **(env or {})), preexec_fn=preexec_fn)
         deadline = time.time() + 120

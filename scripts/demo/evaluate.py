@@ -134,17 +134,75 @@ def frac(v: list[int]) -> float:
     return sum(v) / len(v) if v else float("nan")
 
 
-def evaluate(path, json_out: Path | None = None, verbose: bool = True) -> dict:
-    import deltaserve
+RECALL_CHUNKS = 3  # with --jobs: the recall conversations (each on its own session) split over this many processes
 
+
+def thin(items: list, limit: int | None) -> list:
+    """Every k-th item, about `limit` of them (all kinds kept): a quick pipeline check, not a score."""
+    return items if not limit or limit >= len(items) else items[::-(-len(items) // limit)]
+
+
+def run_part(path, part: str, model=None, limit: int | None = None):
+    """One part of the evaluation: "single", "recall" or "recall:I/N" (the I-th of N contiguous chunks of the
+    conversations), "auto" or "tools"."""
+    if model is None:
+        import deltaserve
+
+        model = deltaserve.load(path)
+    if part == "single":
+        return run_single(model, thin(eval_sets()[0], limit))
+    if part.startswith("recall"):
+        convs = thin(eval_sets()[1], limit)
+        if ":" in part:
+            i, n = (int(x) for x in part.split(":")[1].split("/"))
+            convs = convs[i * len(convs) // n:(i + 1) * len(convs) // n]
+        return run_recall(model, convs)
+    if part == "auto":
+        return run_single(model, thin(C.single_turn_eval(AUTO_SEED, AUTO_PER_KIND), limit), thinking=None)
+    if part == "tools":
+        return run_tools(model, thin(C.tool_eval(TOOL_SEED, TOOL_PER_KIND), limit))
+    raise ValueError(part)
+
+
+def _run_part_job(a):
+    return run_part(*a)
+
+
+def run_parts(path, jobs: int = 1, limit: int | None = None) -> dict:
+    """Every part; with jobs > 1 in that many forked processes (each its own model; every part has its own
+    sessions, so the answers are those of one process)."""
+    if jobs <= 1:
+        import deltaserve
+
+        model = deltaserve.load(path)
+        return {p: run_part(path, p, model, limit) for p in ("single", "recall", "auto", "tools")}
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    parts = ["tools"] + [f"recall:{i}/{RECALL_CHUNKS}" for i in range(RECALL_CHUNKS)] + ["single", "auto"]
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("fork")) as ex:
+        got = dict(zip(parts, ex.map(_run_part_job, [(str(path), p, None, limit) for p in parts])))
+    scored, all_kinds, reused_ok, failures = [], {}, True, []
+    for i in range(RECALL_CHUNKS):  # in order: as one run over the conversations
+        sc, ak, ro, fl = got[f"recall:{i}/{RECALL_CHUNKS}"]
+        scored += sc
+        for k, v in ak.items():
+            all_kinds.setdefault(k, []).extend(v)
+        reused_ok = reused_ok and ro
+        failures += fl
+    return {"single": got["single"], "recall": (scored, all_kinds, reused_ok, failures), "auto": got["auto"],
+            "tools": got["tools"]}
+
+
+def evaluate(path, json_out: Path | None = None, verbose: bool = True, jobs: int = 1,
+             limit: int | None = None) -> dict:
     t0 = time.time()
-    model = deltaserve.load(path)
-    single, recall = eval_sets()
-    by_kind, f1 = run_single(model, single)
-    scored, all_kinds, reused_ok, f2 = run_recall(model, recall)
-    auto_items = C.single_turn_eval(AUTO_SEED, AUTO_PER_KIND)
-    auto_by_kind, f3 = run_single(model, auto_items, thinking=None)
-    tool_calls, tool_answers, f4 = run_tools(model, C.tool_eval(TOOL_SEED, TOOL_PER_KIND))
+    parts = run_parts(path, jobs, limit)
+    recall = thin(eval_sets()[1], limit)
+    by_kind, f1 = parts["single"]
+    scored, all_kinds, reused_ok, f2 = parts["recall"]
+    auto_by_kind, f3 = parts["auto"]
+    tool_calls, tool_answers, f4 = parts["tools"]
     flat = [x for v in by_kind.values() for x in v]
     res = {
         "model": str(path),
@@ -164,6 +222,7 @@ def evaluate(path, json_out: Path | None = None, verbose: bool = True) -> dict:
                                            "by_kind": {k: {"accuracy": frac(v), "n": len(v)}
                                                        for k, v in tool_answers.items()}}},
         "wall_s": time.time() - t0,
+        **({"limit": limit, "note": "a quick check on a subset (--limit): not comparable scores"} if limit else {}),
         "failures": (f1 + f2 + [dict(x, mode="think-auto") for x in f3] + f4)[:200],
     }
     if verbose:
@@ -190,8 +249,11 @@ def main() -> int:
     ap.add_argument("model", nargs="?", default=str(ROOT / "src" / "deltaserve" / "data" / "demo-qwen35.gguf"))
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--failures", type=int, default=10, help="print this many failures")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="run the sets in this many processes (one thread each; the same answers)")
+    ap.add_argument("--limit", type=int, default=None, help="about this many items per set (a pipeline check)")
     a = ap.parse_args()
-    res = evaluate(a.model, a.json)
+    res = evaluate(a.model, a.json, jobs=a.jobs, limit=a.limit)
     for f in res["failures"][:a.failures]:
         print("  FAIL", json.dumps(f, ensure_ascii=False))
     return 0

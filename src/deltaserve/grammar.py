@@ -193,6 +193,35 @@ class Constraint:
         return not bool(allowed.any())
 
 
+# A string parameter of the Qwen3.5 call format is raw text up to "\n</parameter>": with nothing else to stop it, a
+# model made to call a function it would not call (tool_choice required on "Hello!") wrote "You're welcome!</tool_call>"
+# into the value and went on until max_tokens, no call parsed. A top-level string parameter of the grammar may hold
+# "<", but not "</": the value ends where the model closes a tag (what the parser cannot read anyway).
+NO_CLOSING_TAG = "^([^<]|<[^/])*$"
+STRING_RULES = {"pattern", "enum", "const", "format", "maxLength", "minLength"}  # xgrammar keeps one rule a string
+
+
+def _bounded_text(schema: Any) -> Any:
+    """A tool (OpenAI form) or a parameters schema with NO_CLOSING_TAG on each top-level string parameter that has
+    no rule of its own (STRING_RULES: a maxLength already bounds it, and xgrammar would drop it beside a pattern);
+    the grammar's copy: the parser types arguments by the original."""
+    if not isinstance(schema, dict):
+        return schema
+    if schema.get("type") == "function" and isinstance(schema.get("function"), dict):
+        fn = dict(schema["function"])
+        fn["parameters"] = _bounded_text(fn.get("parameters"))
+        return {**schema, "function": fn}
+    props = schema.get("properties")
+    if not isinstance(props, dict):
+        return schema
+    bounded = {}
+    for name, p in props.items():
+        if isinstance(p, dict) and p.get("type") == "string" and not STRING_RULES & set(p):
+            p = {**p, "pattern": NO_CLOSING_TAG}
+        bounded[name] = p
+    return {**schema, "properties": bounded}
+
+
 class GrammarEngine:
     """The grammar engine for one tokenizer (xgrammar's tokenizer info and compiler, built once) and its LRU of
     compiled formats."""
@@ -248,7 +277,7 @@ class GrammarEngine:
         tools = normalize_tools(tools)
         if choice.name is not None:
             tools = tuple(t for t in tools if t.name == choice.name)
-        offered = [t.openai() for t in tools]
+        offered = [_bounded_text(t.openai()) for t in tools]
         xgr_choice = ({"type": "function", "function": {"name": choice.name}} if choice.name is not None
                       else choice.mode)
         key = json.dumps({"tools": offered, "choice": xgr_choice, "parallel": choice.parallel}, sort_keys=True,
@@ -267,7 +296,7 @@ class GrammarEngine:
                 # calls and nothing else: xgrammar's own "required" tag lets text run between calls (random
                 # weights wandered there until max_tokens), so the calls are its tags, one newline apart
                 tags = [TagFormat(begin=f"<tool_call>\n<function={t.name}>\n",
-                                  content=JSONSchemaFormat(json_schema=t.parameters, style="qwen_xml",
+                                  content=JSONSchemaFormat(json_schema=_bounded_text(t.parameters), style="qwen_xml",
                                                            max_whitespace_cnt=1),
                                   end="\n</function>\n</tool_call>") for t in tools]
                 fmt = tags[0] if choice.name is not None else TagsWithSeparatorFormat(
