@@ -81,21 +81,23 @@ def test_every_block_type_dequantizes_bit_for_bit_as_gguf_does(kind):
 
 
 @pytest.mark.parametrize("kind", TYPES)
-def test_a_product_on_the_blocks_is_the_arithmetic_llama_cpp_does_and_each_row_is_its_own(kind):
-    rows, cols = 67, 768  # rows not a multiple of anything; three K-quant blocks a row
-    raw = torch.from_numpy(random_blocks(kind, rows, cols, seed=3 + len(kind)))
+@pytest.mark.parametrize("shape", ["long", "short"])
+def test_a_product_on_the_blocks_is_the_arithmetic_llama_cpp_does_and_each_row_is_its_own(kind, shape):
+    # rows not a multiple of anything; three K-quant blocks a row, or one; the blocks of 32 in runs of 8 and a rest
+    rows, cols = (67, 768) if shape == "long" else (13, 416 if kind in ("Q8_0", "Q4_0") else 256)
+    raw = torch.from_numpy(random_blocks(kind, rows, cols, seed=3 + len(kind) + (shape == "short")))
     lin = L.BlockLinear([(kind, raw)], cols)
     w = lin.dense().double()
     g = torch.Generator().manual_seed(9)
-    for m in (1, 3, 8, 16):
+    for m in (1, 2, 3, 8, 16):  # the decode's one and two rows a tile, more rows two at a time or four
         x = torch.randn(m, cols, generator=g)
         x[0, 7] = 25.0  # an outlier coarsens its own block only
         y = lin(x)
         assert lin.path(m) == ("blocks" if native.portable()[0] else "chunks")
         claimed = quantized_activations(x, kind) @ w.t() if lin.path(m) == "blocks" else x.double() @ w.t()
         assert ((y - claimed).norm(dim=1) / claimed.norm(dim=1)).max().item() < 1e-5, (kind, m)
-        exact = x.double() @ w.t()
-        assert ((y - exact).norm(dim=1) / exact.norm(dim=1)).max().item() < 0.03, (kind, m)
+        exact = x.double() @ w.t()  # (one K-quant block a row: the outlier coarsens all of it)
+        assert ((y - exact).norm(dim=1) / exact.norm(dim=1)).max().item() < (0.03 if shape == "long" else 0.1), (kind, m)
         if lin.path(1) == "blocks":  # torch's GEMM may take another kernel for one row; blocks.c never does
             for i in range(m):
                 assert torch.equal(lin(x[i:i + 1])[0], y[i]), (kind, m, i)
@@ -186,7 +188,8 @@ def test_the_route_line_says_the_products_run_on_the_files_own_blocks_and_on_whi
     m = blocks_model(fx.gguf_path("hybrid", "q8_0"))
     line = m.session().notices[-1]
     if native.portable()[0]:
-        assert "products on the file's own blocks: up to 16 rows on the native kernel (AVX2" in line, line
+        isa = "AVX512-VNNI" if native.has("ds_blocks_vnni") else "AVX2"
+        assert f"products on the file's own blocks: up to 16 rows on the native kernel ({isa}" in line, line
     else:
         assert "dequantized in chunks for torch's f32 GEMM" in line, line
 

@@ -1,7 +1,9 @@
 """The native DeltaNet kernels and the one-call decode follow the torch versions (engine/layers.py, the torch decode).
 
-They run wherever the library holds the kernel (`native.has`): native.c's on an AVX512-VNNI CPU, native_avx2.c's on
-an AVX2 one (an AMD EPYC Zen 3), so the same tests cover both.
+They run wherever the library holds the kernel (`native.has`): the prefill's delta rule and conv are native.c's on an
+AVX512-VNNI CPU and native_avx2.c's on an AVX2 one (an AMD EPYC Zen 3), so the same tests cover both; the decode's
+DeltaNet step and the one-call decode on the file's own blocks are native_avx2.c's on both (with blocks.c's
+products, their AVX512-VNNI versions where the CPU has them).
 """
 
 from __future__ import annotations
@@ -102,7 +104,7 @@ def test_the_native_deltanet_step_follows_the_torch_step_on_either_head_order(or
         assert torch.allclose(conv_ours, conv_torch) and torch.allclose(ssm_ours, ssm_torch, atol=1e-5, rtol=1e-4)
 
 
-# ---- the one-call decode on the file's own blocks (native_avx2.c; native.c takes int8 tables instead) ------------
+# ---- the one-call decode on the file's own blocks (blocks.c's products; int8 tables: test_fast_weights) ------------
 
 def blocks_everywhere(m, mixed: bool):
     """A loaded float model's weights with every projection and the head as the file's own blocks would be: Q8_0
@@ -179,8 +181,6 @@ def test_the_one_call_decode_on_the_files_blocks_follows_the_torch_decode_on_eit
         source, mixed, monkeypatch):
     """The envelope of test_fast_weights' int8-table version: both routes run blocks.c's products on the same
     blocks, so they differ only where an activation sits within float noise of a rounding tie."""
-    if native.status()[0]:
-        pytest.skip("native.c's one-call decode takes int8 tables (test_fast_weights compares it)")
     need("ds_decode_tokens")
     import deltaserve
     from deltaserve.engine.forward import Forward
@@ -204,20 +204,27 @@ def test_the_one_call_decode_on_the_files_blocks_follows_the_torch_decode_on_eit
 
 
 def test_the_one_call_decode_on_blocks_says_why_it_does_not_take_a_projection():
-    if native.status()[0] or not native.has("ds_decode_tokens"):
-        pytest.skip("the AVX2 one-call decode's route (native.c takes int8 tables)")
+    need("ds_decode_tokens")
     import deltaserve
     from deltaserve.engine.forward import Forward
-    from deltaserve.kernels.linear import Int8Linear
+    from deltaserve.kernels.linear import DenseLinear, Int8Linear
     from tests.fixtures import models as fx
 
     m = deltaserve.load(fx.gguf_path("hybrid", "f32"), cache=False)
     w = blocks_everywhere(m, mixed=False)
     assert Forward(m.config, w).token_program()[0] is not None
-    w.layers[1].down = Int8Linear.from_float(w.layers[1].down.dense())  # an int8 table: native.c's only
+    down = w.layers[1].down
+    w.layers[1].down = DenseLinear(down.dense().bfloat16())  # no product of the one call reads bf16 rows
     program, why = Forward(m.config, w).token_program()
     assert program is None and why == ("decode through torch ops (native token decode not used: "
-                                       "a int8 projection is not the file's own blocks)"), why
+                                       "a bfloat16 projection is not the file's own blocks)"), why
+    w.layers[1].down = Int8Linear.from_float(down.dense())  # an int8 table: native.c's products, where they run
+    program, why = Forward(m.config, w).token_program()
+    if native.status()[0]:
+        assert program is not None, why
+    else:
+        assert program is None and why.startswith("decode through torch ops (native token decode not used: an int8 "
+                                                   "table (native.c's kernels do not run here: "), why
 
 
 def test_on_a_trained_q4_k_m_file_the_one_call_decode_on_its_blocks_is_the_torch_decode_to_float_noise():
@@ -225,16 +232,16 @@ def test_on_a_trained_q4_k_m_file_the_one_call_decode_on_its_blocks_is_the_torch
     scales are f32 (amax / 127: no f16 rounding to absorb float noise, as Q8_0's has), so the two routes differ by
     more than ties alone; measured: mean |one call - torch| 4.3e-3 where the file's own error (torch decode against
     the f32 model) is 0.099, and the same argmax at every position."""
-    if native.status()[0]:
-        pytest.skip("native.c's one-call decode takes int8 tables (test_fast_weights compares it)")
     need("ds_decode_tokens")
     import deltaserve
     from deltaserve.demo import DEMO_FILE
     from deltaserve.engine.forward import Forward
+    from deltaserve.kernels.linear import BlockLinear
     from tests.test_fast_weights import demo_by_llama_cpp
 
-    m = deltaserve.load(demo_by_llama_cpp("Q4_K_M", "q4_k_m"), cache=False)
+    m = deltaserve.load(demo_by_llama_cpp("Q4_K_M", "q4_k_m"), weights="blocks", cache=False)
     assert {getattr(lw.gate_up.fused, "block_kind", None) for lw in m.host.weights.layers} >= {"Q4_K"}
+    assert isinstance(m.host.weights.lm_head, BlockLinear)
     ref = deltaserve.load(DEMO_FILE, weights="exact", cache=False)
     ids = ref.tokenizer.encode("<|im_start|>user\nMy locker code is 4821. What is 12 + 9?<|im_end|>\n"
                                "<|im_start|>assistant\n21.<|im_end|>\n")

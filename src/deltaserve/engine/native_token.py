@@ -1,4 +1,4 @@
-"""One decoded token in one native call (`ds_decode_tokens`: native.c on AVX512-VNNI CPUs, native_avx2.c on AVX2 ones).
+"""One decoded token in one native call (`ds_decode_tokens`, native_avx2.c: on every CPU with AVX2).
 
 The torch decode runs ~25 operations per layer, each a Python call and a dispatch; at 24 layers that is
 several milliseconds a token around ~13 ms of products. `TokenProgram` describes a model's layers once (the
@@ -6,13 +6,13 @@ pointers to its norms, tables or quantized blocks, its shapes) as the C structs 
 token with one call: one OpenMP team for the whole token, the products and per-head steps shared among its
 threads. The math is layers.py's; tests compare it with the torch decode and with llama.cpp.
 
-Two routes, by what the CPU runs:
-- native.c (AVX512-VNNI, `native.status()`): every product an int8 table or Q4_K/Q6_K blocks kept beside it (a
-  Q8_0, Q4_0 or K-quant file loaded as int8 tables);
-- native_avx2.c (AVX2, where only `native.has("ds_decode_tokens")`): every product the file's own blocks (a model
-  loaded as `BlockLinear`s: Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, and F16/BF16 where blocks.c multiplies them; a stack may
-  mix types, and an F32 part of a stack is multiplied as it is), with blocks.c's products (activations quantized
-  as llama.cpp does, the same as the torch decode's products on those blocks).
+Each projection's segments say whose products read them, by what the model holds:
+- the file's own blocks (a model loaded as `BlockLinear`s: Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, and F16/BF16 where
+  blocks.c multiplies them; a stack may mix types, and an F32 part of a stack is multiplied as it is): blocks.c's
+  products (activations quantized as llama.cpp does, the same as the torch decode's products on those blocks),
+  on any CPU;
+- int8 tables (`Int8Linear`s, weights="tables"), with the Q4_K/Q6_K blocks kept beside them: native.c's products,
+  where its AVX512-VNNI kernels run (`native.status()`).
 Either needs a state with f32 caches; anything else keeps the torch decode, and `why_not` says why.
 """
 
@@ -44,14 +44,19 @@ def _vector(t: torch.Tensor, keep: list) -> int:
     return t.data_ptr()
 
 
-def _linear(layer, keep: list) -> Lin:
-    """A linear (an Int8Linear, or a stack fused into one) as segments of int8 table or Q4_K/Q6_K blocks (native.c)."""
-    table = getattr(layer, "fused", None) if isinstance(layer, lin.StackedLinear) else layer
-    if not isinstance(table, lin.Int8Linear) or table.q.device.type != "cpu":
-        raise NotNative(f"a {layer.kind} projection is not an int8 table or quantized blocks")
+def _table_linear(table: "lin.Int8Linear", keep: list) -> Lin:
+    """An int8 table as native.c's segments: the table (DS_I8), or the Q4_K/Q6_K blocks kept beside it (one row
+    reads the file's own blocks, as Int8Linear does at BLOCK_ROWS)."""
+    ok, why = native.status()
+    if not ok:
+        raise NotNative(f"an int8 table (native.c's kernels do not run here: {why})")
+    if lin.activations() != "int8":
+        raise NotNative(f"DELTASERVE_ACTIVATIONS={lin.activations()}")
+    if table.q.device.type != "cpu":
+        raise NotNative(f"an int8 table on {table.q.device}")
     out = Lin()
     out.K = table.in_features
-    if table.blocks:  # one row reads the file's own blocks (as Int8Linear does at BLOCK_ROWS)
+    if table.blocks:
         if len(table.blocks) > MAX_SEGMENTS or out.K % 256:
             raise NotNative(f"{len(table.blocks)} block segments of inner size {out.K}")
         for j, (kind, data) in enumerate(table.blocks):
@@ -61,13 +66,13 @@ def _linear(layer, keep: list) -> Lin:
     else:
         if out.K % 32:
             raise NotNative(f"an int8 table of inner size {out.K} (not a multiple of 32)")
-        out.seg[0] = Seg(0, table.out_features, table.q.data_ptr(), table.scale.data_ptr())
+        out.seg[0] = Seg(native.CONSTANTS["DS_I8"], table.out_features, table.q.data_ptr(), table.scale.data_ptr())
         out.nseg = 1
         keep.extend([table.q, table.scale])
     return out
 
 
-# GGUF block types native_avx2.c's decode reads (through blocks.c): id -> (values, bytes) per block
+# GGUF block types the one-call decode reads through blocks.c: id -> (values, bytes) per block
 FILE_BLOCKS = {1: (1, 2), 2: (32, 18), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210), 30: (1, 2)}
 
 
@@ -99,7 +104,7 @@ def _file_segments(layer, in_features: int, in_stack: bool) -> list[tuple[int, t
 
 
 def _file_linear(layer, keep: list) -> Lin:
-    """A BlockLinear (or a stack of them) as native_avx2.c's segments: one per stored tensor, typed by GGUF id."""
+    """A BlockLinear (or a stack of them) as segments for blocks.c: one per stored tensor, typed by GGUF id."""
     segments = _file_segments(layer, layer.in_features, False)
     if len(segments) > MAX_SEGMENTS:
         raise NotNative(f"a stack of {len(segments)} tensors (at most {MAX_SEGMENTS})")
@@ -111,25 +116,24 @@ def _file_linear(layer, keep: list) -> Lin:
     return out
 
 
+def _linear(layer, keep: list) -> Lin:
+    """A projection as native.h's lin_t: an int8 table's segments (native.c), or the file's own blocks'."""
+    table = layer.fused if isinstance(layer, lin.StackedLinear) else layer
+    if isinstance(table, lin.Int8Linear):
+        return _table_linear(table, keep)
+    return _file_linear(layer, keep)
+
+
 class TokenProgram:
     """A model's layers as native.h's structs, for `decode`. Build with `TokenProgram.build` (None + why
     where the model does not qualify)."""
 
     def __init__(self, config: HybridConfig, weights: Weights):
         c = config
-        ok, why = native.status()
-        if ok:  # native.c: int8 tables (and the Q4_K/Q6_K blocks kept beside them)
-            if lin.activations() != "int8":
-                raise NotNative(f"DELTASERVE_ACTIVATIONS={lin.activations()}")
-            if c.head_dim % 16:
-                raise NotNative(f"head dim {c.head_dim} is not a multiple of 16")
-            _lin = _linear
-        elif native.has("ds_decode_tokens"):  # native_avx2.c: the file's own blocks
-            if c.head_dim % 8:
-                raise NotNative(f"head dim {c.head_dim} is not a multiple of 8")
-            _lin = _file_linear
-        else:
-            raise NotNative(why)
+        if not native.has("ds_decode_tokens"):
+            raise NotNative(native.portable()[1])
+        if c.head_dim % 8:
+            raise NotNative(f"head dim {c.head_dim} is not a multiple of 8")
         self.keep: list = []
         self.config = config
         self.weights = weights
@@ -137,15 +141,15 @@ class TokenProgram:
         for i, lw in enumerate(weights.layers):
             L = layers[i]
             L.attn_norm, L.post_norm = _vector(lw.attn_norm, self.keep), _vector(lw.post_norm, self.keep)
-            L.gate_up, L.down = _lin(lw.gate_up, self.keep), _lin(lw.down, self.keep)
+            L.gate_up, L.down = _linear(lw.gate_up, self.keep), _linear(lw.down, self.keep)
             mx = lw.mixer
             if isinstance(mx, AttentionWeights):
                 L.attention = 1
-                L.mix_in, L.mix_out = _lin(mx.qkv, self.keep), _lin(mx.o, self.keep)
+                L.mix_in, L.mix_out = _linear(mx.qkv, self.keep), _linear(mx.o, self.keep)
                 L.q_norm, L.k_norm = _vector(mx.q_norm, self.keep), _vector(mx.k_norm, self.keep)
             else:
                 L.attention = 0
-                L.mix_in, L.mix_out = _lin(mx.in_proj, self.keep), _lin(mx.out, self.keep)
+                L.mix_in, L.mix_out = _linear(mx.in_proj, self.keep), _linear(mx.out, self.keep)
                 L.conv_w, L.a_neg = _vector(mx.conv, self.keep), _vector(mx.a_neg, self.keep)
                 L.dt_bias, L.norm_w = _vector(mx.dt_bias, self.keep), _vector(mx.norm, self.keep)
         m = Model()
@@ -156,7 +160,7 @@ class TokenProgram:
         m.nh, m.nkv, m.hd, m.rotary = c.num_attention_heads, c.num_kv_heads, c.head_dim, c.rotary_dim
         m.eps, m.theta = float(c.rms_norm_eps), float(c.rope_theta)
         m.final_norm = _vector(weights.final_norm, self.keep)
-        m.head = _lin(weights.lm_head, self.keep)
+        m.head = _linear(weights.lm_head, self.keep)
         m.layers = layers
         self.layers, self.model = layers, m
         self.lib = native.library()

@@ -13,11 +13,16 @@
  *   f16 scale; blocks of 256 with an f32 scale and sums of 16 for the K-quants), each block's integer dot
  *   product exact in int32, scaled once per block. For a Q8_0 file the only rounding is the activations'.
  *   Each thread takes a run of output rows; a row's blocks are read once from memory and then from L1 for
- *   every group of four activation rows.
+ *   every group of activation rows.
  *
  * AVX2 has no unsigned-by-signed byte dot product with 32-bit sums (VNNI), so a block goes through vpmaddubsw
  * (u8 x s8 -> s16 pairs) and vpmaddwd (s16 pairs -> s32): an int8 weight w is made unsigned by the sign trick,
- * |w| times sign(w) * a (no pair can overflow: 2 * 128 * 127 < 32768).
+ * |w| times sign(w) * a (no pair can overflow: 2 * 128 * 127 < 32768). Where the CPU has AVX512-VNNI (BLK_VNNI),
+ * vpdpbusd (u8 x s8, four products summed into each int32 lane) and vpdpwssd (s16 pairs times s16 into int32) do
+ * it in one instruction each, and every product of blocks of 32 or 256 runs on 512-bit tiles of four rows (see
+ * tile_q32, tile_q45k, tile_q6k): the same exact integer sum of each block as the AVX2 products, scaled by the
+ * same f32 factors; only the order in which the f32 terms are added differs (blocks in pairs and lanes, rows
+ * alike whatever M is, so a row's result never depends on the rows beside it).
  */
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -38,6 +43,11 @@
 #define T_Q6_K 14
 #define T_BF16 30
 #define MG 4  /* activation rows per pass over a weight row */
+
+/* AVX512-VNNI, with AVX512BW and AVX512VL (the 256-bit forms of the tails): the 512-bit products below */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define BLK_VNNI 1
+#endif
 
 static inline float h2f(const uint8_t *p) {
     uint16_t h;
@@ -176,18 +186,29 @@ static inline float amax32(const float *x) {
     return hmax8(m);
 }
 
-/* Q8_0 blocks of 32: q int8 [K], d [K/32] (the f16-rounded scale, as the block would store it). */
-static void quant_q8_0(const float *x, int K, int8_t *q, float *d) {
+/* Q8_0 blocks of 32: q int8 [K], d [K/32] (the f16-rounded scale, as the block would store it); with VNNI also
+ * c [K/4]: -128 times the sum of each 4 values (the decode tile multiplies w + 128 by them, see tile_q32). */
+static void quant_q8_0(const float *x, int K, int8_t *q, float *d, int32_t *c) {
     for (int b = 0; b < K; b += 32) {
         float amax = amax32(x + b);
         float dd = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        _mm256_storeu_si256((__m256i *)(q + b), round32(x + b, id));
+        __m256i v = round32(x + b, id);
+        _mm256_storeu_si256((__m256i *)(q + b), v);
         d[b / 32] = _cvtsh_ss(_cvtss_sh(dd, 0));
+#ifdef BLK_VNNI
+        __m256i s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8((char)0x80), v);
+        _mm256_storeu_si256((__m256i *)(c + b / 4), _mm256_sub_epi32(_mm256_setzero_si256(), s));
+#else
+        (void)c;
+#endif
     }
 }
 
-/* blocks of 256 (llama.cpp's Q8_K): q int8 [K], d [K/256] f32, bs [K/16] sums of 16 quantized values. */
-static void quant_q8_k(const float *x, int K, int8_t *q, float *d, int16_t *bs) {
+/* blocks of 256 (llama.cpp's Q8_K): q int8 [K], d [K/256] f32, bs [K/16] sums of 16 quantized values; with
+ * BLK_VNNI also qp [K]: the values with the sub-blocks of 32 of each block in the order the Q4_K/Q5_K decode tile
+ * reads them (Q45_ORDER). */
+#define Q45_ORDER {0, 2, 1, 3, 4, 6, 5, 7}
+static void quant_q8_k(const float *x, int K, int8_t *q, float *d, int16_t *bs, int8_t *qp) {
     for (int b = 0; b < K; b += 256) {
         float amax = 0.0f;
         for (int i = 0; i < 256; i += 32) { float a = amax32(x + b + i); if (a > amax) amax = a; }
@@ -199,6 +220,12 @@ static void quant_q8_k(const float *x, int K, int8_t *q, float *d, int16_t *bs) 
             for (int j = 0; j < 16; j++) s += q[b + i + j];
             bs[(b + i) / 16] = (int16_t)s;
         }
+#ifdef BLK_VNNI
+        static const int order[8] = Q45_ORDER;
+        for (int i = 0; i < 8; i++) memcpy(qp + b + 32 * i, q + b + 32 * order[i], 32);
+#else
+        (void)qp;
+#endif
     }
 }
 
@@ -206,14 +233,21 @@ typedef struct {
     const int8_t *q;
     const float *d;
     const int16_t *bs;
-    const float *x;  /* the f32 row itself (F16/BF16 weights multiply it as it is) */
+    const float *x;    /* the f32 row itself (F16/BF16 weights multiply it as it is) */
+    const int32_t *c;  /* BLK_VNNI, blocks of 32: -128 * the sum of each 4 values */
+    const int8_t *qp;  /* BLK_VNNI, blocks of 256: the values in Q45_ORDER */
 } act_t;
 
 /* ---- one weight row against up to MG activation rows -------------------------------------------------- */
 
-static inline __m256i dot_i8(__m256i aw, __m256i w, __m256i a) {  /* 8 int32 partial sums of w . a */
+static inline __m256i dot_i8(__m256i aw, __m256i w, __m256i a) {  /* 8 int32 partial sums of w . a (aw = |w|) */
+#ifdef BLK_VNNI
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, _mm256_sign_epi8(a, w));
+#else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(a, w)), _mm256_set1_epi16(1));
+#endif
 }
+
 
 /* Q8_0 and Q4_0: int8 weights of a block of 32 and the block's scale. */
 static inline __m256i load_q8_0(const uint8_t *b, float *d) {
@@ -245,6 +279,7 @@ static void row_q32(int type, const uint8_t *row, int K, const act_t *a, int M, 
     for (int m = 0; m < M; m++) out[m] = blk_hsum8(acc[m]);
 }
 
+#ifndef BLK_VNNI
 /* Four rows at once against M <= 2 activation rows: four independent accumulation chains (one row alone waits
  * on its own fmadd's latency every block: 2.5 weights a cycle here, against ~8 with four). out[r * 2 + m]. */
 static void rows4_q32(int type, const uint8_t *row0, size_t row_bytes, int K, const act_t *a, int M, float *out) {
@@ -268,21 +303,23 @@ static void rows4_q32(int type, const uint8_t *row0, size_t row_bytes, int K, co
     for (int r = 0; r < 4; r++)
         for (int m = 0; m < M; m++) out[r * 2 + m] = blk_hsum8(acc[r][m]);
 }
+#endif
 
-/* A Q4_K/Q5_K block's 8 six-bit scales (bytes 0..7) and 8 mins (bytes 8..15), unpacked with 32-bit operations
- * (k_scales' byte by byte version cost ~40 scalar operations a block, a third of the decode product's). */
+/* A Q4_K/Q5_K block's 8 six-bit scales (bytes 0..7) and 8 mins (bytes 8..15) from its 12 scale bytes at s (the
+ * 16 bytes from s are read: the block goes on), unpacked in one vector: with u0, u1, u2 the three 32-bit words,
+ * scales 0-3 = u0 & 0x3f.., mins 0-3 = u1 & 0x3f.., scales 4-7 = (u2 & 0x0f..) | ((u0 >> 6) & 0x03..) << 4,
+ * mins 4-7 = ((u2 >> 4) & 0x0f..) | ((u1 >> 6) & 0x03..) << 4 (k_scales' byte by byte version cost ~40 scalar
+ * operations a block, a third of the decode product's). */
 static inline __m128i k_scales_vec(const uint8_t *s) {
-    uint32_t u[4];
-    memcpy(u, s, 12);
-    const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
-    u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
-    uint32_t mins_lo = u[1] & k1;
-    u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
-    u[2] = mins_lo;
-    u[0] &= k1;
-    return _mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]);
+    __m128i v = _mm_loadu_si128((const __m128i *)s);
+    __m128i lo = _mm_and_si128(v, _mm_set1_epi8(0x3F));                     /* [scales 0-3, mins 0-3, ..] */
+    __m128i t = _mm_srlv_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 2, 2)), _mm_setr_epi32(0, 4, 6, 6));
+    t = _mm_and_si128(t, _mm_setr_epi32(0x0F0F0F0F, 0x0F0F0F0F, 0x03030303, 0x03030303));
+    __m128i hi = _mm_or_si128(t, _mm_slli_epi32(_mm_srli_si128(t, 8), 4));  /* [scales 4-7, mins 4-7, ..] */
+    return _mm_unpacklo_epi32(lo, hi);
 }
 
+#ifndef BLK_VNNI  /* (the 512-bit decode tiles below take every M there) */
 /* Q4_K / Q5_K: v = d sc q - dmin m per sub-block of 32 (q 0..15, or 0..31 with the fifth bit of qh). */
 static void row_q45k(int type, const uint8_t *row, int K, const act_t *a, int M, float *out) {
     float acc[MG];
@@ -371,6 +408,7 @@ static void row_q6k(const uint8_t *row, int K, const act_t *a, int M, float *out
     }
     for (int m = 0; m < M; m++) out[m] = blk_hsum8(vacc[m]);
 }
+#endif
 
 /* F16 / BF16: the weights widened to f32 (exact) and multiplied with the f32 activations, 8 at a time. */
 static inline __m256 load_half8(int type, const uint8_t *p) {
@@ -399,6 +437,258 @@ static void row_half(int type, const uint8_t *row, int K, const act_t *a, int M,
     }
 }
 
+#ifdef BLK_VNNI
+/* ---- the products of blocks of 32 and 256 with 512-bit vectors (AVX512-VNNI) ------------------------------------
+ * R weight rows at a time (R = 4, or 1 for the last rows; a constant after inlining, as M is) against M = 1 or 2
+ * activation rows (blk_tiles runs more rows two at a time): four independent accumulation chains, each row's blocks
+ * read once and used for both activation rows. out[r * 2 + m].
+ * Each row is prefetched into L2 PREFETCH bytes ahead: on a model's worth of weights (read from memory, not the
+ * caches) one thread's products ran at 7-8 GB/s without it, 10.5-12 with it (0.8B shapes; 4 KB ahead: 5% slower,
+ * 32 KB: the same; into L1: 3-6% slower). The call must be inlined: GCC deletes calls of a function that only
+ * prefetches (it has no effect it can see). */
+#define PREFETCH 16384
+
+static inline __attribute__((always_inline)) void prefetch_ahead(const void *p, int bytes) {
+    for (int l = 0; l < bytes; l += 64) _mm_prefetch((const char *)p + PREFETCH + l, _MM_HINT_T1);
+}
+
+/* Blocks j, j + 1 of a Q8_0 or Q4_0 row (b: block j) as 64 unsigned bytes in the activations' order: Q8_0's w + 128
+ * (the sign bit flipped), Q4_0's q (0..15 for the value q - 8; each block's low nibbles, then its high ones). */
+static inline __m512i pair_q32(int q8, const uint8_t *b) {
+    if (q8) {
+        __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 2))),
+                                       _mm256_loadu_si256((const __m256i *)(b + 36)), 1);
+        return _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
+    }
+    __m256i t = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b + 2))),
+                                        _mm_loadu_si128((const __m128i *)(b + 20)), 1);
+    __m512i tt = _mm512_shuffle_i64x2(_mm512_castsi256_si512(t), _mm512_castsi256_si512(t), 0x50);  /* j, j, j+1, j+1 */
+    return _mm512_and_si512(_mm512_mask_blend_epi64(0xCC, tt, _mm512_srli_epi16(tt, 4)), _mm512_set1_epi8(0x0F));
+}
+
+/* The f16 scales of blocks j .. j+7 of a Q8_0 or Q4_0 row (b: block j) as f32. Each block's scale is its first
+ * two bytes, so they are the 16-bit words 17 i (Q8_0, 34-byte blocks) or 9 i (Q4_0, 18) of the run: picked by a
+ * word permute from the run's cache lines (two or four vectors; a gather was slower here). */
+static inline __m256 scales8(int q8, const uint8_t *b) {
+    __m512i r;
+    if (q8) {
+        const __m512i first = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                               0, 0, 0, 0, 0, 0, 0, 0, 55, 38, 21, 4, 51, 34, 17, 0);
+        __m512i lo = _mm512_permutex2var_epi16(_mm512_loadu_si512(b), first, _mm512_loadu_si512(b + 64));
+        __m512i hi = _mm512_permutex2var_epi16(_mm512_loadu_si512(b + 128), first, _mm512_loadu_si512(b + 192));
+        r = _mm512_mask_blend_epi16(0xF0, lo, hi);  /* words 0..3 from bytes 0..127, 4..7 (68.. - 64) from 128.. */
+    } else {
+        const __m512i first = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                               0, 0, 0, 0, 0, 0, 0, 0, 63, 54, 45, 36, 27, 18, 9, 0);
+        r = _mm512_permutex2var_epi16(_mm512_loadu_si512(b), first, _mm512_loadu_si512(b + 64));
+    }
+    return _mm256_cvtph_ps(_mm512_castsi512_si128(r));
+}
+
+/* Q8_0 / Q4_0. vpdpbusd multiplies unsigned by signed bytes: the weights enter as u = w + 128 (Q8_0) or u = q = w + 8
+ * (Q4_0), and each int32 lane starts from the activations' -128 * (sum of its 4 values) (a.c; / 16 for Q4_0), so it
+ * ends at the exact sum of its four w * a (what the AVX2 product's lane holds). A lane of two blocks' 16 is scaled by
+ * its block's d_w * d_a: the eight weight scales of a run of 8 blocks are read at once (scales8) and times the
+ * activations' 8, then spread over the lanes by a permute. */
+static inline __attribute__((always_inline)) void tile_q32(int type, const uint8_t *row0, size_t row_bytes,
+                                                           const int R, int K, const act_t *a, const int M, float *out) {
+    const int q8 = type == T_Q8_0, bytes = q8 ? 34 : 18, nb = K / 32;
+    const __m512i second = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);  /* lanes of block j + 1 */
+    __m512 acc[4][2];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps();
+    int j = 0;
+    for (; j + 8 <= nb; j += 8) {
+        __m512 sc[4][2];  /* d_w * d_a of blocks j .. j+7, in the low 8 lanes */
+        for (int r = 0; r < R; r++) {
+            const uint8_t *b = row0 + (size_t)r * row_bytes + (size_t)j * bytes;
+            prefetch_ahead(b, 8 * bytes);
+            __m256 dw = scales8(q8, b);
+            for (int m = 0; m < M; m++)
+                sc[r][m] = _mm512_castps256_ps512(_mm256_mul_ps(dw, _mm256_loadu_ps(a[m].d + j)));
+        }
+        for (int p = 0; p < 4; p++) {
+            const int jj = j + 2 * p;
+            const __m512i spread = _mm512_add_epi32(second, _mm512_set1_epi32(2 * p));
+            __m512i x[2], c[2];
+            for (int m = 0; m < M; m++) {
+                x[m] = _mm512_loadu_si512(a[m].q + 32 * jj);
+                c[m] = _mm512_loadu_si512(a[m].c + 8 * jj);
+                if (!q8) c[m] = _mm512_srai_epi32(c[m], 4);
+            }
+            for (int r = 0; r < R; r++) {
+                __m512i u = pair_q32(q8, row0 + (size_t)r * row_bytes + (size_t)jj * bytes);
+                for (int m = 0; m < M; m++)
+                    acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c[m], u, x[m])),
+                                                _mm512_permutexvar_ps(spread, sc[r][m]), acc[r][m]);
+            }
+        }
+    }
+    float tail[MG] = {0};
+    for (int r = 0; r < R; r++) {
+        if (j < nb) {  /* the last blocks of a row (fewer than 8) one at a time */
+            act_t at[2];
+            for (int m = 0; m < M; m++) {
+                at[m] = a[m];
+                at[m].q += 32 * j, at[m].d += j;
+            }
+            row_q32(type, row0 + (size_t)r * row_bytes + (size_t)j * bytes, K - 32 * j, at, M, tail);
+        }
+        for (int m = 0; m < M; m++) out[r * 2 + m] = _mm512_reduce_add_ps(acc[r][m]) + tail[m];
+    }
+}
+
+/* k_scales_vec for the blocks at b, b + row_bytes, .. of R <= 4 rows at once, row r's in 128-bit lane r. */
+static inline __m512i k_scales_rows(const uint8_t *b, size_t row_bytes, const int R) {
+    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)b));
+    if (R > 1) v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b + row_bytes)), 1);
+    if (R > 2) v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b + 2 * row_bytes)), 2);
+    if (R > 3) v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b + 3 * row_bytes)), 3);
+    __m512i lo = _mm512_and_si512(v, _mm512_set1_epi8(0x3F));
+    __m512i t = _mm512_srlv_epi32(_mm512_shuffle_epi32(v, (_MM_PERM_ENUM)_MM_SHUFFLE(1, 0, 2, 2)), _mm512_set4_epi32(6, 6, 4, 0));
+    t = _mm512_and_si512(t, _mm512_set4_epi32(0x03030303, 0x03030303, 0x0F0F0F0F, 0x0F0F0F0F));
+    return _mm512_unpacklo_epi32(lo, _mm512_or_si512(t, _mm512_slli_epi32(_mm512_bsrli_epi128(t, 8), 4)));
+}
+
+/* Q4_K / Q5_K: v = d sc q - dmin m per sub-block of 32. A block's 128 bytes of nibbles are two vectors; each gives
+ * two of 64 values (its low nibbles: sub-blocks 0 and 2, or 4 and 6; its high ones: 1 and 3, or 5 and 7), so the
+ * activations are read in that order (a.qp, Q45_ORDER). Their products with the values are summed in int16 pairs
+ * (vpmaddubsw: q <= 31, |a| <= 127) and the pairs times their sub-block's scale into int32 (vpdpwssd); the mins
+ * times the sums of 32 activations separately. Q5_K's fifth bits: bit s of qh[l] for value l of sub-block s. */
+static inline __attribute__((always_inline)) void tile_q45k(int type, const uint8_t *row0, size_t row_bytes,
+                                                            const int R, int K, const act_t *a, const int M, float *out) {
+    const int q5 = type == T_Q5_K, bytes = q5 ? 176 : 144;
+    const __m512i lo4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
+    static const int first[4] = {0, 1, 4, 5};  /* vector c of a block: sub-blocks first[c] and first[c] + 2 */
+    /* byte shuffles of a row's unpacked [scales, mins]: vector c's int16 scales, the mins as int16 */
+    __m512i pick[4];
+    for (int c = 0; c < 4; c++)
+        pick[c] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16((short)(0x8000 | first[c]))),
+                                     _mm256_set1_epi16((short)(0x8000 | (first[c] + 2))), 1);
+    const __m128i pick_mins = _mm_setr_epi8(8, -1, 9, -1, 10, -1, 11, -1, 12, -1, 13, -1, 14, -1, 15, -1);
+    __m512 vacc[4][2];
+    __m128 macc[4][2];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) vacc[r][m] = _mm512_setzero_ps(), macc[r][m] = _mm_setzero_ps();
+    for (int jb = 0; jb < K / 256; jb++) {
+        __m128i sums[2];  /* the activations' sums of 32, sub-blocks 0..7 */
+        for (int m = 0; m < M; m++) {
+            const int16_t *bs = a[m].bs + 16 * jb;
+            sums[m] = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)bs), _mm_loadu_si128((const __m128i *)(bs + 8)));
+        }
+        __m512i sm = k_scales_rows(row0 + (size_t)jb * bytes + 4, row_bytes, R);
+        for (int r = 0; r < R; r++) {
+            const uint8_t *b = row0 + (size_t)r * row_bytes + (size_t)jb * bytes;
+            prefetch_ahead(b, bytes);
+            __m512i sc = _mm512_permutexvar_epi32(_mm512_add_epi32(_mm512_set4_epi32(3, 2, 1, 0), _mm512_set1_epi32(4 * r)),
+                                                  sm);  /* row r's scales and mins, in each 128 bits */
+            __m128i mins = _mm_shuffle_epi8(_mm512_castsi512_si128(sc), pick_mins);
+            uint32_t dd;
+            memcpy(&dd, b, 4);
+            __m128 dmin = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dd));  /* [d, dmin, ..] */
+            const uint8_t *qs = b + (q5 ? 48 : 16);
+            __m512i raw0 = _mm512_loadu_si512(qs), raw1 = _mm512_loadu_si512(qs + 64);
+            __m512i w[4] = {_mm512_and_si512(raw0, lo4), _mm512_and_si512(_mm512_srli_epi16(raw0, 4), lo4),
+                            _mm512_and_si512(raw1, lo4), _mm512_and_si512(_mm512_srli_epi16(raw1, 4), lo4)};
+            if (q5) {  /* qh2: [qh, qh >> 2], so that a vector's two sub-blocks s, s + 2 find their bits at bit s */
+                __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+                __m512i qh2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+                w[0] = _mm512_ternarylogic_epi32(w[0], _mm512_slli_epi16(qh2, 4), bit4, 0xF8);  /* w | (t & 0x10) */
+                w[1] = _mm512_ternarylogic_epi32(w[1], _mm512_slli_epi16(qh2, 3), bit4, 0xF8);
+                w[2] = _mm512_ternarylogic_epi32(w[2], qh2, bit4, 0xF8);
+                w[3] = _mm512_ternarylogic_epi32(w[3], _mm512_srli_epi16(qh2, 1), bit4, 0xF8);
+            }
+            __m512i dot[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+            for (int c = 0; c < 4; c++) {
+                __m512i s = _mm512_shuffle_epi8(sc, pick[c]);
+                for (int m = 0; m < M; m++)
+                    dot[m] = _mm512_dpwssd_epi32(dot[m], _mm512_maddubs_epi16(w[c], _mm512_loadu_si512(a[m].qp + 256 * jb + 64 * c)), s);
+            }
+            for (int m = 0; m < M; m++) {
+                __m128 f = _mm_mul_ps(dmin, _mm_set1_ps(a[m].d[jb]));  /* [d da, dmin da, ..] */
+                vacc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]), _mm512_broadcastss_ps(f), vacc[r][m]);
+                macc[r][m] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(sums[m], mins)), _mm_shuffle_ps(f, f, 0x55), macc[r][m]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) {
+            __m128 t = macc[r][m];
+            t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+            out[r * 2 + m] = _mm512_reduce_add_ps(vacc[r][m]) - _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+        }
+}
+
+/* Q6_K: v = d sc (q - 32) per sub-block of 16 (q 0..63: four bits of ql, two of qh). A half of a block (128 values)
+ * is two vectors of 64 in the natural order; the int16 pairs of a vector take the scales of their sub-blocks of 16
+ * (a permute), and the offset is -32 sum over sub-blocks of sc times the sum of its 16 activations, in int32. */
+static inline __attribute__((always_inline)) void tile_q6k(const uint8_t *row0, size_t row_bytes, const int R, int K,
+                                                           const act_t *a, const int M, float *out) {
+    const __m512i lo4 = _mm512_set1_epi8(0x0F), hi2 = _mm512_set1_epi8(0x33);
+    const __m512i idx = _mm512_set_epi16(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2,
+                                         1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);  /* pair p: sub-block p / 8 */
+    __m512 vacc[4][2];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) vacc[r][m] = _mm512_setzero_ps();
+    for (int jb = 0; jb < K / 256; jb++) {
+        for (int r = 0; r < R; r++) {
+            const uint8_t *b = row0 + (size_t)r * row_bytes + (size_t)jb * 210;
+            prefetch_ahead(b, 210);
+            __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));  /* the 16 scales */
+            __m512i sc512 = _mm512_castsi256_si512(sc16);
+            __m512i dot[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+            for (int h = 0; h < 2; h++) {
+                __m512i ql = _mm512_loadu_si512(b + 64 * h);
+                __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+                /* [qh, qh >> 2] & 0x33: the two high bits of values 0..63 of the half at bits 0-1, of 64..127 at 4-5 */
+                __m512i qh2 = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1), hi2);
+                /* va: values 0..63 of the half (sub-blocks 8h+0..3), vb: 64..127 (8h+4..7): the low four bits from ql,
+                 * the high four from the shifted qh2 (a bit-select: lo4 ? ql : qh2) */
+                __m512i va = _mm512_ternarylogic_epi32(lo4, ql, _mm512_slli_epi16(qh2, 4), 0xCA);
+                __m512i vb = _mm512_ternarylogic_epi32(lo4, _mm512_srli_epi16(ql, 4), qh2, 0xCA);
+                __m512i sa = _mm512_permutexvar_epi16(_mm512_add_epi16(idx, _mm512_set1_epi16((short)(8 * h))), sc512);
+                __m512i sb = _mm512_permutexvar_epi16(_mm512_add_epi16(idx, _mm512_set1_epi16((short)(8 * h + 4))), sc512);
+                for (int m = 0; m < M; m++) {
+                    const int8_t *q = a[m].q + 256 * jb + 128 * h;
+                    dot[m] = _mm512_dpwssd_epi32(dot[m], _mm512_maddubs_epi16(va, _mm512_loadu_si512(q)), sa);
+                    dot[m] = _mm512_dpwssd_epi32(dot[m], _mm512_maddubs_epi16(vb, _mm512_loadu_si512(q + 64)), sb);
+                }
+            }
+            float d = h2f(b + 208);
+            for (int m = 0; m < M; m++) {
+                /* sum sc (q - 32) qa = sum sc q qa - 32 sum sc bs: the offset folded into the int32 lanes */
+                __m256i off = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(a[m].bs + 16 * jb)));
+                __m512i v = _mm512_sub_epi32(dot[m], _mm512_zextsi256_si512(_mm256_slli_epi32(off, 5)));
+                vacc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(d * a[m].d[jb]), vacc[r][m]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) out[r * 2 + m] = _mm512_reduce_add_ps(vacc[r][m]);
+}
+
+static inline __attribute__((always_inline)) void tile_any(int type, const uint8_t *row0, size_t row_bytes,
+                                                           const int R, int K, const act_t *a, const int M, float *out) {
+    if (type == T_Q6_K) tile_q6k(row0, row_bytes, R, K, a, M, out);
+    else if (type == T_Q4_K || type == T_Q5_K) tile_q45k(type, row0, row_bytes, R, K, a, M, out);
+    else tile_q32(type, row0, row_bytes, R, K, a, M, out);
+}
+
+/* R (4 or 1) rows of a Q8_0, Q4_0, Q4_K, Q5_K or Q6_K tensor against M (1 or 2) prepared rows: out[r * 2 + m]. */
+/* its presence says that this build's products are these (kernels/native.py reads the library's symbols) */
+int ds_blocks_vnni(void) { return 1; }
+
+static void decode_tile(int type, const uint8_t *row0, size_t row_bytes, int R, int K, const act_t *a, int M, float *out) {
+    if (R == 4) {
+        if (M == 1) tile_any(type, row0, row_bytes, 4, K, a, 1, out);
+        else tile_any(type, row0, row_bytes, 4, K, a, 2, out);
+    } else {
+        if (M == 1) tile_any(type, row0, row_bytes, 1, K, a, 1, out);
+        else tile_any(type, row0, row_bytes, 1, K, a, 2, out);
+    }
+}
+#endif  /* BLK_VNNI */
+
 /* ---- the team-level pieces (blocks.h), and the product built from them ----------------------------------- */
 
 int blk_kind(int type) {
@@ -407,29 +697,55 @@ int blk_kind(int type) {
     return elems == 256 ? 2 : elems == 32 ? 1 : 3;
 }
 
+int blk_values(int type) {
+    int elems = 1, bytes;
+    block_info(type, &elems, &bytes);
+    return elems;
+}
+
+/* A product's scratch: M prepared rows of each part, the parts one after the other (scratch_parts). */
+typedef struct {
+    int8_t *q, *qp;
+    float *d;
+    int16_t *bs;
+    int32_t *c;
+} parts_t;
+
+#define ALIGN64(n) (((n) + 63) & ~(size_t)63)
+
+static size_t parts_layout(void *scratch, int M, int K, parts_t *p) {
+    size_t at = 0, q = ALIGN64((size_t)M * K + 64), d = ALIGN64((size_t)M * (K / 32) * sizeof(float) + 64),
+           bs = ALIGN64((size_t)M * (K / 16) * sizeof(int16_t) + 64), c = ALIGN64((size_t)M * (K / 4) * sizeof(int32_t) + 64);
+    uint8_t *base = scratch;
+    if (p) p->q = (int8_t *)(base + at);
+    at += q;
+    if (p) p->d = (float *)(base + at);
+    at += d;
+    if (p) p->bs = (int16_t *)(base + at);
+    at += bs;
+    if (p) p->c = (int32_t *)(base + at);
+    at += c;
+    if (p) p->qp = (int8_t *)(base + at);
+    return at + q;
+}
+
 size_t blk_scratch_bytes(int M, int K) {
-    size_t ints = (size_t)M * K + 64 + ((size_t)M * (K / 32) * sizeof(float) + 64) + ((size_t)M * (K / 16) * sizeof(int16_t) + 64);
-    size_t floats = (size_t)M * K * sizeof(float);
+    size_t ints = parts_layout(NULL, M, K, NULL), floats = (size_t)M * K * sizeof(float);
     return ints > floats ? ints : floats;
 }
 
-static void scratch_parts(void *scratch, int M, int K, int8_t **q, float **d, int16_t **bs) {
-    uint8_t *p = scratch;
-    *q = (int8_t *)p;
-    p += (size_t)M * K + 64;
-    *d = (float *)p;
-    p += (size_t)M * (K / 32) * sizeof(float) + 64;
-    *bs = (int16_t *)p;
-}
-
 static act_t act_row(int kind, void *scratch, int M, int K, int m) {
-    int8_t *q; float *d; int16_t *bs;
-    scratch_parts(scratch, M, K, &q, &d, &bs);
+    act_t a = {NULL, NULL, NULL, NULL, NULL, NULL};
     if (kind == 3) {  /* the f32 rows themselves, copied where the int8 ones would be */
-        act_t a = {NULL, NULL, NULL, (const float *)scratch + (size_t)m * K};
+        a.x = (const float *)scratch + (size_t)m * K;
         return a;
     }
-    act_t a = {q + (size_t)m * K, d + (size_t)m * (K / 32), kind == 2 ? bs + (size_t)m * (K / 16) : NULL, NULL};
+    parts_t p;
+    parts_layout(scratch, M, K, &p);
+    a.q = p.q + (size_t)m * K;
+    a.d = p.d + (size_t)m * (K / 32);
+    if (kind == 2) a.bs = p.bs + (size_t)m * (K / 16), a.qp = p.qp + (size_t)m * K;
+    else a.c = p.c + (size_t)m * (K / 4);
     return a;
 }
 
@@ -438,8 +754,8 @@ void blk_prepare(int kind, const float *x, int M, int K, long ldx, void *scratch
     for (int m = 0; m < M; m++) {
         act_t a = act_row(kind, scratch, M, K, m);
         if (kind == 3) memcpy((float *)a.x, x + (size_t)m * ldx, (size_t)K * sizeof(float));
-        else if (kind == 2) quant_q8_k(x + (size_t)m * ldx, K, (int8_t *)a.q, (float *)a.d, (int16_t *)a.bs);
-        else quant_q8_0(x + (size_t)m * ldx, K, (int8_t *)a.q, (float *)a.d);
+        else if (kind == 2) quant_q8_k(x + (size_t)m * ldx, K, (int8_t *)a.q, (float *)a.d, (int16_t *)a.bs, (int8_t *)a.qp);
+        else quant_q8_0(x + (size_t)m * ldx, K, (int8_t *)a.q, (float *)a.d, (int32_t *)a.c);
     }
 }
 
@@ -448,6 +764,25 @@ void blk_tiles(int type, const uint8_t *blocks, int N, int K, void *scratch, int
     block_info(type, &elems, &bytes);
     size_t row_bytes = (size_t)(K / elems) * bytes;
     act_t a[DS_MAX_ROWS > MG ? DS_MAX_ROWS : MG];
+#ifdef BLK_VNNI
+    if (kind != 3) {  /* 512-bit products, four rows at a time, the activation rows two at a time (the tile's rows
+                         stay in L1 between the pairs; each row's sum is accumulated the same way whatever M is) */
+        int tiles = N / 4;
+        #pragma omp for schedule(static) nowait
+        for (int t = 0; t < tiles + (N - 4 * tiles); t++) {
+            int n = t < tiles ? 4 * t : 4 * tiles + (t - tiles), R = t < tiles ? 4 : 1;
+            for (int m0 = 0; m0 < M; m0 += 2) {
+                int mm = M - m0 < 2 ? M - m0 : 2;
+                float out[8];
+                for (int m = 0; m < mm; m++) a[m] = act_row(kind, scratch, M, K, m0 + m);
+                decode_tile(type, blocks + (size_t)n * row_bytes, row_bytes, R, K, a, mm, out);
+                for (int r = 0; r < R; r++)
+                    for (int m = 0; m < mm; m++) y[(size_t)(m0 + m) * ldy + n + r] = out[r * 2 + m];
+            }
+        }
+        return;
+    }
+#else
     if (kind == 1 && M <= 2) {  /* decode: four rows at a time (four accumulation chains) */
         for (int m = 0; m < M; m++) a[m] = act_row(kind, scratch, M, K, m);
         int tiles = N / 4;
@@ -466,6 +801,7 @@ void blk_tiles(int type, const uint8_t *blocks, int N, int K, void *scratch, int
         }
         return;
     }
+#endif
     #pragma omp for schedule(static) nowait
     for (int n = 0; n < N; n++) {
         const uint8_t *row = blocks + (size_t)n * row_bytes;
@@ -474,10 +810,12 @@ void blk_tiles(int type, const uint8_t *blocks, int N, int K, void *scratch, int
             int mg = M - m0 < MG ? M - m0 : MG;
             for (int m = 0; m < mg; m++) a[m] = act_row(kind, scratch, M, K, m0 + m);
             float out[MG];
-            if (type == T_Q6_K) row_q6k(row, K, a, mg, out);
-            else if (kind == 3) row_half(type, row, K, a, mg, out);
+            if (kind == 3) row_half(type, row, K, a, mg, out);
+#ifndef BLK_VNNI
+            else if (type == T_Q6_K) row_q6k(row, K, a, mg, out);
             else if (kind == 2) row_q45k(type, row, K, a, mg, out);
             else row_q32(type, row, K, a, mg, out);
+#endif
             for (int m = 0; m < mg; m++) y[(size_t)(m0 + m) * ldy + n] = out[m];
         }
     }

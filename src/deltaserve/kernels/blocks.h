@@ -19,7 +19,9 @@ static inline float blk_hsum8(__m256 v) {
     return _mm_cvtss_f32(m);
 }
 
+#define BLK_KINDS 4  /* blk_kind's kinds are 1 .. BLK_KINDS - 1 */
 int blk_kind(int type);  /* 1: blocks of 32 (Q8_0, Q4_0), 2: blocks of 256 (K-quants), 3: F16/BF16, 0: none of them */
+int blk_values(int type);  /* values per block (1 for F16/BF16): a product's K is a multiple of it */
 size_t blk_scratch_bytes(int M, int K);
 void blk_prepare(int kind, const float *x, int M, int K, long ldx, void *scratch);
 void blk_tiles(int type, const uint8_t *blocks, int N, int K, void *scratch, int M, float *y, long ldy);

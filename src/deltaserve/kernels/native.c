@@ -1,5 +1,6 @@
-/* deltaserve's native CPU products: int8 weight tables, or a file's own Q4_K / Q6_K blocks, times a few
- * activation rows (decode, batched decode).
+/* deltaserve's native CPU products on AVX512-VNNI for weights="tables": int8 weight tables, or a file's Q4_K blocks
+ * repacked at load, times a few activation rows (decode, batched decode; tables.h: the same as pieces of the
+ * one-call decode's team), and the prefill's delta rule and causal conv.
  *
  * Built by kernels/native.py with the system C compiler (-O3 -march=native -fopenmp) the first time a CPU
  * forward needs it; it is linked against the libgomp torch already loaded (same soname), so its parallel
@@ -21,6 +22,7 @@
 #include <stdlib.h>
 
 #include "native.h"
+#include "tables.h"
 
 #define QB 32
 #define PREFETCH 8192
@@ -30,7 +32,7 @@ int ds_abi_version(void) { return DS_ABI; }
 /* Everything below needs AVX512F, AVX512BW and AVX512-VNNI (the build is -march=native): on a CPU without them
  * none of it is compiled, and kernels/native.py sees which functions the library has (a missing symbol is a
  * kernel this CPU does not run; blocks.c and native_avx2.c hold what runs on AVX2). */
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#ifdef DS_TABLES
 
 
 /* One activation row: q (int8), lane scales dv (one per 4 elements: the scale of the element's block, so a
@@ -126,17 +128,15 @@ int ds_linear_i8(const float *x, int M, int K, long ldx, const int8_t *W, const 
 }
 
 /* ---------------------------------------------------------------------------------------------------------
- * The file's own K-quant blocks (GGUF Q4_K, Q6_K: 256 values per block), exactly as the file defines them.
- * Rows are N runs of K/256 blocks. The activations are quantized to int8 with one scale per 256 values (as
- * llama.cpp does for its K-quant products), so a whole block accumulates in int32: each 64-value chunk is
- * unpacked to unsigned bytes in natural order, multiplied pairwise with the activations (vpmaddubsw, int16),
- * and the pairs are multiplied by their sub-block's integer scale and summed (vpdpwssd, int32).
- * Q4_K: v = d*sc*q - dmin*m (q in 0..15): the min term is dmin * sum over sub-blocks of m * sum(x).
- * Q6_K: v = d*sc*(q - 32) (q in 0..63): the offset is 32 * sum over sub-blocks of sc * sum(x).
- * No int16 or int32 sum can overflow: |pair| <= 2*63*127, |sc| <= 127, 128 pairs per block.
+ * A file's Q4_K blocks (256 values per block), repacked once at load (ds_repack_q4k; the file's own Q4_K and Q6_K
+ * blocks as they lie are blocks.c's). Rows are N runs of K/256 blocks. The activations are quantized to int8 with
+ * one scale per 256 values (as llama.cpp does for its K-quant products), so a whole block accumulates in int32:
+ * each 64-value chunk is unpacked to unsigned bytes, multiplied pairwise with the activations (vpmaddubsw,
+ * int16), and the pairs are multiplied by their sub-block's integer scale and summed (vpdpwssd, int32).
+ * v = d*sc*q - dmin*m (q in 0..15): the min term is dmin * sum over sub-blocks of m * sum(x).
+ * No int16 or int32 sum can overflow: |pair| <= 2*15*127, |sc| <= 63, 128 pairs per block.
  * ------------------------------------------------------------------------------------------------------- */
 #define MAXM DS_MAX_ROWS
-#define Q6K DS_Q6K
 
 typedef struct {
     const int8_t *q;     /* [K] int8 activations */
@@ -168,70 +168,8 @@ static void prepare(const float *x, int K, int8_t *q, float *d, int16_t *s16, in
             _mm_storeu_si128((__m128i *)(q + b + i), _mm512_cvtsepi32_epi8(v));
             s16[(b + i) / 16] = (int16_t)_mm512_reduce_add_epi32(v);
         }
-        if (qp)
-            for (int t = 0; t < 256; t++) qp[b + t] = q[b + q4kr_source(t)];
+        for (int t = 0; t < 256; t++) qp[b + t] = q[b + q4kr_source(t)];
     }
-}
-
-/* R consecutive rows (R is a constant after inlining: 4 rows give the out-of-order core four independent
- * accumulation chains; one row alone is bound by the latency of its own chain) times M activation rows:
- * out[r * MAXM + m]. */
-static inline __attribute__((always_inline)) void rows_q6k(const uint8_t *row0, size_t row_bytes, const int R,
-                                                           int K, const act_t *a, int M, float *out) {
-    __m512 vacc[4][MAXM];
-    float acc[4][MAXM];
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) { vacc[r][m] = _mm512_setzero_ps(); acc[r][m] = 0.0f; }
-    const __m512i lo4 = _mm512_set1_epi8(0x0F), hi2 = _mm512_set1_epi8(0x30);
-    /* int16 lanes: pair p of a 64-value chunk belongs to sub-block p / 8 */
-    const __m512i idx = _mm512_set_epi16(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2,
-                                         1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    for (int b = 0; b < K / 256; b++) {
-        const uint8_t *blk[4];
-        __m256i sc16[4];
-        float d[4];
-        __m512i dot[4][MAXM];
-        for (int r = 0; r < R; r++) {
-            blk[r] = row0 + (size_t)r * row_bytes + (size_t)b * 210;
-            for (int p = 0; p < 210; p += 64) _mm_prefetch((const char *)blk[r] + PREFETCH + p, _MM_HINT_T0);
-            d[r] = f16(blk[r] + 208);
-            sc16[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk[r] + 192)));  /* 16 scales */
-            for (int m = 0; m < M; m++) dot[r][m] = _mm512_setzero_si512();
-        }
-        for (int h = 0; h < 2; h++) {
-            __m512i ia = _mm512_add_epi16(idx, _mm512_set1_epi16((short)(8 * h)));
-            __m512i ib = _mm512_add_epi16(idx, _mm512_set1_epi16((short)(8 * h + 4)));
-            int c = b * 256 + 128 * h;
-            for (int r = 0; r < R; r++) {
-                __m512i ql = _mm512_loadu_si512(blk[r] + 64 * h);
-                __m256i qh = _mm256_loadu_si256((const __m256i *)(blk[r] + 128 + 32 * h));
-                __m512i qh2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
-                __m512i va = _mm512_or_si512(_mm512_and_si512(ql, lo4), _mm512_and_si512(_mm512_slli_epi16(qh2, 4), hi2));
-                __m512i vb = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), lo4), _mm512_and_si512(qh2, hi2));
-                /* va: values 0..63 of the half (sub-blocks 8h+0..3), vb: 64..127 (8h+4..7), 8 pairs each */
-                __m512i sc512 = _mm512_castsi256_si512(sc16[r]);
-                __m512i sa = _mm512_permutexvar_epi16(ia, sc512), sb = _mm512_permutexvar_epi16(ib, sc512);
-                for (int m = 0; m < M; m++) {
-                    dot[r][m] = _mm512_dpwssd_epi32(dot[r][m], _mm512_maddubs_epi16(va, _mm512_loadu_si512(a[m].q + c)), sa);
-                    dot[r][m] = _mm512_dpwssd_epi32(dot[r][m], _mm512_maddubs_epi16(vb, _mm512_loadu_si512(a[m].q + c + 64)), sb);
-                }
-            }
-        }
-        for (int m = 0; m < M; m++) {
-            __m256i sums = _mm256_loadu_si256((const __m256i *)(a[m].s16 + b * 16));
-            for (int r = 0; r < R; r++) {
-                __m256i t = _mm256_madd_epi16(sc16[r], sums);
-                __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
-                u = _mm_add_epi32(u, _mm_srli_si128(u, 8));
-                u = _mm_add_epi32(u, _mm_srli_si128(u, 4));
-                float da = d[r] * a[m].d[b];
-                vacc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][m]), _mm512_set1_ps(da), vacc[r][m]);
-                acc[r][m] -= da * (float)(32 * _mm_cvtsi128_si32(u));
-            }
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) out[r * MAXM + m] = acc[r][m] + _mm512_reduce_add_ps(vacc[r][m]);
 }
 
 /* Q4_K blocks repacked once at load for the product below (152 bytes instead of 144): the block's two f16
@@ -324,32 +262,28 @@ static inline __attribute__((always_inline)) void rows_q4kr(const uint8_t *row0,
         }
 }
 
-/* Rows 0..N-1 of a repacked Q4_K (type 112) or Q6_K (type 14) tensor against M prepared activation rows,
- * shared among the threads of the enclosing team as i8_tiles is; four rows at a time where the accumulators
- * fit in registers (M <= 2). */
-static void kq_tiles(int type, const uint8_t *blocks, int N, int K, const act_t *a, int M, float *y, long ldy) {
-    size_t row_bytes = (size_t)(K / 256) * (type == Q4KR ? Q4KR_BYTES : 210);
+/* Rows 0..N-1 of a repacked Q4_K tensor against M prepared activation rows, shared among the threads of the
+ * enclosing team as i8_tiles is; four rows at a time where the accumulators fit in registers (M <= 2). */
+static void q4kr_tiles(const uint8_t *blocks, int N, int K, const act_t *a, int M, float *y, long ldy) {
+    size_t row_bytes = (size_t)(K / 256) * Q4KR_BYTES;
     int R = M <= 2 ? 4 : 1, tiles = N / R;
     #pragma omp for schedule(static) nowait
     for (int t = 0; t < tiles + (N - tiles * R); t++) {
         int n = t < tiles ? t * R : tiles * R + (t - tiles), rows = t < tiles ? R : 1;
         float out[4 * MAXM];
         const uint8_t *row = blocks + (size_t)n * row_bytes;
-        if (rows == 4) {
-            if (type == Q4KR) rows_q4kr(row, row_bytes, 4, K, a, M, out); else rows_q6k(row, row_bytes, 4, K, a, M, out);
-        } else {
-            if (type == Q4KR) rows_q4kr(row, row_bytes, 1, K, a, M, out); else rows_q6k(row, row_bytes, 1, K, a, M, out);
-        }
+        if (rows == 4) rows_q4kr(row, row_bytes, 4, K, a, M, out);
+        else rows_q4kr(row, row_bytes, 1, K, a, M, out);
         for (int r = 0; r < rows; r++)
             for (int m = 0; m < M; m++) y[(size_t)m * ldy + n + r] = out[r * MAXM + m];
     }
 }
 
-/* y[m, n] = sum_k v(n, k) x[m, k] for the blocks of a repacked Q4_K (type 112) or a Q6_K (type 14) tensor [N, K].
- * M <= 8, K a multiple of 256. Returns 0, or -1 when it cannot take the product. */
+/* y[m, n] = sum_k v(n, k) x[m, k] for the blocks of a repacked Q4_K (type 112) tensor [N, K]. M <= 8, K a multiple
+ * of 256. Returns 0, or -1 when it cannot take the product. */
 int ds_linear_kq(int type, const float *x, int M, int K, long ldx, const uint8_t *blocks, int N, float *y,
                  long ldy, int nthreads) {
-    if (K <= 0 || K % 256 || M <= 0 || M > MAXM || N <= 0 || (type != Q6K && type != Q4KR)) return -1;
+    if (K <= 0 || K % 256 || M <= 0 || M > MAXM || N <= 0 || type != Q4KR) return -1;
     int8_t *q = malloc((size_t)M * K), *qp = malloc((size_t)M * K);
     float *d = malloc((size_t)M * K / 256 * sizeof(float));
     int16_t *s16 = malloc((size_t)M * K / 16 * sizeof(int16_t));
@@ -358,23 +292,70 @@ int ds_linear_kq(int type, const float *x, int M, int K, long ldx, const uint8_t
     for (int m = 0; m < M; m++) {
         a[m].q = q + (size_t)m * K; a[m].d = d + (size_t)m * K / 256; a[m].s16 = s16 + (size_t)m * K / 16;
         a[m].qp = qp + (size_t)m * K;
-        prepare(x + (size_t)m * ldx, K, (int8_t *)a[m].q, (float *)a[m].d, (int16_t *)a[m].s16,
-                type == Q4KR ? (int8_t *)a[m].qp : NULL);
+        prepare(x + (size_t)m * ldx, K, (int8_t *)a[m].q, (float *)a[m].d, (int16_t *)a[m].s16, (int8_t *)a[m].qp);
     }
     #pragma omp parallel num_threads(nthreads)
-    kq_tiles(type, blocks, N, K, a, M, y, ldy);
+    q4kr_tiles(blocks, N, K, a, M, y, ldy);
     free(q); free(qp); free(d); free(s16);
     return 0;
 }
 
+/* ---- the team-level pieces (tables.h): the one-call decode of native_avx2.c runs these for DS_I8 and DS_Q4KR
+ * segments, as it runs blocks.c's for the file's blocks ------------------------------------------------------ */
+
+int tab_kind(int type) { return type == DS_I8 ? 1 : type == Q4KR ? 2 : 0; }
+
+typedef struct {           /* a prepared product's activations, M rows of K (tab_parts: where in the scratch) */
+    int8_t *q, *qp;        /* int8 values; DS_Q4KR: also in the repacked blocks' order */
+    float *dv, *corr;      /* DS_I8: lane scales (one per 4 values), 128 * sum(dv * q) per row */
+    float *d;              /* DS_Q4KR: one scale per 256 values */
+    int16_t *s16;          /* DS_Q4KR: sums of 16 values */
+} tab_act_t;
+
+static tab_act_t tab_parts(void *scratch, int M, int K) {
+    uint8_t *p = scratch;
+    tab_act_t t;
+    t.q = (int8_t *)p, p += (size_t)M * K + 64;
+    t.qp = (int8_t *)p, p += (size_t)M * K + 64;
+    t.dv = (float *)p, p += ((size_t)M * (K / 4) + 16) * sizeof(float);
+    t.corr = (float *)p, p += (MAXM + 16) * sizeof(float);
+    t.d = (float *)p, p += ((size_t)M * (K / 256) + 16) * sizeof(float);
+    t.s16 = (int16_t *)p;
+    return t;
+}
+
+size_t tab_scratch_bytes(int M, int K) {
+    return 2 * ((size_t)M * K + 64) + ((size_t)M * (K / 4) + (K / 256) * M + MAXM + 48) * sizeof(float)
+           + ((size_t)M * (K / 16) + 32) * sizeof(int16_t);
+}
+
+void tab_prepare(int kind, const float *x, int M, int K, void *scratch) {
+    tab_act_t t = tab_parts(scratch, M, K);
+    #pragma omp for schedule(static)
+    for (int m = 0; m < M; m++) {
+        if (kind == 1) t.corr[m] = quantize_row(x + (size_t)m * K, K, t.q + (size_t)m * K, t.dv + (size_t)m * (K / 4));
+        else prepare(x + (size_t)m * K, K, t.q + (size_t)m * K, t.d + (size_t)m * (K / 256), t.s16 + (size_t)m * (K / 16),
+                     t.qp + (size_t)m * K);
+    }
+}
+
+void tab_tiles(const seg_t *g, int K, void *scratch, int M, float *y, long ldy) {
+    tab_act_t t = tab_parts(scratch, M, K);
+    if (g->type == DS_I8) {
+        i8_tiles((const int8_t *)g->data, g->scale, g->rows, K, t.q, t.dv, t.corr, M, y, ldy);
+        return;
+    }
+    act_t a[MAXM];
+    for (int m = 0; m < M; m++) {
+        act_t r = {t.q + (size_t)m * K, t.d + (size_t)m * (K / 256), t.s16 + (size_t)m * (K / 16), t.qp + (size_t)m * K};
+        a[m] = r;
+    }
+    q4kr_tiles((const uint8_t *)g->data, g->rows, K, a, M, y, ldy);
+}
+
 /* ---------------------------------------------------------------------------------------------------------
- * One token of a Gated DeltaNet mixer, after its input projections and before its output projection:
- * the causal conv (updating conv_state [Kc-1, C]) and SiLU, the L2-normalised q (scaled by dk^-1/2) and k,
- * the gates beta = sigmoid(b), g = a_neg * softplus(a + dt_bias), the gated delta rule on S [nv, dk, dv]
- * (S = e^g S; delta = beta (v - S^T k); S += k delta^T; o = S^T q) and the gated RMS norm
- * o * rsqrt(mean(o^2) + eps) * norm_w * silu(z). The same math as layers.py, in one pass per head
- * (torch's version is ~40 small ops per layer; here the state is read twice and written once).
- * Value head h reads key head h / (nv / nk) ("grouped") or h % nk ("tiled").
+ * The prefill's causal conv of a DeltaNet layer, with SiLU in 16 lanes (the decode's one-token DeltaNet step,
+ * ds_deltanet_step, is native_avx2.c's on every CPU).
  * ------------------------------------------------------------------------------------------------------- */
 
 /* e^x for 16 floats: x = n ln2 + r, |r| <= ln2/2, e^r by a degree-6 polynomial (the classic single-precision
@@ -403,79 +384,6 @@ static void silu_inplace(float *v, int n) {
         __m512 y = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), x))));
         _mm512_mask_storeu_ps(v + i, k, y);
     }
-}
-
-/* The conv over [conv_state; qkv] (the state shifts by one), SiLU, and the L2 norms of the q (scaled by
- * dk^-1/2) and k heads, into u [C]. Serial: C is a few thousand values. */
-static void dn_mix(const float *qkv, const float *conv_w, float *conv_state, float *u, int C, int Kc, int nk, int dk) {
-    for (int c = 0; c < C; c++) {
-        const float *w = conv_w + (size_t)c * Kc;
-        float acc = w[Kc - 1] * qkv[c];
-        for (int j = 0; j < Kc - 1; j++) acc += w[j] * conv_state[(size_t)j * C + c];
-        for (int j = 0; j < Kc - 2; j++) conv_state[(size_t)j * C + c] = conv_state[(size_t)(j + 1) * C + c];
-        conv_state[(size_t)(Kc - 2) * C + c] = qkv[c];
-        u[c] = acc;
-    }
-    silu_inplace(u, C);
-    for (int hh = 0; hh < 2 * nk; hh++) {
-        float *x = u + (size_t)hh * dk, ss = 0.0f;
-        for (int i = 0; i < dk; i++) ss += x[i] * x[i];
-        float r = 1.0f / sqrtf(ss + 1e-6f);
-        if (hh < nk) r *= 1.0f / sqrtf((float)dk);
-        for (int i = 0; i < dk; i++) x[i] *= r;
-    }
-}
-
-/* Value head h of the step, after dn_mix: the gates, the delta rule on its state, the gated RMS norm. */
-static void dn_head(int h, const float *u, const float *z, const float *b, const float *a, const float *a_neg,
-                    const float *dt_bias, const float *norm_w, float *S, float *out, int nk, int dk, int nv, int dv,
-                    int tiled, float eps) {
-    const float *q = u, *k = u + nk * dk, *v = u + 2 * nk * dk;
-    int kh = tiled ? h % nk : h / (nv / nk);
-    const float *kk = k + (size_t)kh * dk, *qq = q + (size_t)kh * dk, *vv = v + (size_t)h * dv;
-    float beta = 1.0f / (1.0f + expf(-b[h]));
-    float sp = a[h] + dt_bias[h];
-    sp = sp > 20.0f ? sp : log1pf(expf(sp));
-    float decay = expf(a_neg[h] * sp);
-    float *s = S + (size_t)h * dk * dv;
-    float kv[dv], delta[dv], o[dv];
-    for (int j = 0; j < dv; j++) kv[j] = 0.0f;
-    for (int i = 0; i < dk; i++) {
-        float ki = kk[i];
-        const float *row = s + (size_t)i * dv;
-        for (int j = 0; j < dv; j++) kv[j] += ki * row[j];
-    }
-    for (int j = 0; j < dv; j++) { delta[j] = beta * (vv[j] - decay * kv[j]); o[j] = 0.0f; }
-    for (int i = 0; i < dk; i++) {
-        float ki = kk[i], qi = qq[i];
-        float *row = s + (size_t)i * dv;
-        for (int j = 0; j < dv; j++) {
-            float nw = decay * row[j] + ki * delta[j];
-            row[j] = nw;
-            o[j] += qi * nw;
-        }
-    }
-    float ss = 0.0f;
-    for (int j = 0; j < dv; j++) ss += o[j] * o[j];
-    float r = 1.0f / sqrtf(ss / (float)dv + eps);
-    float gate[dv];
-    for (int j = 0; j < dv; j++) gate[j] = z[(size_t)h * dv + j];
-    silu_inplace(gate, dv);
-    for (int j = 0; j < dv; j++) out[(size_t)h * dv + j] = o[j] * r * norm_w[j] * gate[j];
-}
-
-int ds_deltanet_step(const float *qkv, const float *z, const float *b, const float *a, const float *conv_w,
-                     const float *a_neg, const float *dt_bias, const float *norm_w, float *conv_state, float *S,
-                     float *out, int nk, int dk, int nv, int dv, int Kc, int tiled, float eps, int nthreads) {
-    int C = 2 * nk * dk + nv * dv;
-    if (nk <= 0 || nv % nk || Kc < 2) return -1;
-    float *u = malloc((size_t)C * sizeof(float));
-    if (!u) return -1;
-    dn_mix(qkv, conv_w, conv_state, u, C, Kc, nk, dk);
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int h = 0; h < nv; h++) dn_head(h, u, z, b, a, a_neg, dt_bias, norm_w, S, out, nk, dk, nv, dv, tiled, eps);
-    free(u);
-    return 0;
 }
 
 /* The depthwise causal conv of a DeltaNet layer over T new rows, then SiLU: out[t, c] = silu(sum_j
@@ -557,226 +465,6 @@ int ds_scale_product(const int32_t *acc, int M, int N, const float *col, const f
         }
     }
     return 0;
-}
-
-/* ---------------------------------------------------------------------------------------------------------
- * One token through the whole model in one call (the decode of one sequence): every layer's RMSNorms,
- * products, DeltaNet step or attention step, SwiGLU and residual adds, then the final norm and the head.
- * It is the math of layers.py / forward.py, written out once: one OpenMP team for the whole token (the
- * products and the per-head steps are shared among the threads, the small serial pieces run on one), no
- * Python or per-op dispatch between the ~25 operations of a layer. The products are the ones above: int8
- * tables (activations int8 per 32) or Q4_K/Q6_K blocks (activations int8 per 256).
- * ------------------------------------------------------------------------------------------------------- */
-/* seg_t, lin_t, layer_t, model_t: native.h */
-
-typedef struct {           /* a product's quantized activations, for up to MAXM rows */
-    int8_t *q, *qp;
-    float *d, *dv, corr[MAXM];
-    int16_t *s16;
-} abuf_t;
-
-static void rms_norm_row(const float *x, const float *w, float *out, int n, float eps) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int i = 0; i < n; i += 16) {
-        __mmask16 k = (__mmask16)(i + 16 <= n ? 0xFFFF : (1u << (n - i)) - 1);
-        __m512 v = _mm512_maskz_loadu_ps(k, x + i);
-        acc = _mm512_fmadd_ps(v, v, acc);
-    }
-    float r = 1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)n + eps);
-    for (int i = 0; i < n; i++) out[i] = x[i] * r * w[i];
-}
-
-static int lin_rows(const lin_t *L) {
-    int n = 0;
-    for (int s = 0; s < L->nseg; s++) n += L->seg[s].rows;
-    return n;
-}
-
-/* y [M, N] = x [M, K] W^T for a stacked linear (rows of x and y contiguous); called by every thread of the
- * team (the tiles are shared among them); ends on a barrier. */
-static void team_product(const lin_t *L, const float *x, int M, float *y, abuf_t *ab) {
-    int kq = L->seg[0].type != 0, K = L->K, ldy = lin_rows(L);
-    #pragma omp for schedule(static)
-    for (int m = 0; m < M; m++) {
-        if (kq) prepare(x + (size_t)m * K, K, ab->q + (size_t)m * K, ab->d + (size_t)m * (K / 256),
-                        ab->s16 + (size_t)m * (K / 16), ab->qp + (size_t)m * K);
-        else ab->corr[m] = quantize_row(x + (size_t)m * K, K, ab->q + (size_t)m * K, ab->dv + (size_t)m * (K / 4));
-    }
-    act_t a[MAXM];
-    for (int m = 0; m < M; m++) {
-        act_t t = {ab->q + (size_t)m * K, ab->d + (size_t)m * (K / 256), ab->s16 + (size_t)m * (K / 16),
-                   ab->qp + (size_t)m * K};
-        a[m] = t;
-    }
-    int off = 0;
-    for (int s = 0; s < L->nseg; s++) {  /* each segment's tiles shared out without a barrier between them */
-        const seg_t *g = &L->seg[s];
-        if (kq) kq_tiles(g->type, (const uint8_t *)g->data, g->rows, K, a, M, y + off, ldy);
-        else i8_tiles((const int8_t *)g->data, g->scale, g->rows, K, ab->q, ab->dv, ab->corr, M, y + off, ldy);
-        off += g->rows;
-    }
-    #pragma omp barrier
-}
-
-/* q/k RMS norm per head, rotary embedding (rotate-half over the first `rotary` dims) at `pos`, k and v
- * written at `pos` of the caches [nkv, cap, hd]; the rotated queries to qout [nh, hd]. Serial. */
-static void attn_prepare(const model_t *m, const layer_t *L, const float *qkv, float *kc, float *vc, int pos,
-                         int cap, float *qout) {
-    int nh = m->nh, nkv = m->nkv, hd = m->hd, r = m->rotary, half = r / 2;
-    float cs[half], sn[half];
-    for (int i = 0; i < half; i++) {
-        float inv = 1.0f / powf(m->theta, (float)(2 * i) / (float)r);
-        float f = (float)pos * inv;
-        cs[i] = cosf(f);
-        sn[i] = sinf(f);
-    }
-    const float *kin = qkv + (size_t)nh * 2 * hd, *vin = kin + (size_t)nkv * hd;
-    for (int h = 0; h < nh + nkv; h++) {
-        int is_q = h < nh;
-        const float *src = is_q ? qkv + (size_t)h * 2 * hd : kin + (size_t)(h - nh) * hd;
-        float *dst = is_q ? qout + (size_t)h * hd : kc + ((size_t)(h - nh) * cap + pos) * hd;
-        float t[hd];
-        rms_norm_row(src, is_q ? L->q_norm : L->k_norm, t, hd, m->eps);
-        for (int i = 0; i < half; i++) {
-            dst[i] = t[i] * cs[i] - t[i + half] * sn[i];
-            dst[i + half] = t[i + half] * cs[i] + t[i] * sn[i];
-        }
-        for (int i = r; i < hd; i++) dst[i] = t[i];
-    }
-    for (int h = 0; h < nkv; h++)
-        for (int i = 0; i < hd; i++) vc[((size_t)h * cap + pos) * hd + i] = vin[(size_t)h * hd + i];
-}
-
-/* Query head h over cache positions 0..pos, softmax in f32, times sigmoid of its output gate: out [hd]. */
-static void attn_head(const model_t *m, int h, const float *qkv, const float *q, const float *kc, const float *vc,
-                      int pos, int cap, float *scores, float *out) {
-    int hd = m->hd, kvh = h / (m->nh / m->nkv), n = pos + 1;
-    const float *qh = q + (size_t)h * hd, *keys = kc + (size_t)kvh * cap * hd, *vals = vc + (size_t)kvh * cap * hd;
-    float scale = 1.0f / sqrtf((float)hd), mx = -INFINITY;
-    for (int t = 0; t < n; t++) {
-        const float *kt = keys + (size_t)t * hd;
-        __m512 acc = _mm512_setzero_ps();
-        for (int i = 0; i < hd; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + i), _mm512_loadu_ps(kt + i), acc);
-        float sc = _mm512_reduce_add_ps(acc) * scale;
-        scores[t] = sc;
-        if (sc > mx) mx = sc;
-    }
-    float sum = 0.0f;
-    __m512 vsum = _mm512_setzero_ps(), vmx = _mm512_set1_ps(mx);
-    int t0 = 0;
-    for (; t0 + 16 <= n; t0 += 16) {  /* e^(s - max) sixteen at a time (a long context has thousands per head) */
-        __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(scores + t0), vmx));
-        _mm512_storeu_ps(scores + t0, e);
-        vsum = _mm512_add_ps(vsum, e);
-    }
-    sum = _mm512_reduce_add_ps(vsum);
-    for (int t = t0; t < n; t++) { scores[t] = expf(scores[t] - mx); sum += scores[t]; }
-    float o[hd];
-    for (int i = 0; i < hd; i++) o[i] = 0.0f;
-    for (int t = 0; t < n; t++) {
-        const float *vt = vals + (size_t)t * hd;
-        float p = scores[t] / sum;
-        for (int i = 0; i < hd; i++) o[i] += p * vt[i];
-    }
-    const float *gate = qkv + (size_t)h * 2 * hd + hd;
-    for (int i = 0; i < hd; i++) out[(size_t)h * hd + i] = o[i] / (1.0f + expf(-gate[i]));
-}
-
-/* B sequences, one token each (B <= 8: the products read every weight once for all of them).
- * x [B, hidden]: the tokens' embedding rows (overwritten: the residual streams). state[b][2i], state[b][2i+1]:
- * sequence b's layer i (conv [Kc-1, C], ssm [nv, dk, dv]) or (k cache, v cache) [nkv, cap[b], hd], f32;
- * pos[b]: the position its token takes. logits [B, vocab] out. */
-int ds_decode_tokens(const model_t *m, int B, float *x, float *const *const *state, const int *pos, const int *cap,
-                     float *logits, int nthreads) {
-    int H = m->hidden, C = 2 * m->nk * m->dk + m->nv * m->dv, nh = m->nh, nv = m->nv;
-    if (B < 1 || B > MAXM || m->nk <= 0 || nv % m->nk || m->nkv <= 0 || nh % m->nkv || m->hd % 16
-        || m->rotary > m->hd || m->rotary % 2) return -1;
-    size_t kmax = (size_t)H, nmax = (size_t)H, spos[MAXM + 1];
-    spos[0] = 0;
-    for (int b = 0; b < B; b++) {
-        if (pos[b] < 0 || pos[b] >= cap[b]) return -1;
-        spos[b + 1] = spos[b] + (size_t)nh * (pos[b] + 1);  /* sequence b's score rows start at spos[b] */
-    }
-    for (int i = 0; i < m->n_layers; i++) {
-        const layer_t *L = &m->layers[i];
-        const lin_t *ls[4] = {&L->mix_in, &L->mix_out, &L->gate_up, &L->down};
-        for (int j = 0; j < 4; j++) {
-            if (ls[j]->K > (int)kmax) kmax = (size_t)ls[j]->K;
-            if (lin_rows(ls[j]) > (int)nmax) nmax = (size_t)lin_rows(ls[j]);
-        }
-    }
-    kmax = (kmax + 255) / 256 * 256;
-    float *hbuf = malloc(B * kmax * sizeof(float)), *big = malloc(B * nmax * sizeof(float)),
-          *mid = malloc(B * kmax * sizeof(float)), *u = malloc((size_t)B * C * sizeof(float)),
-          *qr = malloc((size_t)B * nh * m->hd * sizeof(float)), *scores = malloc(spos[B] * sizeof(float));
-    abuf_t ab;
-    ab.q = malloc(B * kmax + 64);
-    ab.qp = malloc(B * kmax + 64);
-    ab.d = malloc(B * kmax / 256 * sizeof(float) + 64);
-    ab.dv = malloc((B * kmax / 4 + 16) * sizeof(float));
-    ab.s16 = malloc(B * kmax / 16 * sizeof(int16_t) + 64);
-    int ok = hbuf && big && mid && u && qr && scores && ab.q && ab.qp && ab.d && ab.dv && ab.s16;
-    if (ok) {
-        #pragma omp parallel num_threads(nthreads)
-        {
-            for (int i = 0; i < m->n_layers; i++) {
-                const layer_t *L = &m->layers[i];
-                int nin = lin_rows(&L->mix_in), nmid = L->mix_out.K;
-                #pragma omp for schedule(static)
-                for (int b = 0; b < B; b++) rms_norm_row(x + (size_t)b * H, L->attn_norm, hbuf + (size_t)b * H, H, m->eps);
-                team_product(&L->mix_in, hbuf, B, big, &ab);
-                if (L->attention) {
-                    #pragma omp for schedule(static)
-                    for (int b = 0; b < B; b++)
-                        attn_prepare(m, L, big + (size_t)b * nin, state[b][2 * i], state[b][2 * i + 1], pos[b], cap[b],
-                                     qr + (size_t)b * nh * m->hd);
-                    #pragma omp for schedule(static)
-                    for (int t = 0; t < B * nh; t++) {
-                        int b = t / nh, h = t % nh;
-                        attn_head(m, h, big + (size_t)b * nin, qr + (size_t)b * nh * m->hd, state[b][2 * i],
-                                  state[b][2 * i + 1], pos[b], cap[b], scores + spos[b] + (size_t)h * (pos[b] + 1),
-                                  mid + (size_t)b * nmid);
-                    }
-                } else {
-                    #pragma omp for schedule(static)
-                    for (int b = 0; b < B; b++)
-                        dn_mix(big + (size_t)b * nin, L->conv_w, state[b][2 * i], u + (size_t)b * C, C, m->Kc, m->nk, m->dk);
-                    #pragma omp for schedule(static)
-                    for (int t = 0; t < B * nv; t++) {
-                        int b = t / nv, h = t % nv;
-                        const float *z = big + (size_t)b * nin + C, *bb = z + nv * m->dv, *a = bb + nv;
-                        dn_head(h, u + (size_t)b * C, z, bb, a, L->a_neg, L->dt_bias, L->norm_w, state[b][2 * i + 1],
-                                mid + (size_t)b * nmid, m->nk, m->dk, nv, m->dv, m->tiled, m->eps);
-                    }
-                }
-                team_product(&L->mix_out, mid, B, hbuf, &ab);
-                #pragma omp for schedule(static)
-                for (int b = 0; b < B; b++) {
-                    float *xb = x + (size_t)b * H, *hb = hbuf + (size_t)b * H;
-                    for (int j = 0; j < H; j++) xb[j] += hb[j];
-                    rms_norm_row(xb, L->post_norm, hb, H, m->eps);
-                }
-                team_product(&L->gate_up, hbuf, B, big, &ab);
-                #pragma omp for schedule(static)
-                for (int b = 0; b < B; b++) {
-                    int I = m->inter;
-                    float *g = big + (size_t)b * 2 * I, *md = mid + (size_t)b * I;
-                    silu_inplace(g, I);
-                    for (int j = 0; j < I; j++) md[j] = g[j] * g[I + j];
-                }
-                team_product(&L->down, mid, B, hbuf, &ab);
-                #pragma omp for schedule(static)
-                for (int b = 0; b < B; b++)
-                    for (int j = 0; j < H; j++) x[(size_t)b * H + j] += hbuf[(size_t)b * H + j];
-            }
-            #pragma omp for schedule(static)
-            for (int b = 0; b < B; b++) rms_norm_row(x + (size_t)b * H, m->final_norm, hbuf + (size_t)b * H, H, m->eps);
-            team_product(&m->head, hbuf, B, logits, &ab);
-        }
-    }
-    free(hbuf); free(big); free(mid); free(u); free(qr); free(scores);
-    free(ab.q); free(ab.qp); free(ab.d); free(ab.dv); free(ab.s16);
-    return ok ? 0 : -1;
 }
 
 /* ---------------------------------------------------------------------------------------------------------

@@ -5,15 +5,16 @@
 #ifndef DS_NATIVE_H
 #define DS_NATIVE_H
 
-#define DS_ABI 12           /* the library's interface version: a cached library of another one is rebuilt */
+#define DS_ABI 13           /* the library's interface version: a cached library of another one is rebuilt */
 #define DS_MAX_ROWS 8       /* activation rows per product, and sequences per batched decode call */
 #define DS_MAX_SEGMENTS 4   /* parts of a stacked linear that keep their own block kinds */
 #define DS_Q6K 14           /* GGUF Q6_K blocks, read as the file has them */
-#define DS_Q4KR 112         /* Q4_K blocks repacked at load (scale bits unpacked) */
+#define DS_I8 100           /* an int8 table with per-row scales (native.c) */
+#define DS_Q4KR 112         /* Q4_K blocks repacked at load (scale bits unpacked; native.c) */
 
 typedef struct {
-    int type;               /* native.c: 0 int8 table with per-row scales, DS_Q6K, DS_Q4KR; native_avx2.c: a GGUF
-                               type id of the file's blocks (0: F32 rows) */
+    int type;               /* a GGUF type id of the file's blocks (blocks.c: F16 1, Q4_0 2, Q8_0 8, Q4_K 12,
+                               Q5_K 13, Q6_K 14, BF16 30), 0 F32 rows, or native.c's DS_I8, DS_Q4KR */
     int rows;               /* output rows of this segment (segments follow each other along the output) */
     const void *data;
     const float *scale;     /* the int8 table's row scales */

@@ -4,12 +4,14 @@ They are compiled once per machine with the system C compiler (`cc`, or `$CC`; `
 cache directory (`$DELTASERVE_CACHE_DIR`, else `~/.cache/deltaserve`); torch stays the fallback for every product
 they do not take. What is compiled depends on the CPU, and the library's symbols say what it holds (`has`):
 
-- `native.c`: int8 tables and the file's Q4_K/Q6_K blocks times a few activation rows, the one-call token decode,
-  the prefill's delta rule: AVX512F + AVX512BW + AVX512-VNNI only (`status()` says whether they run, and why not);
+- `native.c`: int8 tables and Q4_K blocks repacked at load times a few activation rows (weights="tables"), the
+  prefill's delta rule and causal conv: AVX512F + AVX512BW + AVX512-VNNI only (`status()` says whether they run,
+  and why not);
 - `blocks.c`: the file's own blocks (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, F16, BF16) dequantized exactly, and products
-  on them: AVX2 + FMA + F16C, so on every x86-64 CPU these machines have (the AVX512 ones included);
-- `native_avx2.c`: the DeltaNet kernels (prefill's delta rule, causal conv, decode step) and the one-call token
-  decode on the file's own blocks (blocks.c's products), for CPUs without AVX512.
+  on them: AVX2 + FMA + F16C, so on every x86-64 CPU these machines have; where the CPU has AVX512-VNNI, the
+  products of up to 16 rows are its 512-bit ones (vpdpbusd, vpdpwssd; the same integer sums);
+- `native_avx2.c`: the one-call token decode and the decode's DeltaNet step on every CPU (each product on
+  blocks.c's or, for int8 tables, native.c's), and the prefill's delta rule and causal conv for CPUs without AVX512.
 
 `DELTASERVE_NATIVE=off` turns all of it off; a CPU without AVX2/FMA/F16C, no compiler or a failed build: torch's
 kernels, with the reason.
@@ -188,8 +190,8 @@ def has(name: str) -> bool:
 
 
 def status() -> tuple[bool, str]:
-    """(available, what or why not) for native.c's AVX512 kernels (int8 tables and Q4_K/Q6_K blocks times a few
-    rows, the one-call decode, the prefill's delta rule): built and loaded on first call, then remembered."""
+    """(available, what or why not) for native.c's AVX512 kernels (int8 tables and repacked Q4_K blocks times a few
+    rows, the prefill's delta rule): built and loaded on first call, then remembered."""
     lib = library()
     if lib is None:
         return False, _state["why"]
@@ -200,11 +202,14 @@ def status() -> tuple[bool, str]:
 
 
 def portable() -> tuple[bool, str]:
-    """(available, why not) for blocks.c's kernels on the file's own blocks (any CPU with AVX2, FMA and F16C)."""
+    """(available, what or why not) for blocks.c's kernels on the file's own blocks (any CPU with AVX2, FMA and
+    F16C; their 512-bit VNNI products where the CPU has AVX512-VNNI)."""
     lib = library()
     if lib is None:
         return False, _state["why"]
-    return (True, "AVX2") if hasattr(lib, "ds_linear_blocks") else (False, "not in this build")
+    if not hasattr(lib, "ds_linear_blocks"):
+        return False, "not in this build"
+    return True, "AVX512-VNNI" if hasattr(lib, "ds_blocks_vnni") else "AVX2"
 
 
 def reset() -> None:
@@ -239,7 +244,8 @@ def for_products(kind: str, blocks: torch.Tensor) -> tuple[str, torch.Tensor]:
 
 def linear_blocks(x: torch.Tensor, kind: str, blocks: torch.Tensor, out_features: int) -> torch.Tensor | None:
     """x [M, K] times a tensor kept as the file's own blocks (`kind` Q4_K or Q6_K; blocks: uint8 [N, K/256 *
-    block bytes]): f32 [M, N]; None when the kernel cannot take it (more than 8 rows, no library)."""
+    block bytes]) beside an int8 table: f32 [M, N]; None when the kernel cannot take it (more than 8 rows, no
+    library). Q4_K runs on native.c's repacked blocks, Q6_K on blocks.c's product."""
     lib = library()
     M, K = x.shape
     if not has("ds_linear_kq") or M > MAX_ROWS or K % 256 or kind not in BLOCK_TYPES:
@@ -248,8 +254,9 @@ def linear_blocks(x: torch.Tensor, kind: str, blocks: torch.Tensor, out_features
     if x.dtype != torch.float32 or x.stride(1) != 1:
         x = x.float().contiguous()
     y = torch.empty(M, out_features)
-    if lib.ds_linear_kq(BLOCK_TYPES[kind][0], x.data_ptr(), M, K, x.stride(0), blocks.data_ptr(), out_features,
-                        y.data_ptr(), out_features, torch.get_num_threads()) != 0:
+    product = lib.ds_linear_kq if kind == "Q4_K/r" else lib.ds_linear_blocks
+    if product(BLOCK_TYPES[kind][0], x.data_ptr(), M, K, x.stride(0), blocks.data_ptr(), out_features, y.data_ptr(),
+               out_features, torch.get_num_threads()) != 0:
         return None
     return y
 

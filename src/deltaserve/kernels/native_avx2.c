@@ -1,18 +1,16 @@
-/* native_avx2.c: native.c's DeltaNet kernels and its one-call token decode, for x86-64 CPUs with AVX2, FMA and F16C
- * but without AVX512 (an AMD EPYC Zen 3, say), where none of native.c is compiled. Same signatures, same math:
+/* native_avx2.c: the DeltaNet kernels and the one-call token decode on AVX2, FMA and F16C:
  *
+ * - ds_deltanet_step: one decode token of a DeltaNet mixer between its projections (every CPU);
+ * - ds_decode_tokens: one token through the whole model in one call, for a batch of up to 8 sequences (every CPU).
+ *   Each product's segments (native.h's seg_t) run where their type says: the file's own blocks (GGUF type ids:
+ *   F16 1, Q4_0 2, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14, BF16 30) on blocks.c's products (activations quantized as
+ *   llama.cpp does, see blocks.h), F32 rows here, and where native.c is compiled (AVX512-VNNI) its int8 tables
+ *   (DS_I8) and repacked Q4_K blocks (DS_Q4KR) on its products (tables.h);
  * - ds_delta_rule: the prefill's gated delta rule token by token, the state split into 16-column slices (two ymm a
- *   row, 8 KB a slice) that stay in L1 for the whole span;
- * - ds_causal_conv: the depthwise causal conv + SiLU over a span in one pass;
- * - ds_deltanet_step: one decode token of a DeltaNet mixer between its projections;
- * - ds_decode_tokens: one token through the whole model in one call, for a batch of up to 8 sequences, whose
- *   products are blocks.c's pieces on the file's own blocks (lin_t segments typed by GGUF block type id: Q4_0 2,
- *   Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14; activations quantized as llama.cpp does, see blocks.h).
- *
- * On a CPU with AVX512F + AVX512BW + AVX512-VNNI native.c holds all of these and this file compiles to nothing.
+ *   row, 8 KB a slice) that stay in L1 for the whole span, and ds_causal_conv: the depthwise causal conv + SiLU over
+ *   a span in one pass: for CPUs without AVX512 (an AMD EPYC Zen 3, say); native.c holds its own where it runs.
  */
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && \
-    !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__))
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -20,6 +18,7 @@
 
 #include "native.h"
 #include "blocks.h"
+#include "tables.h"
 
 #define MAXM DS_MAX_ROWS
 
@@ -58,8 +57,12 @@ static void silu_inplace(float *v, int n) {
 }
 
 /* ---------------------------------------------------------------------------------------------------------
- * One token of a Gated DeltaNet mixer, after its input projections and before its output projection (native.c's
- * ds_deltanet_step: the conv and SiLU, the L2 norms, the gates, the delta rule, the gated RMS norm).
+ * One token of a Gated DeltaNet mixer, after its input projections and before its output projection: the causal
+ * conv (updating conv_state [Kc-1, C]) and SiLU, the L2-normalised q (scaled by dk^-1/2) and k, the gates
+ * beta = sigmoid(b), g = a_neg * softplus(a + dt_bias), the gated delta rule on S [nv, dk, dv] (S = e^g S;
+ * delta = beta (v - S^T k); S += k delta^T; o = S^T q) and the gated RMS norm o * rsqrt(mean(o^2) + eps) * norm_w *
+ * silu(z): layers.py's math in one pass per head (torch's version is ~40 small ops per layer). Value head h reads
+ * key head h / (nv / nk) ("grouped") or h % nk ("tiled").
  * ------------------------------------------------------------------------------------------------------- */
 
 /* The conv over [conv_state; qkv] (the state shifts by one), SiLU, and the L2 norms of the q (scaled by
@@ -137,6 +140,7 @@ int ds_deltanet_step(const float *qkv, const float *z, const float *b, const flo
     return 0;
 }
 
+#ifndef DS_TABLES  /* native.c's ds_causal_conv and ds_delta_rule where it is compiled */
 /* The depthwise causal conv of a DeltaNet layer over T new rows, then SiLU: out[t, c] = silu(sum_j
  * w[c, j] * window[t + j, c]) with window = [conv_state; x] ([Kc-1+T, C]); conv_state becomes the window's
  * last Kc-1 rows. One pass over x and out. */
@@ -282,17 +286,20 @@ int ds_delta_rule(const float *q, const float *k, const float *v, const float *g
     return 0;
 }
 
+#endif  /* !DS_TABLES */
+
 /* ---------------------------------------------------------------------------------------------------------
- * One token through the whole model in one call, for B <= 8 sequences (native.c's ds_decode_tokens, the same
- * structs and math): every layer's RMSNorms, products, DeltaNet or attention step, SwiGLU and residual adds, then
- * the final norm and the head, in one OpenMP team. The products are blocks.c's on the file's own blocks: a lin_t
- * segment's type is the GGUF type id of its rows (Q4_0 2, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14, and F16 1 / BF16 30
- * where blocks.c multiplies them), or 0 for F32 rows (multiplied here); a stacked linear may mix them, and each
- * kind of activation quantization that occurs is prepared once per product.
+ * One token through the whole model in one call, for B <= 8 sequences: every layer's RMSNorms, products, DeltaNet
+ * or attention step, SwiGLU and residual adds, then the final norm and the head, in one OpenMP team (the products
+ * and the per-head steps are shared among its threads, the small serial pieces run on one), no Python or per-op
+ * dispatch between the ~25 operations of a layer. A lin_t segment's type says whose product reads it: a GGUF
+ * type id (the file's own blocks: blocks.c), 0 (F32 rows: here), DS_I8 or DS_Q4KR (native.c, where compiled); a
+ * stacked linear may mix them, and each kind of activation quantization that occurs is prepared once per product.
  * ------------------------------------------------------------------------------------------------------- */
 /* seg_t, lin_t, layer_t, model_t: native.h */
 
-#define NKIND 4  /* blk_kind's kinds 1..3 (0: F32 rows, no preparation) */
+#define TAB0 (BLK_KINDS - 1)  /* tables.h's kind k (1, 2) is kind TAB0 + k here, after blk_kind's */
+#define NKIND (TAB0 + 3)      /* 0: F32 rows, no preparation */
 
 static void rms_norm_row(const float *x, const float *w, float *out, int n, float eps) {
     __m256 acc = _mm256_setzero_ps();
@@ -310,12 +317,17 @@ static int lin_rows(const lin_t *L) {
     return n;
 }
 
-/* The kind of a segment's activations: blk_kind's for a block type, 0 for F32 rows, -1 for what is not taken. */
+/* The kind of a segment's activations: blk_kind's for a block type, TAB0 + tab_kind's for a table, 0 for F32
+ * rows, -1 for what is not taken here. */
 static int seg_kind(const seg_t *g, int K) {
     if (g->type == 0) return 0;
     int kind = blk_kind(g->type);
-    if (kind <= 0 || kind >= NKIND || (kind == 1 && K % 32) || (kind == 2 && K % 256)) return -1;
-    return kind;
+    if (kind > 0) return K % blk_values(g->type) ? -1 : kind;
+#ifdef DS_TABLES
+    kind = tab_kind(g->type);
+    if (kind > 0) return K % (kind == 1 ? 32 : 256) || (kind == 1 && !g->scale) ? -1 : TAB0 + kind;
+#endif
+    return -1;
 }
 
 static int lin_ok(const lin_t *L) {
@@ -343,20 +355,37 @@ static void f32_tiles(const float *W, int N, int K, const float *x, int M, float
 }
 
 /* y [M, N] = x [M, K] W^T for a stacked linear (rows of x and y contiguous); called by every thread of the team
- * (the rows are shared among them); ends on a barrier. scratch[kind]: blk_scratch_bytes(M, K) or more each. */
+ * (the rows are shared among them); ends on a barrier. scratch[kind]: scratch_bytes(kind, M, K) or more each. */
 static void team_product(const lin_t *L, const float *x, int M, float *y, void *const *scratch) {
     int K = L->K, ldy = lin_rows(L), need[NKIND] = {0};
     for (int s = 0; s < L->nseg; s++) need[seg_kind(&L->seg[s], K)] = 1;
-    for (int kind = 1; kind < NKIND; kind++)
-        if (need[kind]) blk_prepare(kind, x, M, K, K, scratch[kind]);  /* each ends on its barrier */
+    for (int kind = 1; kind < NKIND; kind++) {  /* each ends on its barrier */
+        if (!need[kind]) continue;
+#ifdef DS_TABLES
+        if (kind > TAB0) { tab_prepare(kind - TAB0, x, M, K, scratch[kind]); continue; }
+#endif
+        blk_prepare(kind, x, M, K, K, scratch[kind]);
+    }
     int off = 0;
     for (int s = 0; s < L->nseg; s++) {  /* each segment's rows shared out without a barrier between them */
         const seg_t *g = &L->seg[s];
-        if (g->type == 0) f32_tiles((const float *)g->data, g->rows, K, x, M, y + off, ldy);
-        else blk_tiles(g->type, (const uint8_t *)g->data, g->rows, K, scratch[seg_kind(g, K)], M, y + off, ldy);
+        int kind = seg_kind(g, K);
+        if (kind == 0) f32_tiles((const float *)g->data, g->rows, K, x, M, y + off, ldy);
+#ifdef DS_TABLES
+        else if (kind > TAB0) tab_tiles(g, K, scratch[kind], M, y + off, ldy);
+#endif
+        else blk_tiles(g->type, (const uint8_t *)g->data, g->rows, K, scratch[kind], M, y + off, ldy);
         off += g->rows;
     }
     #pragma omp barrier
+}
+
+static size_t scratch_bytes(int kind, int M, int K) {
+    (void)kind;
+#ifdef DS_TABLES
+    if (kind > TAB0) return tab_scratch_bytes(M, K);
+#endif
+    return blk_scratch_bytes(M, K);
 }
 
 /* q/k RMS norm per head, rotary embedding (rotate-half over the first `rotary` dims) at `pos`, k and v
@@ -454,7 +483,7 @@ int ds_decode_tokens(const model_t *m, int B, float *x, float *const *const *sta
           *qr = malloc((size_t)B * nh * m->hd * sizeof(float)), *scores = malloc(spos[B] * sizeof(float));
     void *scratch[NKIND] = {NULL};
     int ok = hbuf && big && mid && u && qr && scores;
-    for (int kind = 1; kind < NKIND; kind++) ok = ok && (scratch[kind] = malloc(blk_scratch_bytes(B, (int)kmax)));
+    for (int kind = 1; kind < NKIND; kind++) ok = ok && (scratch[kind] = malloc(scratch_bytes(kind, B, (int)kmax)));
     if (ok) {
         #pragma omp parallel num_threads(nthreads)
         {
@@ -518,4 +547,4 @@ int ds_decode_tokens(const model_t *m, int B, float *x, float *const *const *sta
     return ok ? 0 : -1;
 }
 
-#endif  /* AVX2 + FMA + F16C, no AVX512 */
+#endif  /* AVX2 + FMA + F16C */
