@@ -55,7 +55,7 @@ def _demo_file(name: str):
     GPU run carries it in .fixtures/), or None."""
     from tests.fixtures import models as fx
 
-    path = fx.fixtures_dir() / f"demo-{name}-by-llama.cpp.gguf"
+    path = fx.demo_quantized_path(name)
     return path if path.exists() else None
 
 
@@ -67,7 +67,7 @@ def test_a_quantized_file_serves_on_cuda_and_recalls_like_the_cpu(name):
 
     path = _demo_file(name)
     if path is None:
-        pytest.skip(f"demo-{name}-by-llama.cpp.gguf not built here (needs llama.cpp)")
+        pytest.skip(f"the demo model quantized to {name} by llama.cpp is not built here (needs llama.cpp)")
     model = deltaserve.load(path, cache=False)
     cpu = model.session(device="cpu", quiet=True)
     gpu = model.session(backend=CUDABackend(model.host), guard=ParityGuard(revalidate=True), quiet=True)

@@ -104,7 +104,7 @@ def demo_by_llama_cpp(ftype: str, name: str):
     """The trained demo model quantized by llama.cpp itself (LLAMA_FTYPE_MOSTLY_<ftype>), cached; llama.cpp runs
     in a child process (tests/llama_oracle.py)."""
     oracle.require()
-    out = fx.fixtures_dir() / f"demo-{name}-by-llama.cpp.gguf"
+    out = fx.demo_quantized_path(name)
     if not out.exists():
         tmp = out.with_suffix(".part")
         assert oracle.quantize(DEMO_FILE, tmp, ftype) == 0

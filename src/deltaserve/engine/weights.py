@@ -19,7 +19,8 @@ from deltaserve.formats import quant
 from deltaserve.formats.config import HybridConfig
 from deltaserve.formats.layout import TensorSource, check_tensors
 from deltaserve.kernels import native
-from deltaserve.kernels.linear import GGUF_TYPES, BlockLinear, DenseLinear, Int8Linear, Linear, StackedLinear
+from deltaserve.kernels.linear import (GGUF_TYPES, BlockLinear, DenseLinear, Int8Linear, Linear, StackedLinear,
+                                      chunk_dtype)
 from deltaserve.kernels.native import BLOCK_TYPES
 
 
@@ -163,7 +164,7 @@ def weight_mode(mode: str | None = None) -> str:
     """"blocks": every GGUF tensor stays the file's own blocks where they lie in its mapping (nothing converted;
     F32 used in place); "tables": quantized tensors become int8 per-row tables, f16/bf16 become bf16, f32 stays f32
     (the AVX512-VNNI kernels of native.c multiply those); "exact": every tensor dequantized to f32 (the parity
-    reference); "fast" (default): "tables" where native.c's AVX512 kernels run, else "blocks".
+    reference); "fast" (default): "blocks", except on an AVX512-VNNI CPU without AMX (resolve_mode).
     DELTASERVE_WEIGHTS picks it too."""
     mode = mode or os.environ.get("DELTASERVE_WEIGHTS", "fast")
     if mode not in WEIGHT_MODES:
@@ -172,10 +173,16 @@ def weight_mode(mode: str | None = None) -> str:
 
 
 def resolve_mode(mode: str) -> str:
-    """The weight mode "fast" stands for on this machine."""
+    """The weight mode "fast" stands for on this machine: "blocks" (the file's own blocks, held once), except where
+    native.c's AVX512 kernels run and the prefill's chunks would be f32 (no AMX: chunk_dtype): there the int8 tables'
+    int8 x int8 prefill is the fast one (measured on a Zen 4/5 at 2.8-3.8x llama.cpp), at the price of a second
+    copy of the weights. Decode on the blocks is as fast as on the tables on an AVX512-VNNI Xeon (blocks.c's VNNI
+    products), and its prefill runs bf16 chunks on AMX tiles."""
     if mode != "fast":
         return mode
-    return "tables" if native.status()[0] else "blocks"
+    if native.status()[0] and chunk_dtype() != torch.bfloat16:
+        return "tables"
+    return "blocks"
 
 
 def make_linear(w: torch.Tensor, source_type: str, mode: str) -> Linear:
