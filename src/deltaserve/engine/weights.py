@@ -20,7 +20,7 @@ from deltaserve.formats.config import HybridConfig
 from deltaserve.formats.layout import TensorSource, check_tensors
 from deltaserve.kernels import native
 from deltaserve.kernels.linear import (GGUF_TYPES, BlockLinear, DenseLinear, Int8Linear, Linear, StackedLinear,
-                                      chunk_dtype)
+                                      amx_bf16)
 from deltaserve.kernels.native import BLOCK_TYPES
 
 
@@ -174,13 +174,13 @@ def weight_mode(mode: str | None = None) -> str:
 
 def resolve_mode(mode: str) -> str:
     """The weight mode "fast" stands for on this machine: "blocks" (the file's own blocks, held once), except where
-    native.c's AVX512 kernels run and the prefill's chunks would be f32 (no AMX: chunk_dtype): there the int8 tables'
+    native.c's AVX512 kernels run and the CPU has no AMX for the prefill's chunks (amx_bf16): there the int8 tables'
     int8 x int8 prefill is the fast one (measured on a Zen 4/5 at 2.8-3.8x llama.cpp), at the price of a second
     copy of the weights. Decode on the blocks is as fast as on the tables on an AVX512-VNNI Xeon (blocks.c's VNNI
     products), and its prefill runs bf16 chunks on AMX tiles."""
     if mode != "fast":
         return mode
-    if native.status()[0] and chunk_dtype() != torch.bfloat16:
+    if native.status()[0] and not amx_bf16():
         return "tables"
     return "blocks"
 

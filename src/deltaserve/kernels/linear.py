@@ -223,20 +223,24 @@ BLOCK_GEMV_ROWS = 16  # up to this many rows: blocks.c's int8 products; beyond: 
 CHUNK_ELEMENTS = 1 << 20  # an f32 chunk of 4 MiB: cache-sized, and each product's only transient of weights
 
 
-_CHUNK_DTYPE: list[torch.dtype] = []
+_AMX: list[bool] = []
+
+
+def amx_bf16() -> bool:
+    """True where the CPU has AMX-BF16 and the kernel lets this process use its tiles (torch asks for them; torch's
+    oneDNN then runs bf16 GEMMs on them). Found once per process."""
+    if not _AMX:
+        _AMX.append("amx_bf16" in native.cpu_flags() and bool(getattr(torch._C._cpu, "_init_amx", lambda: False)()))
+    return _AMX[0]
 
 
 def chunk_dtype() -> torch.dtype:
     """The dtype of BlockLinear's many-row products: DELTASERVE_PREFILL "f32" (exact weights, f32 activations),
-    "bf16", or "auto" (default): bf16 where the CPU has AMX-BF16 and the kernel lets this process use its tiles
-    (torch's oneDNN then runs bf16 GEMMs on them), else f32. Decided once per process."""
+    "bf16", or "auto" (default): bf16 where amx_bf16(), else f32."""
     mode = os.environ.get("DELTASERVE_PREFILL", "auto")
     if mode in ("f32", "bf16"):
         return torch.float32 if mode == "f32" else torch.bfloat16
-    if not _CHUNK_DTYPE:
-        amx = "amx_bf16" in native.cpu_flags() and bool(getattr(torch._C._cpu, "_init_amx", lambda: False)())
-        _CHUNK_DTYPE.append(torch.bfloat16 if amx else torch.float32)
-    return _CHUNK_DTYPE[0]
+    return torch.bfloat16 if amx_bf16() else torch.float32
 
 
 class BlockLinear(Linear):
