@@ -229,15 +229,18 @@ def llama_pp_tg(path: Path, threads: int, repeats: int, tg_tokens: int = 32) -> 
     return {"pp512": median(pp), "tg": median(tg), "pp_runs": pp, "tg_runs": tg}
 
 
-def _llama_build(target: str, shared: bool) -> Path:
-    """llama.cpp built once from the vendored source in llama-cpp-python's sdist (the installed version), with the
-    widest vector flags this CPU reports (llama_cpu_flags): `target` in a build tree of its own. Returns the tree."""
+def _llama_built(target: str, shared: bool, product: str) -> Path:
+    """llama.cpp's `target` built once from the vendored source in llama-cpp-python's sdist (the installed version),
+    with the widest vector flags this CPU reports (llama_cpu_flags), in a build tree of its own (shared libraries or
+    static); the path of `product` in that tree's bin/, built when it is not there yet."""
     from importlib import metadata
 
     version = metadata.version("llama-cpp-python")
     flags = llama_cpu_flags()
     tag = "avx512" if "-DGGML_AVX512=ON" in flags else "avx2"
-    build = CACHE / f"llama.cpp-{version}-{tag}{'-shared' if shared else ''}"
+    tree = CACHE / f"llama.cpp-{version}-{tag}{'-shared' if shared else ''}" / "build"
+    if (tree / "bin" / product).exists():
+        return tree / "bin" / product
     src = CACHE / f"llama.cpp-{version}-src"
     if not src.exists():
         dl = CACHE / "sdist"
@@ -247,34 +250,25 @@ def _llama_build(target: str, shared: bool) -> Path:
         with tarfile.open(next(dl.glob(f"llama_cpp_python-{version}.tar.gz"))) as tf:
             tf.extractall(unpacked)
         shutil.move(str(next(unpacked.glob("llama_cpp_python-*")) / "vendor" / "llama.cpp"), src)
-    subprocess.run(["cmake", "-S", str(src), "-B", str(build / "build"), *flags, "-DLLAMA_CURL=OFF",
+    subprocess.run(["cmake", "-S", str(src), "-B", str(tree), *flags, "-DLLAMA_CURL=OFF",
                     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DCMAKE_BUILD_TYPE=Release",
                     f"-DBUILD_SHARED_LIBS={'ON' if shared else 'OFF'}"],
                    check=True, capture_output=True)
-    subprocess.run(["cmake", "--build", str(build / "build"), "--target", target, "-j", str(os.cpu_count())],
+    subprocess.run(["cmake", "--build", str(tree), "--target", target, "-j", str(os.cpu_count())],
                    check=True, capture_output=True)
-    return build / "build"
+    return tree / "bin" / product
 
 
 def llama_server_binary() -> Path:
     """llama.cpp's own llama-server (static), built once with this CPU's widest vector flags."""
-    binary = _llama_tree(shared=False) / "bin" / "llama-server"
-    return binary if binary.exists() else _llama_build("llama-server", shared=False) / "bin" / "llama-server"
+    return _llama_built("llama-server", shared=False, product="llama-server")
 
 
 def llama_library_dir() -> Path:
     """The directory of libllama.so and its ggml libraries built with this CPU's widest vector flags, for
     llama-cpp-python to load instead of its own (LLAMA_CPP_LIB_PATH): the README's install builds that one for the
     AVX2 baseline (it must run on every CPU here), which would understate llama.cpp on an AVX512 CPU."""
-    lib = _llama_tree(shared=True) / "bin"
-    return lib if (lib / "libllama.so").exists() else _llama_build("llama", shared=True) / "bin"
-
-
-def _llama_tree(shared: bool) -> Path:
-    from importlib import metadata
-
-    tag = "avx512" if "-DGGML_AVX512=ON" in llama_cpu_flags() else "avx2"
-    return CACHE / f"llama.cpp-{metadata.version('llama-cpp-python')}-{tag}{'-shared' if shared else ''}" / "build"
+    return _llama_built("llama", shared=True, product="libllama.so").parent
 
 
 def use_best_llama() -> str:
