@@ -190,6 +190,43 @@ def test_the_decode_leaves_a_busy_core_within_a_few_steps_and_takes_it_back_when
     assert used[-1] == 2
 
 
+def simulate_pressure(governor: T.ThreadGovernor, step_seconds, stall_share, steps: int) -> list[int]:
+    """`simulate`, each step reporting CPU pressure: stall_share(n) of its time some task waited for a CPU."""
+    used = []
+    for _ in range(steps):
+        n = governor.threads()
+        used.append(n)
+        governor.record(step_seconds(n), 1, stall_share(n) * step_seconds(n))
+    return used
+
+
+def test_a_quiet_machine_that_reports_cpu_pressure_never_moves_the_decode_off_its_threads():
+    g = T.ThreadGovernor(2)
+    quiet = {1: 0.043, 2: 0.032}
+    used = simulate_pressure(g, quiet.get, lambda n: 0.0, 2000)
+    assert set(used) == {2} and g.probes == 0
+
+
+def test_cpu_pressure_sends_the_decode_to_one_thread_within_a_few_steps_and_back_when_the_core_is_free():
+    g = T.ThreadGovernor(2)
+    quiet = {1: 0.043, 2: 0.032}
+    contended = {1: 0.053, 2: 0.227}       # measured on the 0.8B shape, one competing busy process
+    pressure = {1: 0.02, 2: 0.5}           # the share of a step some task waited for a CPU, measured likewise
+    simulate_pressure(g, quiet.get, lambda n: 0.0, 100)
+    used = simulate_pressure(g, contended.get, pressure.get, 600)
+    assert used.index(1) <= 2 * T.ThreadGovernor.PROBE  # the busy core is left within a few steps
+    assert used[-1] == 1 and used.count(2) / len(used) < 0.06
+    used = simulate_pressure(g, quiet.get, lambda n: 0.0, 1200)
+    assert used[-1] == 2
+
+
+def test_pressure_that_one_thread_cannot_relieve_costs_a_few_tries_not_a_steady_share():
+    g = T.ThreadGovernor(2)
+    steps = {1: 0.064, 2: 0.040}  # another process waits, but two threads stay faster
+    used = simulate_pressure(g, steps.get, lambda n: 0.3, 2000)
+    assert used[-1] == 2 and used.count(1) / len(used) < 0.03
+
+
 def test_a_governor_of_one_thread_never_probes():
     g = T.ThreadGovernor(1)
     assert set(simulate(g, lambda n: 0.01, 100)) == {1}

@@ -687,3 +687,28 @@ def test_encoding_a_long_text_lets_the_other_threads_of_the_process_run(real_fro
     worker.join()
     assert ticks[0] >= 20, ticks[0]
     assert out["ids"] == tok.backend.encode(text, add_special_tokens=False).ids
+
+
+def test_the_token_count_bound_of_a_gguf_vocabulary_rests_on_its_longest_tokens_bytes(real_from_gguf):
+    longest = max(len(real_from_gguf.token_bytes(i)) for i in range(real_from_gguf.vocab_size))
+    for n in (1, longest - 1, longest, longest + 1, 10 * longest + 3):
+        assert real_from_gguf.fewest_tokens("a" * n) == -(-n // longest)
+
+
+def test_padding_and_repeated_strings_inside_a_gguf_vocabulary_decode_to_nothing_and_move_no_other_id(
+        small_gguf_fields, small_from_gguf):
+    tokens = list(small_gguf_fields["tokenizer.ggml.tokens"])
+    types = list(small_gguf_fields["tokenizer.ggml.token_type"])
+    twin = small_from_gguf.vocab_size  # the first padding row: a second "Ġ", padding, then a token of its own
+    assert types[twin:twin + 3] == [gguf.TokenType.UNUSED] * 3
+    tokens[twin], types[twin] = tokens[220], gguf.TokenType.NORMAL
+    tokens[twin + 2], types[twin + 2] = "ẑẑ", gguf.TokenType.NORMAL
+    tok = Tokenizer.from_gguf_fields({**small_gguf_fields, "tokenizer.ggml.tokens": tokens,
+                                      "tokenizer.ggml.token_type": types})
+    assert tok.vocab_size == twin + 3
+    assert tok.token_bytes(twin) == tok.token_bytes(twin + 1) == b""
+    assert tok.token_bytes(twin + 2) == "ẑẑ".encode()
+    assert tok.token_to_id(tokens[220]) == 220
+    same = list(range(twin))
+    assert [tok.token_bytes(i) for i in same] == [small_from_gguf.token_bytes(i) for i in same]
+    assert tok.decode(list(range(tok.vocab_size))) == small_from_gguf.decode(same) + "ẑẑ"

@@ -28,6 +28,7 @@ def deltaserve_sizes(path: Path, threads: int, pp: int, tg: int) -> dict:
     import torch
 
     import deltaserve
+    import deltaserve.api  # noqa: F401 - deltaserve's modules imported before the clock, as llama_cpp's are
     from deltaserve.engine.forward import Forward
 
     torch.set_num_threads(threads)
@@ -99,7 +100,8 @@ def write_report(r: dict, out: Path) -> Path:
     lines = [f"# deltaserve bench sizes ({r['date']})", "", f"Command: `{r['command']}`  ",
              f"CPU: {r['cpu']}, {r['threads']} threads. Random weights of the real Qwen3.5 shapes; each engine in a "
              f"fresh process per file: load, a {r['pp']}-token prefill, {r['tg']} decoded tokens; peak RSS is that "
-             f"process's VmHWM. llama.cpp: llama-cpp-python on a libllama built here with "
+             f"process's VmHWM. Load is the time to read the file into a model, each engine's Python modules imported "
+             f"before the clock (torch's ~1 s import and llama_cpp's are in neither). llama.cpp: llama-cpp-python on a libllama built here with "
              f"{r.get('llama.cpp_flags') or 'the installed flags'}.", "",
              "| shape | file | size | engine | load s | pp tok/s | tg tok/s | peak RSS | RSS / file | load / llama | "
              "pp / llama | tg / llama |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]

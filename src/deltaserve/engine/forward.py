@@ -11,7 +11,7 @@ from deltaserve.formats.config import HybridConfig
 from deltaserve.engine.weights import AttentionWeights, Weights
 from deltaserve.engine import layers as L
 from deltaserve.kernels.native import cpu_flags
-from deltaserve.kernels.cpu import keep_freed_memory
+from deltaserve.kernels.cpu import cpu_stall_seconds, keep_freed_memory
 from deltaserve.engine.native_token import TokenProgram
 from deltaserve.engine.state import DecodeState
 from deltaserve.kernels.cpu import ThreadGovernor
@@ -128,9 +128,12 @@ class Forward:
         most = torch.get_num_threads()
         if self.governor is None or self.governor.most != most:
             self.governor = ThreadGovernor(most)
-        t0 = time.perf_counter()
+        if self.governor.most == 1:
+            return program.decode(states, tokens, 1)
+        s0, t0 = cpu_stall_seconds(), time.perf_counter()
         logits = program.decode(states, tokens, self.governor.threads())
-        self.governor.record(time.perf_counter() - t0, len(states))
+        t1, s1 = time.perf_counter(), cpu_stall_seconds()
+        self.governor.record(t1 - t0, len(states), None if s0 is None or s1 is None else s1 - s0)
         return logits
 
     @torch.inference_mode()

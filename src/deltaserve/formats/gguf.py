@@ -79,6 +79,9 @@ class GGUFFile:
         return self.metadata.get("general.architecture")
 
 
+_U64 = struct.Struct("<Q")
+
+
 class _Cursor:
     def __init__(self, buf, name: str):
         self.buf = buf
@@ -108,25 +111,47 @@ class _Cursor:
             return raw.decode("utf-8", errors="replace")
 
     def strings(self, count: int, what: str) -> list[str]:
-        """An array of `count` strings in one tight loop (a vocabulary is ~500,000 of them: the per-string
-        method calls of `string` took 3.4 s of a 0.8B file's 10 s load)."""
+        """An array of `count` strings: the bytes cut out in one tight loop, then decoded in one call where every
+        string is valid UTF-8 without NUL (a vocabulary is ~500,000 of them: per-string method calls took 3.4 s
+        of a 0.8B file's 10 s load; a slice, a check and a decode each, 0.18 s; this, 0.12 s)."""
+        buf, pos, end, raw = self.buf, self.pos, len(self.buf), []
+        append, length = raw.append, _U64.unpack_from
+        try:
+            for _ in range(count):
+                (n,) = length(buf, pos)
+                pos += 8
+                append(buf[pos:pos + n])
+                pos += n
+        except struct.error:
+            pos = end + 1
+        if pos > end:
+            return self._strings_checked(count, what)  # truncated: the careful walk names where
+        self.pos = pos
+        if not raw:
+            return []
+        blob = b"\x00".join(raw)
+        if blob.count(0) == count - 1:
+            try:
+                return blob.decode("utf-8").split("\x00")
+            except UnicodeDecodeError:
+                pass
+        return [r.decode("utf-8", errors="replace") for r in raw]
+
+    def _strings_checked(self, count: int, what: str) -> list[str]:
+        """`strings` one at a time with every bound checked: raises the truncation error at the string that runs
+        past the end."""
         buf, pos, end, out = self.buf, self.pos, len(self.buf), []
-        append, length = out.append, struct.Struct("<Q").unpack_from
         for _ in range(count):
             if pos + 8 > end:
                 self.pos = pos
                 self.need(8, what)
-            (n,) = length(buf, pos)
+            (n,) = _U64.unpack_from(buf, pos)
             pos += 8
             if pos + n > end:
                 self.pos = pos
                 self.need(n, what)
-            raw = buf[pos:pos + n]
+            out.append(bytes(buf[pos:pos + n]).decode("utf-8", errors="replace"))
             pos += n
-            try:
-                append(raw.decode("utf-8"))
-            except UnicodeDecodeError:
-                append(raw.decode("utf-8", errors="replace"))
         self.pos = pos
         return out
 

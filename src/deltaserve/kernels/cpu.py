@@ -113,17 +113,38 @@ def plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
 
+PSI_CPU = "/proc/pressure/cpu"
+
+
+def cpu_stall_seconds() -> float | None:
+    """Seconds, since boot, in which some runnable task of this machine waited for a CPU (the kernel's pressure
+    stall information, "some" line), or None where the kernel does not report it."""
+    try:
+        with open(PSI_CPU) as f:
+            return int(f.readline().rsplit("total=", 1)[1]) / 1e6
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 class ThreadGovernor:
     """The thread count of the native decode, chosen by measuring it (see the module's docstring).
 
     A step of a team of `most` threads waits at every barrier for its slowest thread; when another process
     takes one of the cores, that thread runs a fraction of the time and the whole step waits for it (measured
     on the 0.8B shape, 2 cores: 31.6 tok/s quiet, 4.4-8.9 with one competing busy process; one thread: 23.4 quiet,
-    19.1 with the competitor). So the decode times its steps and now and then tries the other count for a few
-    steps (`PROBE` of them; the first time after `PROBE` steps), keeping whichever was faster: `most` threads on a quiet machine, one thread while a
-    core is busy. A probe that loses doubles the wait before the next (from `EVERY` steps up to `EVERY_MAX`), so a
-    steady state costs a few percent (a probe of 4 steps every 64-512); steps that turn `SLOWED` times slower than
-    the best seen at the current count (a competitor arrived) probe at once.
+    19.1 with the competitor). So the decode times its steps and tries the other count for a few steps (`PROBE`
+    of them), keeping whichever was faster: `most` threads on a quiet machine, one thread while a core is busy.
+
+    When to try: where the kernel reports CPU pressure (`record`'s `stalled`: seconds in which some runnable task
+    waited for a CPU during the step), a team of `most` threads tries one thread only once the steps show that
+    wait (`CONTENDED` of a step's time, the median of `PROBE` steps; measured on the 0.8B shape: 0.0 ms of 26 ms
+    quiet, 28-159 ms of 56-314 ms with a competitor). A quiet decode then never leaves its threads: before, it
+    tried one thread after `PROBE` steps and every `EVERY`-`EVERY_MAX` after, which on the 9B shape made four of a
+    16-token decode's steps run at half speed. Without that report, and on one thread (whose wait says nothing
+    of the other core), it tries now and then: after `PROBE` steps first, then a probe that loses doubles the
+    wait before the next (from `EVERY` steps up to `EVERY_MAX`), so a steady state costs a few percent (a probe
+    of 4 steps every 64-512). Steps that turn `SLOWED` times slower than the best seen at the current count (a
+    competitor arrived) try at once; a pressure-triggered try that loses waits as a periodic one does.
     """
 
     PROBE = 4
@@ -131,6 +152,7 @@ class ThreadGovernor:
     EVERY_MAX = 512
     MARGIN = 0.85  # a probe must be this much faster to take over (a few noisy steps must not move a quiet decode)
     SLOWED = 2.0  # steps this much slower than the best seen at the current count: probe now, not at the next turn
+    CONTENDED = 0.1  # CPU pressure of at least this share of a step's time: another process wants our cores
 
     def __init__(self, most: int):
         self.most = max(int(most), 1)
@@ -138,16 +160,20 @@ class ThreadGovernor:
         self._trial: int | None = None      # the count being probed, if a probe runs
         self._times: dict[int, list[float]] = {}
         self._best: dict[int, float] = {}   # the fastest median of PROBE steps seen per count
+        self._stalls: list[float] = []      # the last PROBE steps' CPU pressure, as shares of their times
+        self._sensing = False               # whether steps come with CPU pressure
         self._every = self.PROBE  # the first probe early: a busy core is found within a few steps of the start
         self._steps = 0
         self._rows = 0
         self.switches = 0
+        self.probes = 0
 
     def threads(self) -> int:
         return self._trial if self._trial is not None else self.current
 
-    def record(self, seconds: float, rows: int) -> None:
-        """One decode step of `rows` sequences took `seconds` with `threads()` threads."""
+    def record(self, seconds: float, rows: int, stalled: float | None = None) -> None:
+        """One decode step of `rows` sequences took `seconds` with `threads()` threads, during which some runnable
+        task waited `stalled` seconds for a CPU (None: not known)."""
         if self.most == 1:
             return
         if rows != self._rows:  # times are compared between steps of one batch size only
@@ -156,6 +182,10 @@ class ThreadGovernor:
         times = self._times.setdefault(n, [])
         times.append(seconds)
         del times[:-self.PROBE]
+        if stalled is not None:
+            self._sensing = True
+            self._stalls.append(stalled / seconds if seconds > 0 else 0.0)
+            del self._stalls[:-self.PROBE]
         self._steps += 1
         if len(times) < self.PROBE:
             return
@@ -165,10 +195,15 @@ class ThreadGovernor:
         if self._trial is not None:
             if self._steps >= self.PROBE:
                 self._decide()
-        elif self._steps >= self._every or slowed:
+            return
+        due = self._steps >= self._every
+        if self._sensing and self.current == self.most:  # try one thread only where the cores are wanted
+            due = due and len(self._stalls) >= self.PROBE and _median(self._stalls) >= self.CONTENDED
+        if due or slowed:
             self._trial = 1 if self.current == self.most else self.most
             self._times[self._trial] = []
             self._steps = 0
+            self.probes += 1
 
     def _decide(self) -> None:
         trial, base = self._trial, self.current
@@ -178,6 +213,7 @@ class ThreadGovernor:
         else:
             self._every = min(max(self._every * 2, self.EVERY), self.EVERY_MAX)
         self._trial, self._steps = None, 0
+        self._stalls = []  # the wait seen before the try is no evidence about the count now running
 
 
 def _median(xs: list[float]) -> float:
