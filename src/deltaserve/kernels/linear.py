@@ -293,13 +293,19 @@ class BlockLinear(Linear):
     def _chunks(self, x: torch.Tensor, kind: str, data: torch.Tensor, y: torch.Tensor, off: int) -> None:
         n, k = data.shape[0], self.in_features
         step = max(1, min(n, CHUNK_ELEMENTS // k))
-        buf = torch.empty(step, k)
         low = torch.empty(step, k, dtype=x.dtype) if x.dtype != torch.float32 else None
+        buf = None
         for r in range(0, n, step):
             r1 = min(n, r + step)
-            w = dequantize_rows(kind, data[r:r1], k, buf[:r1 - r])
-            if low is not None:
-                w = low[:r1 - r].copy_(w)
+            if low is not None and x.dtype == torch.bfloat16 and native.dequant_bf16(GGUF_TYPES[kind], data[r:r1], k,
+                                                                                      low[:r1 - r]):
+                w = low[:r1 - r]  # rounded to bf16 on the way out of blocks.c: no f32 chunk, no copy pass
+            else:
+                if buf is None:
+                    buf = torch.empty(step, k)
+                w = dequantize_rows(kind, data[r:r1], k, buf[:r1 - r])
+                if low is not None:
+                    w = low[:r1 - r].copy_(w)
             y[:, off + r:off + r1] = x @ w.t()
 
     def dequant(self, dtype=torch.float32) -> torch.Tensor:

@@ -156,6 +156,7 @@ SIGNATURES = {
     "ds_decode_tokens": [_P, _I, _P, _P, _P, _P, _P, _I],
     "ds_delta_rule": [_P] * 7 + [_I] * 5,
     "ds_dequant": [_I, _P, _L, _I, _P, _L, _I],
+    "ds_dequant_bf16": [_I, _P, _L, _I, _P, _L, _I],
     "ds_linear_blocks": [_I, _P, _I, _I, _L, _P, _I, _P, _L, _I],
 }
 
@@ -269,6 +270,16 @@ def dequant(gguf_type: int, data: torch.Tensor, cols: int, out: torch.Tensor) ->
         return False
     return library().ds_dequant(gguf_type, data.data_ptr(), data.shape[0], cols, out.data_ptr(), out.stride(0),
                                 torch.get_num_threads()) == 0
+
+
+def dequant_bf16(gguf_type: int, data: torch.Tensor, cols: int, out: torch.Tensor) -> bool:
+    """`dequant`'s values rounded to bf16 as torch rounds them, written straight into out (bf16 [rows, cols], rows
+    contiguous); False, with nothing written, where it does not run."""
+    if not has("ds_dequant_bf16") or data.dtype != torch.uint8 or data.stride(-1) != 1 \
+            or out.dtype != torch.bfloat16 or out.stride(-1) != 1 or (data.shape[0] > 1 and data.stride(0) != data.shape[1]):
+        return False
+    return library().ds_dequant_bf16(gguf_type, data.data_ptr(), data.shape[0], cols, out.data_ptr(), out.stride(0),
+                                     torch.get_num_threads()) == 0
 
 
 def linear_on_blocks(x: torch.Tensor, gguf_type: int, data: torch.Tensor, y: torch.Tensor, off: int) -> bool:
