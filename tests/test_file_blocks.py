@@ -240,3 +240,15 @@ def test_a_batch_of_conversations_reads_the_same_blocks_as_one_conversation_alon
     batched = torch.stack([f.decode_batch(trio, [t, t, t]) for t in ids])
     for j in range(3):
         assert torch.allclose(batched[:, j], alone, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_bf16_chunks_come_out_of_the_blocks_rounded_as_torch_rounds_the_exact_values(kind):
+    if not native.has("ds_dequant_bf16"):
+        pytest.skip(f"blocks.c does not run here: {native.portable()[1]}")
+    rows, cols = 37, 512
+    raw = torch.from_numpy(random_blocks(kind, rows, cols, seed=11 + len(kind)))
+    exact = torch.from_numpy(quants.dequantize(raw.numpy(), T[kind]).reshape(rows, cols))
+    got = torch.full((rows, cols), float("nan"), dtype=torch.bfloat16)
+    assert native.dequant_bf16(L.GGUF_TYPES[kind], raw, cols, got)
+    assert torch.equal(got.view(torch.int16), exact.bfloat16().view(torch.int16))

@@ -9,7 +9,10 @@ import httpx
 import openai
 import pytest
 
-from tests.server_proc import ServerProcess
+from tests.server_proc import TEST_DEVICE, ServerProcess
+
+# what /health and the startup lines call the backend the test servers run on (scripts/gpu_check.sh: CUDA)
+BACKEND, BACKEND_WORD = ("cpu", "CPU") if TEST_DEVICE == "cpu" else ("cuda:0", "GPU")
 
 MAX = 12
 
@@ -160,13 +163,13 @@ def test_a_client_that_disconnects_mid_stream_leaves_the_conversation_usable(ser
 
 def test_health_names_the_model_backend_context_slots_and_notices(server):
     h = httpx.get(server.url + "/health").json()
-    assert h["status"] == "ok" and h["backend"] == "cpu" and h["layers"] == 4
+    assert h["status"] == "ok" and h["backend"] == BACKEND and h["layers"] == 4
     assert h["declared_context"] == 32768 and len(h["slots"]) == 2
-    assert any(n.startswith("Backend: CPU") for n in h["notices"])
+    assert any(n.startswith(f"Backend: {BACKEND_WORD}") for n in h["notices"])
 
 
 def test_startup_lines_say_the_model_layers_backend_context_and_template(server):
     log = server.stderr
-    for needle in ("4 layers", "backend CPU", "declared context 32768", "chat template from the model file",
+    for needle in ("4 layers", f"backend {BACKEND_WORD}", "declared context 32768", "chat template from the model file",
                    "listening on http://127.0.0.1:"):
         assert needle in log, needle
