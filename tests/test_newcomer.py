@@ -227,6 +227,18 @@ def test_pressure_that_one_thread_cannot_relieve_costs_a_few_tries_not_a_steady_
     assert used[-1] == 2 and used.count(1) / len(used) < 0.03
 
 
+def test_cpu_pressure_is_read_from_the_kernels_report_and_none_where_there_is_none(tmp_path, monkeypatch):
+    psi = tmp_path / "cpu"
+    psi.write_text("some avg10=1.50 avg60=0.20 avg300=0.05 total=2500000\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n")
+    monkeypatch.setattr(T, "PSI_CPU", str(psi))
+    monkeypatch.setattr(T, "_psi_missing", False)
+    assert T.cpu_stall_seconds() == 2.5
+    monkeypatch.setattr(T, "PSI_CPU", str(tmp_path / "absent"))
+    assert T.cpu_stall_seconds() is None
+    monkeypatch.setattr(T, "PSI_CPU", str(psi))
+    assert T.cpu_stall_seconds() is None  # not asked again in this process
+
+
 def test_a_governor_of_one_thread_never_probes():
     g = T.ThreadGovernor(1)
     assert set(simulate(g, lambda n: 0.01, 100)) == {1}

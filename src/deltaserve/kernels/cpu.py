@@ -116,13 +116,20 @@ def plural(n: int, word: str) -> str:
 PSI_CPU = "/proc/pressure/cpu"
 
 
+_psi_missing = False
+
+
 def cpu_stall_seconds() -> float | None:
     """Seconds, since boot, in which some runnable task of this machine waited for a CPU (the kernel's pressure
-    stall information, "some" line), or None where the kernel does not report it."""
+    stall information, "some" line), or None where the kernel does not report it (not asked again then)."""
+    global _psi_missing
+    if _psi_missing:
+        return None
     try:
         with open(PSI_CPU) as f:
             return int(f.readline().rsplit("total=", 1)[1]) / 1e6
     except (OSError, IndexError, ValueError):
+        _psi_missing = True
         return None
 
 
