@@ -44,7 +44,8 @@ files=${GPU_TEST_FILES:-"tests/test_cuda.py tests/test_session.py tests/test_fal
   tests/test_parity_transformers.py tests/test_run_cli.py
   tests/test_quant.py::test_cuda_tensors_dequantize_on_the_device_bit_identically"}
 # the servers these files start, and their shared fixture model, on the GPU (tests/server_proc.py: the CPU otherwise)
-DELTASERVE_TEST_DEVICE=${GPU_TEST_DEVICE:-cuda} timeout "${GPU_TEST_SECONDS:-330}" python3 -m pytest ${GPU_TEST_VERBOSITY:--q} -p no:cacheprovider $xdist $tmo -rfE $files \
+# and their decode steps as CUDA graphs (engine/graph.py: off by default until a GPU run like this one has passed)
+DELTASERVE_CUDA_GRAPH=${GPU_CUDA_GRAPH:-on} DELTASERVE_TEST_DEVICE=${GPU_TEST_DEVICE:-cuda} timeout "${GPU_TEST_SECONDS:-330}" python3 -m pytest ${GPU_TEST_VERBOSITY:--q} -p no:cacheprovider $xdist $tmo -rfE $files \
   > "$out/tests.txt" 2>&1
 tail -45 "$out/tests.txt"
 

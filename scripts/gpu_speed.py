@@ -13,6 +13,7 @@ import torch
 
 from tools.bench.randmodel import random_weights
 from deltaserve.engine.forward import Forward
+from deltaserve.engine.graph import GraphDecoder
 from deltaserve.runtime.guard import compare
 
 
@@ -36,6 +37,7 @@ def main() -> None:
     for shape in a.shapes.split(","):
         c, w = random_weights(shape, torch.bfloat16, "cuda")
         f = Forward(c, w, "cuda")
+        f.graphs = GraphDecoder(f)  # the decode step as a CUDA graph (engine/graph.py; off by default until measured)
         ids = torch.randint(0, c.vocab_size, (512,), generator=torch.Generator().manual_seed(0)).tolist()
         f.prefill(f.new_state(600), ids[:64])  # warm-up
         pp = 512 / timed(lambda: f.prefill(f.new_state(600), ids))
@@ -48,8 +50,24 @@ def main() -> None:
             st.length -= 32
 
         tg = 32 / timed(steps)
+        fe = Forward(c, w, "cuda")
+        fe.graphs = None  # the eager step, for comparison
+        se = fe.new_state(600)
+        fe.prefill(se, ids)
+
+        def eager_steps():
+            for i in range(32):
+                fe.decode(se, ids[i])
+            se.length -= 32
+
+        tg_eager = 32 / timed(eager_steps)
+        a, b = f.new_state(600), fe.new_state(600)  # graph and eager logits, token by token from one prefix
+        f.prefill(a, ids[:100])
+        fe.prefill(b, ids[:100])
+        diff = max(float((f.decode(a, t) - fe.decode(b, t)).abs().max()) for t in ids[100:116])
         row = {"shape": shape, "dtype": "bf16", "pp512_tok_s": round(pp, 1), "tg_tok_s": round(tg, 1),
-               "weights_gib": round(w.nbytes / 2**30, 2)}
+               "tg_eager_tok_s": round(tg_eager, 1), "graph_vs_eager_max_abs": diff,
+               "graphs_recorded": f.graphs.recorded if f.graphs else 0, "weights_gib": round(w.nbytes / 2**30, 2)}
         if shape == "0.8B":
             cpu_w = random_weights(shape, torch.float32, "cpu", layers=None)[1]
             fc, fg = Forward(c, cpu_w, "cpu"), Forward(c, cpu_w.to("cuda"), "cuda")

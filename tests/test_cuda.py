@@ -104,3 +104,34 @@ def test_a_cuda_state_saved_in_the_store_resumes_a_conversation_in_another_cuda_
     t3 = alone.chat(history, max_tokens=8, temperature=0, enable_thinking=False)
     assert t2.start == "store" and t2.reused > 0 and t2.backend.startswith("cuda")
     assert t2.tokens == t3.tokens
+
+
+def test_a_cuda_graph_replays_the_eager_decode_step_for_each_state_and_after_a_restore(hybrid_model):
+    from deltaserve.engine.forward import Forward
+    from deltaserve.engine.graph import GraphDecoder
+
+    w = hybrid_model.host.weights.to("cuda")
+    graphed, eager = Forward(hybrid_model.config, w, "cuda"), Forward(hybrid_model.config, w, "cuda")
+    graphed.graphs, eager.graphs = GraphDecoder(graphed), None
+    prompt = list(range(3, 40))
+    a, b, other = graphed.new_state(96), eager.new_state(96), graphed.new_state(96)
+    for f, st in ((graphed, a), (eager, b), (graphed, other)):
+        f.prefill(st, prompt)
+    ck_a, ck_b = a.checkpoint(), b.checkpoint()
+    for rounds in range(2):  # the second round from the restored checkpoint: the same graph, earlier positions
+        tok = 7
+        for i in range(24):
+            x, y = graphed.decode(a, tok), eager.decode(b, tok)
+            assert (x - y).abs().max().item() < 1e-3 and int(x.argmax()) == int(y.argmax())
+            assert a.length == b.length
+            tok = int(y.argmax())
+            if i % 6 == 0:
+                graphed.decode(other, 11)  # another state's graph in between
+        a.restore(ck_a)
+        b.restore(ck_b)
+    assert graphed.graphs.recorded == 2 and len(graphed.graphs.graphs) == 2
+    del other
+    import gc
+
+    gc.collect()
+    assert len(graphed.graphs.graphs) == 1  # a state's graph goes with it

@@ -14,6 +14,7 @@ from deltaserve.kernels.native import cpu_flags
 from deltaserve.kernels.cpu import cpu_stall_seconds, keep_freed_memory
 from deltaserve.engine.native_token import TokenProgram
 from deltaserve.engine.state import DecodeState
+from deltaserve.engine.graph import GraphDecoder, graphs_enabled
 from deltaserve.kernels.cpu import ThreadGovernor
 
 
@@ -44,13 +45,15 @@ class Forward:
                                                    else torch.bfloat16)
         self._token: tuple[TokenProgram | None, str] | None = None
         self.governor: ThreadGovernor | None = None  # the native decode's thread count, measured (kernels/cpu.py)
+        # one sequence's decode step on a CUDA device: replayed as a CUDA graph (engine/graph.py)
+        self.graphs = GraphDecoder(self) if graphs_enabled(self.device) else None
 
     def token_program(self) -> tuple[TokenProgram | None, str]:
         """The native one-call decode for this model, built once (None where it does not qualify), and the
         route it gives, in words."""
         if self._token is None:
             self._token = TokenProgram.build(self.config, self.weights) if self.device.type == "cpu" else \
-                (None, "decode through torch ops")
+                (None, "decode through torch ops" + (", replayed as one CUDA graph per token" if self.graphs else ""))
         return self._token
 
     def new_state(self, capacity: int, kv_dtype: torch.dtype = torch.float32, prefill_rows: int = 2048,
@@ -152,6 +155,8 @@ class Forward:
         program = self._native(states)
         if program is not None:
             return self._governed(program, states, ids)
+        if b == 1 and self.graphs is not None:  # one sequence on a CUDA device: the step's graph
+            return self.graphs.decode(states[0], ids[0])[None]
         if b == 1:  # one sequence: the span path with one token (its recurrent step)
             return self._run(states[0], self._ids(ids), chunked=False, all_logits=False)
         starts = [st.length for st in states]

@@ -282,6 +282,23 @@ def _attend(q, k, v, k_cache, v_cache, start: int, query_rows: int, dtype=torch.
     return out
 
 
+def attend_at(q, k, v, k_cache, v_cache, pos: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """`_attend` for one token whose position is the device tensor `pos` [1]: k, v written there, q's attention
+    over the whole cache with the positions `after` it masked (`after` [capacity] bool). Every shape is fixed by the
+    cache, nothing is read back to the host, so a CUDA graph replays it at any position. The masked positions get
+    weight 0 exactly; what they hold must be finite (0 x inf is NaN): engine/graph.py zeroes a cache's unused tail."""
+    _, nh, hd = q.shape
+    nkv = k.shape[1]
+    g = nh // nkv
+    k_cache.index_copy_(1, pos, k.transpose(0, 1).to(k_cache.dtype))
+    v_cache.index_copy_(1, pos, v.transpose(0, 1).to(v_cache.dtype))
+    qg = q.reshape(nkv, g, hd).float()
+    scores = torch.bmm(qg, k_cache.float().transpose(1, 2)).mul_(1.0 / math.sqrt(hd))  # [nkv, g, capacity]
+    scores.masked_fill_(after, float("-inf"))
+    p = torch.softmax(scores, dim=-1)
+    return torch.bmm(p, v_cache.float()).reshape(1, nh * hd)
+
+
 def attention_mixer(x: torch.Tensor, w, cfg, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
                     rope: tuple[torch.Tensor, torch.Tensor], query_rows: int = 512,
                     dtype=torch.float32) -> torch.Tensor:
