@@ -4,7 +4,7 @@ Three kinds behind it:
 - `DenseLinear`: a full-precision weight (f32 for exact parity work, bf16 for speed); activations are cast
   to the weight's dtype for the product.
 - `BlockLinear`: the file's own blocks (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, F16, BF16) where they lie in its mapping,
-  nothing converted at load. Up to BLOCK_GEMV_ROWS input rows run on blocks.c's products (activations int8 per
+  nothing converted at load. Up to block_rows() input rows (16; 32 where chunks run on AMX) run on blocks.c's products (activations int8 per
   block as llama.cpp quantizes them); more rows dequantize a chunk of rows at a time, exactly, into an f32
   buffer of CHUNK_ELEMENTS and multiply it with torch's GEMM (the chunk is the only copy, and it is reused): f32,
   or bf16 where torch's bf16 GEMM runs on AMX tiles (`chunk_dtype`: about 4.6x its f32 GEMM on a Xeon here, and on
@@ -219,7 +219,8 @@ class Int8Linear(Linear):
 
 GGUF_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "BF16": 30}
 PRODUCT_TYPES = {"Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16"}  # blocks.c multiplies these as they are
-BLOCK_GEMV_ROWS = 16  # up to this many rows: blocks.c's int8 products; beyond: exact chunks and an f32 GEMM
+BLOCK_GEMV_ROWS = 16  # up to this many rows: blocks.c's int8 products; beyond: exact chunks and a GEMM
+BLOCK_ROWS_AMX = 32  # the same where the chunks are bf16 on AMX tiles and blocks.c's products 512-bit (block_rows)
 CHUNK_ELEMENTS = 1 << 20  # an f32 chunk of 4 MiB: cache-sized, and each product's only transient of weights
 
 
@@ -241,6 +242,17 @@ def chunk_dtype() -> torch.dtype:
     if mode in ("f32", "bf16"):
         return torch.float32 if mode == "f32" else torch.bfloat16
     return torch.bfloat16 if amx_bf16() else torch.float32
+
+
+def block_rows() -> int:
+    """The most input rows a product takes on blocks.c's products (more go to chunks): BLOCK_GEMV_ROWS, or
+    BLOCK_ROWS_AMX where the chunks are bf16 on AMX tiles and blocks.c's products are the 512-bit VNNI ones. There
+    oneDNN reorders every chunk for its tiles, a fixed ~230 ms of a 0.8B prefill whatever the rows, and blocks.c's
+    products stay faster up to 32-40 rows (a 0.8B prefill on the Xeon, blocks against chunks: 24 rows 191 against
+    280 ms (Q4_K_M), 217 against 271 (Q8_0); 32 rows 254 / 305 and 278 / 284; 48 rows 362 / 332 and 387 / 292)."""
+    if chunk_dtype() == torch.bfloat16 and amx_bf16() and native.has("ds_blocks_vnni"):
+        return BLOCK_ROWS_AMX
+    return BLOCK_GEMV_ROWS
 
 
 class BlockLinear(Linear):
@@ -267,7 +279,7 @@ class BlockLinear(Linear):
     def path(self, rows: int) -> str:
         """How a product of `rows` input rows runs: "blocks" (blocks.c's int8 products on the file's blocks) or
         "chunks" (exact chunks of the weight, torch's GEMM in chunk_dtype())."""
-        if rows <= BLOCK_GEMV_ROWS and all(k in PRODUCT_TYPES for k in self.types) and native.portable()[0]:
+        if rows <= block_rows() and all(k in PRODUCT_TYPES for k in self.types) and native.portable()[0]:
             return "blocks"
         return "chunks"
 
@@ -374,7 +386,7 @@ def blocks_route() -> str:
         return f"the file's own blocks, dequantized in chunks for torch's f32 GEMM (native kernel not used: {why})"
     many = ("bf16 chunks and torch's bf16 GEMM (AMX tiles)" if chunk_dtype() == torch.bfloat16
             else "exact f32 chunks and torch's f32 GEMM")
-    return (f"products on the file's own blocks: up to {BLOCK_GEMV_ROWS} rows on the native kernel ({why}, "
+    return (f"products on the file's own blocks: up to {block_rows()} rows on the native kernel ({why}, "
             f"activations int8 per block as llama.cpp's), more rows on {many}")
 
 
