@@ -28,6 +28,19 @@ def timed(fn, repeats=3):
     return statistics.median(out)
 
 
+def decode_speed(f: Forward, ids: list[int]) -> float:
+    """Tokens per second of 32 decode steps after a prefill of `ids` (the median of three rounds from one position)."""
+    st = f.new_state(600)
+    f.prefill(st, ids)
+
+    def steps():
+        for i in range(32):
+            f.decode(st, ids[i])
+        st.length -= 32
+
+    return 32 / timed(steps)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/gpu")
@@ -41,26 +54,10 @@ def main() -> None:
         ids = torch.randint(0, c.vocab_size, (512,), generator=torch.Generator().manual_seed(0)).tolist()
         f.prefill(f.new_state(600), ids[:64])  # warm-up
         pp = 512 / timed(lambda: f.prefill(f.new_state(600), ids))
-        st = f.new_state(600)
-        f.prefill(st, ids)
-
-        def steps():
-            for i in range(32):
-                f.decode(st, ids[i])
-            st.length -= 32
-
-        tg = 32 / timed(steps)
+        tg = decode_speed(f, ids)
         fe = Forward(c, w, "cuda")
         fe.graphs = None  # the eager step, for comparison
-        se = fe.new_state(600)
-        fe.prefill(se, ids)
-
-        def eager_steps():
-            for i in range(32):
-                fe.decode(se, ids[i])
-            se.length -= 32
-
-        tg_eager = 32 / timed(eager_steps)
+        tg_eager = decode_speed(fe, ids)
         a, b = f.new_state(600), fe.new_state(600)  # graph and eager logits, token by token from one prefix
         f.prefill(a, ids[:100])
         fe.prefill(b, ids[:100])
