@@ -253,3 +253,24 @@ def test_bf16_chunks_come_out_of_the_blocks_rounded_as_torch_rounds_the_exact_va
     got = torch.full((rows, cols), float("nan"), dtype=torch.bfloat16)
     assert native.dequant_bf16(L.GGUF_TYPES[kind], raw, cols, got)
     assert torch.equal(got.view(torch.int16), exact.bfloat16().view(torch.int16))
+
+
+def test_int8_chunks_multiply_each_chunk_requantized_per_row_and_leave_the_down_projection_exact(monkeypatch):
+    """DELTASERVE_PREFILL=int8 (the int8 tables' prefill without the tables, for AVX512-VNNI CPUs without AMX): the
+    weight's exact values requantized per row, the activations per row, an int8 GEMM, nothing kept."""
+    monkeypatch.setenv("DELTASERVE_PREFILL", "int8")
+    rows, cols = 300, 512
+    for kind in ("Q8_0", "Q4_K", "Q6_K"):
+        raw = torch.from_numpy(random_blocks(kind, rows, cols, seed=21 + len(kind)))
+        lin = L.BlockLinear([(kind, raw)], cols)
+        x = torch.randn(L.block_rows() + 40, cols, generator=torch.Generator().manual_seed(4))
+        assert lin.path(x.shape[0]) == "chunks"
+        wq, ws = L.quantize_rows_int8(lin.dense())
+        xq, xs = L.quantize_rows_int8(x)
+        want = (xq.double() @ wq.double().t()) * ws.double() * xs.double()[:, None]
+        got = lin(x)
+        assert ((got - want).norm(dim=1) / want.norm(dim=1)).max().item() < 1e-6, kind
+        lin.int8_activations = False  # the MLP's down projection: exact f32 chunks instead
+        exact = x.double() @ lin.dense().double().t()
+        assert ((lin(x) - exact).norm(dim=1) / exact.norm(dim=1)).max().item() < 1e-6, kind
+    assert "int8 GEMM" in L.blocks_route()

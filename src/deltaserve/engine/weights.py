@@ -253,7 +253,7 @@ def _down_projection(down: Linear) -> Linear:
     """The MLP's down projection reads silu(gate) * up, whose outlier channels int8 activations per row
     would flatten (3.6x the file's own error on the trained demo model, against 2.1x without): its
     many-row products stay bf16."""
-    if isinstance(down, Int8Linear):
+    if isinstance(down, (Int8Linear, BlockLinear)):
         down.int8_activations = False
     return down
 

@@ -237,10 +237,12 @@ def amx_bf16() -> bool:
 
 def chunk_dtype() -> torch.dtype:
     """The dtype of BlockLinear's many-row products: DELTASERVE_PREFILL "f32" (exact weights, f32 activations),
-    "bf16", or "auto" (default): bf16 where amx_bf16(), else f32."""
+    "bf16", "int8" (each chunk of the weight requantized per row, the activations per row, torch's int8 GEMM: the
+    int8 tables' prefill without the tables, see BlockLinear._chunks_int8), or "auto" (default): bf16 where
+    amx_bf16(), else f32."""
     mode = os.environ.get("DELTASERVE_PREFILL", "auto")
-    if mode in ("f32", "bf16"):
-        return torch.float32 if mode == "f32" else torch.bfloat16
+    if mode in ("f32", "bf16", "int8"):
+        return {"f32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}[mode]
     return torch.bfloat16 if amx_bf16() else torch.float32
 
 
@@ -267,6 +269,7 @@ class BlockLinear(Linear):
         self.segments = [(k, d) for k, d in segments]
         self.in_features = in_features
         self.out_features = sum(d.shape[0] for _, d in segments)
+        self.int8_activations = True  # with int8 chunks (DELTASERVE_PREFILL=int8): else its chunks are f32
 
     @property
     def types(self) -> list[str]:
@@ -297,10 +300,35 @@ class BlockLinear(Linear):
             n = data.shape[0]
             if not (blocks and native.linear_on_blocks(x2, GGUF_TYPES[kind], data, y, off)):
                 if low is None:
-                    low = x2.to(chunk_dtype())
-                self._chunks(low, kind, data, y, off)
+                    dtype = chunk_dtype()
+                    if dtype == torch.int8 and not self.int8_activations:
+                        dtype = torch.float32
+                    low = (native.quantize_rows(x2) or quantize_rows_int8(x2)) if dtype == torch.int8 else x2.to(dtype)
+                if isinstance(low, tuple):
+                    self._chunks_int8(low, kind, data, y, off)
+                else:
+                    self._chunks(low, kind, data, y, off)
             off += n
         return y.reshape(*shape[:-1], self.out_features)
+
+    def _chunks_int8(self, xq: tuple[torch.Tensor, torch.Tensor], kind: str, data: torch.Tensor, y: torch.Tensor,
+                     off: int) -> None:
+        """`_chunks` on int8: each chunk of the weight dequantized exactly, requantized per row (the int8 tables'
+        rounding, made for the chunk and gone after it), times the activations quantized per row (xq: int8 rows
+        and their scales) on torch's int8 GEMM. The int8 tables' prefill, without holding the tables: for CPUs
+        with AVX512-VNNI and no AMX, where an f32 chunk GEMM is much slower (a 0.8B Q4_K_M pp512 on the Xeon with
+        oneDNN held to AVX512: f32 chunks 184-200 tok/s, bf16 139; the tables' int8 GEMM 527)."""
+        xi, xs = xq
+        n, k = data.shape[0], self.in_features
+        step = max(1, min(n, CHUNK_ELEMENTS // k))
+        buf = torch.empty(step, k)
+        for r in range(0, n, step):
+            r1 = min(n, r + step)
+            w = dequantize_rows(kind, data[r:r1], k, buf[:r1 - r])
+            wq, ws = native.quantize_rows(w) or quantize_rows_int8(w)
+            acc = torch._int_mm(xi, wq.t())
+            part = native.scale_product(acc, ws, xs)
+            y[:, off + r:off + r1] = part if part is not None else torch.mul(acc, ws).mul_(xs[:, None])
 
     def _chunks(self, x: torch.Tensor, kind: str, data: torch.Tensor, y: torch.Tensor, off: int) -> None:
         n, k = data.shape[0], self.in_features
@@ -384,8 +412,10 @@ def blocks_route() -> str:
     ok, why = native.portable()
     if not ok:
         return f"the file's own blocks, dequantized in chunks for torch's f32 GEMM (native kernel not used: {why})"
-    many = ("bf16 chunks and torch's bf16 GEMM (AMX tiles)" if chunk_dtype() == torch.bfloat16
-            else "exact f32 chunks and torch's f32 GEMM")
+    many = {torch.bfloat16: "bf16 chunks and torch's bf16 GEMM (AMX tiles)" if amx_bf16() else
+            "bf16 chunks and torch's bf16 GEMM",
+            torch.int8: "chunks requantized to int8 per row and torch's int8 GEMM (DELTASERVE_PREFILL=int8)"}.get(
+        chunk_dtype(), "exact f32 chunks and torch's f32 GEMM")
     return (f"products on the file's own blocks: up to {block_rows()} rows on the native kernel ({why}, "
             f"activations int8 per block as llama.cpp's), more rows on {many}")
 
