@@ -47,11 +47,9 @@ class StaticStep:
 
     def __init__(self, forward, state: DecodeState):
         self.forward, self.state = forward, state
-        dev, c = state.device, forward.config
+        dev = state.device
         self.token = torch.zeros(1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
-        self.inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.rotary_dim, 2, dtype=torch.float32, device=dev)
-                                                / c.rotary_dim))  # as layers.rope_tables computes it
         self.columns = torch.arange(state.capacity, device=dev)
         self.key = state_key(state)
 
@@ -61,9 +59,7 @@ class StaticStep:
 
     def run(self) -> torch.Tensor:
         f, c, st = self.forward, self.forward.config, self.state
-        freqs = self.pos.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        rope = (emb.cos(), emb.sin())
+        rope = L.rope_tables(self.pos, c.rotary_dim, c.rope_theta)  # device ops only: recordable
         after = self.columns > self.pos  # the cache positions this token does not see
 
         def attention(i, h, mw):

@@ -108,6 +108,15 @@ def quantize_rows_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def int8_product(xq: tuple[torch.Tensor, torch.Tensor], wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    """f32 [M, N] of int8 rows times an int8 weight [N, K] (xq: the rows and their scales; ws: the weight's row
+    scales): torch's int8 GEMM, then both scales in one pass."""
+    xi, xs = xq
+    acc = torch._int_mm(xi, wq.t())
+    y = native.scale_product(acc, ws, xs)
+    return y if y is not None else torch.mul(acc, ws).mul_(xs[:, None])  # int32 -> f32 in one pass
+
+
 class Int8Linear(Linear):
     """int8 weight [out, in] with an f32 scale per output row."""
 
@@ -155,11 +164,7 @@ class Int8Linear(Linear):
         if path == "weight-only":
             y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), self.q, self.scale_bf16).float()
         elif path == "int8":
-            xq, xs = native.quantize_rows(x2) or quantize_rows_int8(x2)
-            acc = torch._int_mm(xq, self.q.t())
-            y = native.scale_product(acc, self.scale, xs)
-            if y is None:
-                y = torch.mul(acc, self.scale).mul_(xs[:, None])  # int32 -> f32 in one pass
+            y = int8_product(native.quantize_rows(x2) or quantize_rows_int8(x2), self.q, self.scale)
         else:
             y = F.linear(x2.to(torch.bfloat16), self.dequant(torch.bfloat16)).float()
         return y.reshape(*shape[:-1], self.out_features)
@@ -318,17 +323,13 @@ class BlockLinear(Linear):
         and their scales) on torch's int8 GEMM. The int8 tables' prefill, without holding the tables: for CPUs
         with AVX512-VNNI and no AMX, where an f32 chunk GEMM is much slower (a 0.8B Q4_K_M pp512 on the Xeon with
         oneDNN held to AVX512: f32 chunks 184-200 tok/s, bf16 139; the tables' int8 GEMM 527)."""
-        xi, xs = xq
         n, k = data.shape[0], self.in_features
         step = max(1, min(n, CHUNK_ELEMENTS // k))
         buf = torch.empty(step, k)
         for r in range(0, n, step):
             r1 = min(n, r + step)
             w = dequantize_rows(kind, data[r:r1], k, buf[:r1 - r])
-            wq, ws = native.quantize_rows(w) or quantize_rows_int8(w)
-            acc = torch._int_mm(xi, wq.t())
-            part = native.scale_product(acc, ws, xs)
-            y[:, off + r:off + r1] = part if part is not None else torch.mul(acc, ws).mul_(xs[:, None])
+            y[:, off + r:off + r1] = int8_product(xq, *(native.quantize_rows(w) or quantize_rows_int8(w)))
 
     def _chunks(self, x: torch.Tensor, kind: str, data: torch.Tensor, y: torch.Tensor, off: int) -> None:
         n, k = data.shape[0], self.in_features
