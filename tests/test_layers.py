@@ -9,7 +9,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "deltaserve"
 
 # lowest first: a module may import its own layer or a lower one, never a higher one
 LAYERS = [
-    ("base", ["deltaserve.errors", "deltaserve.cachedir", "deltaserve.version"]),
+    ("base", ["deltaserve.errors", "deltaserve.cachedir", "deltaserve.cbuild", "deltaserve.version"]),
     ("text", ["deltaserve.text"]),
     ("formats", ["deltaserve.formats"]),
     ("kernels", ["deltaserve.kernels"]),

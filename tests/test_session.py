@@ -77,6 +77,15 @@ def test_a_one_call_session_is_sized_to_the_call_exactly(model):
     assert s.capacity == 57
 
 
+def test_a_one_call_session_takes_no_checkpoint_where_a_resident_one_does(model):
+    prompt = words(model, 50, 4)
+    one = model.session(one_call=True, quiet=True)
+    one.generate(prompt, max_tokens=3)
+    resident = model.session(quiet=True)
+    resident.generate(prompt, max_tokens=3)
+    assert one.checkpoint_length == 0 and resident.checkpoint_length == len(prompt) - 1
+
+
 def test_resetting_in_place_allocates_nothing(model, monkeypatch):
     s = model.session(quiet=True)
     s.generate(words(model, 40, 5), max_tokens=4)

@@ -126,6 +126,9 @@ class Session:
             raise DeltaserveError(f"the context must be at least 1 position, got {context}")
         self.context = min(context, declared) if context else declared
         self.min_capacity = 0 if one_call else MIN_CAPACITY
+        # a one-call session takes no checkpoint: nothing resumes from it (its state is a recurrent layer's
+        # whole matrix and more, ~20 MiB on the 0.8B shape, of the 300 MiB a `deltaserve run` may add to the file)
+        self.one_call = one_call
         self.notices: list[str] = list(getattr(host.config, "notices", ()))  # the model file's (said at its load)
         self.quiet = quiet
         if notice:  # why the backend is not the one asked for, said before anything else
@@ -520,7 +523,7 @@ class Session:
         start_kind, start = self._decide_start(prompt)
 
         prefill_t0 = time.perf_counter()
-        logits, start = self._feed(prompt, start, self.checkpoint_position(prompt))
+        logits, start = self._feed(prompt, start, None if self.one_call else self.checkpoint_position(prompt))
         prefill_s = time.perf_counter() - prefill_t0
         if not bool(torch.isfinite(logits).all()):  # NaN or inf weights: never an answer sampled from garbage
             self._forget()

@@ -1,6 +1,8 @@
 """`deltaserve bench sizes`: the sizes users run (issue 15): the 0.8B and the 9B shapes, Q8_0 and llama.cpp's Q4_K_M,
 deltaserve against llama.cpp side by side: load time, prefill (pp512), decode, and the peak resident memory of the
-process that did all three, against the file's size.
+process that did all three, against the file's size; and the peak resident memory of a short chat as a user runs it
+(`deltaserve run FILE -p ... -n 16`; llama.cpp: llama-cpp-python's chat completion of the same prompt, its default
+512-position context), the issue's "file + 300 MiB" on the 0.8B shape.
 
 Each engine runs in a fresh process of its own per file (its VmHWM is then its own peak), the engines in turn.
 Random weights of the real shapes (tools/bench/randmodel.py writes them one tensor at a time; the 9B Q4_K_M file is
@@ -17,6 +19,7 @@ from pathlib import Path
 from tools.bench.peers import _cpu_name, bench_ids, in_fresh_process, median, use_best_llama
 
 PP = 512
+RUN_PROMPT = "Hello there, how are you today?"
 
 
 def warm_page_cache(path: Path) -> None:
@@ -61,6 +64,24 @@ def deltaserve_sizes(path: Path, threads: int, pp: int, tg: int) -> dict:
     return {"load_s": load_s, "pp": pp / pp_s, "tg": tg / tg_s, "peak_rss": _peak_rss(), "route": route}
 
 
+def deltaserve_run_rss(path: Path, threads: int, pp: int, tg: int) -> dict:
+    """`deltaserve run` as a user types it, in this process: its peak RSS."""
+    from deltaserve.frontends.cli import main as cli
+
+    code = cli(["run", str(path), "-p", RUN_PROMPT, "-n", str(tg), "--threads", str(threads)])
+    if code:
+        raise RuntimeError(f"deltaserve run exited {code}")
+    return {"run_rss": _peak_rss()}
+
+
+def llama_run_rss(path: Path, threads: int, pp: int, tg: int) -> dict:
+    import llama_cpp
+
+    m = llama_cpp.Llama(str(path), n_threads=threads, n_threads_batch=threads, verbose=False)
+    m.create_chat_completion([{"role": "user", "content": RUN_PROMPT}], max_tokens=tg, temperature=0)
+    return {"run_rss": _peak_rss()}
+
+
 def llama_sizes(path: Path, threads: int, pp: int, tg: int) -> dict:
     import llama_cpp
 
@@ -97,9 +118,13 @@ def main(a) -> None:
                 for engine, fn in (("llama.cpp", "llama_sizes"), ("deltaserve", "deltaserve_sizes")):
                     print(f"[bench] sizes {shape} {kind}: {engine}, round {i + 1}", file=sys.stderr, flush=True)
                     warm_page_cache(path)
-                    runs[engine].append(in_fresh_process(fn, path, a.threads, PP, tg, module="tools.bench.sizes"))
+                    run = in_fresh_process(fn, path, a.threads, PP, tg, module="tools.bench.sizes")
+                    warm_page_cache(path)
+                    run.update(in_fresh_process(fn.replace("_sizes", "_run_rss"), path, a.threads, PP, tg,
+                                                module="tools.bench.sizes"))
+                    runs[engine].append(run)
             for engine, rs in runs.items():
-                row[engine] = {k: median([r[k] for r in rs]) for k in ("load_s", "pp", "tg", "peak_rss")}
+                row[engine] = {k: median([r[k] for r in rs]) for k in ("load_s", "pp", "tg", "peak_rss", "run_rss")}
                 row[engine]["runs"] = rs
             results["rows"].append(row)
             (out / "results.json").write_text(json.dumps(results, indent=1))
@@ -114,15 +139,19 @@ def write_report(r: dict, out: Path) -> Path:
              f"process's VmHWM; the file is read through before each run (both engines find it in the page cache). Load is the time to read the file into a model, each engine's Python modules imported "
              f"before the clock (torch's ~1 s import and llama_cpp's are in neither). llama.cpp: llama-cpp-python on a libllama built here with "
              f"{r.get('llama.cpp_flags') or 'the installed flags'}.", "",
-             "| shape | file | size | engine | load s | pp tok/s | tg tok/s | peak RSS | RSS / file | load / llama | "
-             "pp / llama | tg / llama |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"`run` peak RSS: a fresh process that runs a {r['tg']}-token chat answer to a short prompt as a user does "
+             "(`deltaserve run FILE -p ...`; llama.cpp: llama-cpp-python's chat completion, 512-position context), "
+             "and what it holds beyond the file.", "",
+             "| shape | file | size | engine | load s | pp tok/s | tg tok/s | peak RSS | RSS / file | `run` peak RSS | "
+             "`run` - file | load / llama | pp / llama | tg / llama |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in r["rows"]:
         ref = row["llama.cpp"]
         for engine in ("llama.cpp", "deltaserve"):
             m = row[engine]
             lines.append(f"| {row['shape']} | {row['kind']} | {row['file_bytes'] / 2**20:.0f} MiB | {engine} | "
                          f"{m['load_s']:.2f} | {m['pp']:.1f} | {m['tg']:.2f} | {m['peak_rss'] / 2**20:.0f} MiB | "
-                         f"{m['peak_rss'] / row['file_bytes']:.2f}x | {m['load_s'] / ref['load_s']:.2f}x | "
+                         f"{m['peak_rss'] / row['file_bytes']:.2f}x | {m['run_rss'] / 2**20:.0f} MiB | "
+                         f"{(m['run_rss'] - row['file_bytes']) / 2**20:+.0f} MiB | {m['load_s'] / ref['load_s']:.2f}x | "
                          f"{m['pp'] / ref['pp']:.2f}x | {m['tg'] / ref['tg']:.2f}x |")
     routes = {run.get("route") for row in r["rows"] for run in row["deltaserve"]["runs"]} - {None}
     lines += ["", "deltaserve's route line(s):", ""] + [f"- `{x}`" for x in sorted(routes)]

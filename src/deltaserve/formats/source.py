@@ -18,7 +18,7 @@ import torch
 from deltaserve.errors import ModelFormatError
 from deltaserve.formats import quant
 from deltaserve.formats.config import HybridConfig
-from deltaserve.formats.gguf import GGUFFile, is_gguf, read_gguf
+from deltaserve.formats.gguf import GGUFFile, GGUFStrings, is_gguf, read_gguf
 from deltaserve.formats.hf import HFSource, hf_prefix
 from deltaserve.formats.layout import TensorSource
 from deltaserve.text.tokenizer import Tokenizer
@@ -104,8 +104,9 @@ def open_model(path: str | Path) -> ModelFile:
     say_once(p, config.notices)
     metadata = {k: v for k, v in f.metadata.items() if not k.startswith("tokenizer.ggml.")}
     tokenizer = Tokenizer.from_gguf_fields(f.metadata)
-    # the vocabulary's and merges' Python lists (~50 MiB for the real 248,320 tokens) are the tokenizer's now
-    f.metadata = {k: v for k, v in f.metadata.items() if not (k.startswith("tokenizer.ggml.") and isinstance(v, list))}
+    # the vocabulary's and merges' lists (or where they lie in the file) are the tokenizer's now
+    f.metadata = {k: v for k, v in f.metadata.items()
+                  if not (k.startswith("tokenizer.ggml.") and isinstance(v, (list, GGUFStrings)))}
     return ModelFile(p, "gguf", config, tokenizer, GGUFSource(f), p.stat().st_size, metadata)
 
 

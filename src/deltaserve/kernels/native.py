@@ -25,19 +25,15 @@ nothing in torch reads GGUF blocks.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import re
-import shutil
-import subprocess
-import sys
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
 from deltaserve.cachedir import cache_root
+from deltaserve.cbuild import build_library, compiler
 
 HERE = Path(__file__).parent
 SOURCES = [HERE / "native.c", HERE / "blocks.c", HERE / "native_avx2.c"]
@@ -103,44 +99,15 @@ def cpu_flags() -> set[str]:
     return _state["flags"]
 
 
-def _compiler() -> str | None:
-    cc = os.environ.get("CC") or "cc"
-    return shutil.which(cc)
-
-
 def _sources() -> list[Path]:
     return [s for s in SOURCES if s.exists()]
 
 
 def _build(cc: str) -> Path:
     """The shared library for these sources, compiler and CPU, built if not cached. Raises RuntimeError."""
-    src = b"".join(s.read_bytes() for s in [*_sources(), *sorted(HERE.glob("*.h"))])
-    flags = sorted(_cpu_flags())
-    key = hashlib.sha256(src + cc.encode() + " ".join(FLAGS + flags).encode()).hexdigest()[:16]
-    out = cache_dir() / f"native-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    print(f"[deltaserve] compiling the native kernel (once per machine) into {out.parent} ...", file=sys.stderr,
-          flush=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        objects = []
-        for s in _sources():
-            obj = Path(tmp) / (s.stem + ".o")
-            _run_cc([cc, *FLAGS, *SOURCE_FLAGS.get(s.name, []), f"-I{HEADER.parent}", "-c", str(s), "-o", str(obj)],
-                    s.name)
-            objects.append(str(obj))
-        part = Path(tmp) / out.name
-        _run_cc([cc, "-shared", "-fopenmp", *objects, "-o", str(part), "-lm"], "the link")
-        part.replace(out)
-    return out
-
-
-def _run_cc(cmd: list[str], what: str) -> None:
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
-    if r.returncode != 0:
-        first = (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[0]
-        raise RuntimeError(f"{Path(cmd[0]).name} failed on {what}: {first}")
+    return build_library("native", _sources(), FLAGS, cc=cc, headers=sorted(HERE.glob("*.h")),
+                         source_flags=SOURCE_FLAGS, link=["-fopenmp", "-lm"], key_extra=" ".join(sorted(_cpu_flags())),
+                         what="the native kernel")
 
 
 # every function the library may hold, with its ctypes signature; a CPU's build holds those its ISA compiles
@@ -167,13 +134,13 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     missing = [f for f in NEEDS if f not in _cpu_flags()]
     if missing:
         return None, f"this CPU lacks {', '.join(missing)}"
-    cc = _compiler()
+    cc = compiler()
     if cc is None:
         return None, f"no C compiler ({os.environ.get('CC') or 'cc'}) on PATH"
     torch.get_num_threads()  # torch's OpenMP runtime is loaded first: the library binds to the same one
     try:
         lib = ctypes.CDLL(str(_build(cc)))
-    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+    except (RuntimeError, OSError) as e:
         return None, str(e)
     if lib.ds_abi_version() != ABI:
         return None, f"the cached native library is of another version ({lib.ds_abi_version()}, wanted {ABI})"

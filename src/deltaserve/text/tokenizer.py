@@ -47,6 +47,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as _Backend
 
 from deltaserve.errors import DeltaserveError, ModelFormatError
+from deltaserve.text import bpe as native_bpe
 
 _LITERAL_LOCK = threading.Lock()
 
@@ -375,6 +376,82 @@ def _encode(backend: _Backend, text: str) -> list[int]:
     return backend.encode_batch([text], add_special_tokens=False)[0].ids
 
 
+_PRE_TOKEN = "\u0000deltaserve-pre-token"  # the skeleton's one word: a pre-token that bpe.c encodes
+
+
+def _encoding(backend: _Backend, text: str) -> Any:
+    """`backend.encode(text)`, through `encode_batch` (the GIL released) for a long text, as `_encode`."""
+    if len(text) < GIL_FREE_CHARS:
+        return backend.encode(text, add_special_tokens=False)
+    return backend.encode_batch([text], add_special_tokens=False)[0]
+
+
+class _Compact:
+    """A GGUF vocabulary's encode on bpe.c (text/bpe.py says why): `tokenizers` finds the added tokens and cuts
+    the rest into pre-tokens (a `skeleton`: the same split, the same added tokens, a one-word model whose offsets
+    say where each pre-token lies), bpe.c merges every pre-token in one call."""
+
+    def __init__(self, bpe: "native_bpe.NativeBPE", added: list[tuple[int, str, bool]], regex: str,
+                 ignore_merges: bool) -> None:
+        self.bpe, self.added, self.ignore_merges = bpe, added, ignore_merges
+        self.skeleton = self._skeleton(regex, added, literal=False)
+        self.literal = self._skeleton(regex, added, literal=True)
+        self.real = np.full(len(added) + 1, -1, np.int32)  # skeleton id -> the added token's id (0: a pre-token)
+        for i, content, _ in added:
+            self.real[self.skeleton.token_to_id(content)] = i
+        self.by_text = {content: i for i, content, _ in added}
+
+    @staticmethod
+    def _skeleton(regex: str, added: list[tuple[int, str, bool]], literal: bool) -> _Backend:
+        sk = _Backend(models.WordLevel({_PRE_TOKEN: 0}, unk_token=_PRE_TOKEN))
+        sk.pre_tokenizer = pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False)
+        sk.add_tokens([AddedToken(content, special=special, normalized=False) for _, content, special in added])
+        sk.encode_special_tokens = literal  # its own object: the flag is per tokenizer
+        return sk
+
+    def encode(self, text: str, literal: bool = False) -> list[int]:
+        sk = self.literal if literal else self.skeleton
+        enc = _encoding(sk, text)
+        if unicodedata.is_normalized("NFC", text):
+            given = self.real[np.asarray(enc.ids, np.int64)]
+            return self.bpe.encode(text, given, np.asarray(enc.offsets, np.int64).reshape(-1, 2), self.ignore_merges)
+        # Not NFC: as tokenizers does, the added tokens are found in the text as written and the text between
+        # them is normalised on its own (normalising the whole could join an added token's last character to
+        # a combining mark after it: ">" + U+0338 is "≯")
+        out: list[int] = []
+        at = 0
+        for tid, (a, b) in zip(enc.ids, enc.offsets):
+            if tid:
+                out += self._between(text[at:a])
+                out.append(int(self.real[tid]))
+                at = b
+        return out + self._between(text[at:])
+
+    def _between(self, text: str) -> list[int]:
+        if not text:
+            return []
+        text = unicodedata.normalize("NFC", text)
+        pieces = self.skeleton.pre_tokenizer.pre_tokenize_str(text)
+        spans = np.asarray([span for _, span in pieces], np.int64).reshape(-1, 2)
+        return self.bpe.encode(text, np.full(len(pieces), -1, np.int32), spans, self.ignore_merges)
+
+    def token(self, i: int) -> str | None:
+        raw = self.bpe.token(i)
+        return None if raw is None else raw.decode("utf-8", errors="replace")
+
+    def backend(self, regex: str, unused: frozenset[int]) -> _Backend:
+        """The whole `tokenizers` backend this vocabulary makes (for what only it does: parity tests, export)."""
+        tokens = [self.token(i) for i in range(self.bpe.n)]
+        vocab = {t: i for i, t in enumerate(tokens) if i not in unused}
+        for i in unused:
+            vocab[f"\u0000deltaserve-unused-{i}"] = i
+        backend = _Backend(bpe_model(vocab, [(tokens[a], tokens[b]) for a, b in self.bpe.merges()],
+                                     self.ignore_merges))
+        _qwen_pipeline(backend, regex)
+        backend.add_tokens([AddedToken(content, special=special, normalized=False) for _, content, special in self.added])
+        return backend
+
+
 class Tokenizer:
     """A Qwen3.5-style byte-level BPE tokenizer with its chat template.
 
@@ -398,7 +475,7 @@ class Tokenizer:
 
     def __init__(
         self,
-        backend: _Backend,
+        backend: _Backend | None,
         *,
         chat_template: str | None = None,
         eos_id: int | None = None,
@@ -409,16 +486,24 @@ class Tokenizer:
         pre: str | None = DEFAULT_PRE,
         vocab_size: int | None = None,
         longest: int | None = None,
+        compact: _Compact | None = None,
     ) -> None:
+        if (backend is None) == (compact is None):
+            raise ValueError("a Tokenizer wraps either a tokenizers backend or a compact one")
         self._backend = backend
+        self._compact = compact  # a GGUF vocabulary on bpe.c (then the backend is built only if asked for)
         self.pre = pre
         self._unused = frozenset(unused_ids)
-        added = backend.get_added_tokens_decoder()
-        self._added: dict[int, str] = {i: t.content for i, t in added.items()}
-        self.special_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
+        if compact is not None:
+            self._added: dict[int, str] = {i: content for i, content, _ in compact.added}
+            self.special_ids: frozenset[int] = frozenset(i for i, _, special in compact.added if special)
+        else:
+            added = backend.get_added_tokens_decoder()
+            self._added = {i: t.content for i, t in added.items()}
+            self.special_ids = frozenset(i for i, t in added.items() if t.special)
         self.added_ids: frozenset[int] = frozenset(self._added)
         if vocab_size is None:  # the builder did not say: ask the backend (0.2 s for 248,320 tokens)
-            known = [i for i in backend.get_vocab(with_added_tokens=True).values() if i not in self._unused]
+            known = [i for i in self.backend.get_vocab(with_added_tokens=True).values() if i not in self._unused]
             vocab_size = (max(known) + 1) if known else 0
         self.vocab_size: int = vocab_size
         self._bytes: list[bytes] | None = None  # every id's bytes, built on first need of all of them
@@ -429,7 +514,7 @@ class Tokenizer:
         self._literal: _Backend | None = None
 
         def find(content: str) -> int | None:
-            i = backend.token_to_id(content)
+            i = self.token_to_id(content)
             return i if i is not None and i in self._added else None
 
         self.eos_id = eos_id
@@ -460,15 +545,27 @@ class Tokenizer:
 
     @property
     def backend(self) -> _Backend:
-        """The underlying `tokenizers.Tokenizer` (for parity tests and batch encoding)."""
+        """The underlying `tokenizers.Tokenizer` (for parity tests and export): a compact tokenizer builds it on
+        first use (~0.5 s and 66 MiB for Qwen's vocabulary; nothing of deltaserve's own encodes through it)."""
+        with _LITERAL_LOCK:
+            if self._backend is None:
+                assert self._compact is not None
+                self._backend = self._compact.backend(PRE_TOKENIZER_REGEXES[self.pre or DEFAULT_PRE], self._unused)
         return self._backend
+
+    @property
+    def compact(self) -> bool:
+        """Whether encode runs on bpe.c's compact BPE (a GGUF vocabulary where bpe.c builds; text/bpe.py)."""
+        return self._compact is not None
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`: NFC-normalised, added tokens written in the text recognised, no BOS added.
         Text that is not Unicode (a lone surrogate, as JSON's "\\ud800" can carry) is refused by name."""
         try:
+            if self._compact is not None:
+                return self._compact.encode(text)
             return _encode(self._backend, text)
-        except TypeError:
+        except (TypeError, UnicodeEncodeError):
             _check_unicode(text)
             raise
 
@@ -501,11 +598,14 @@ class Tokenizer:
                 return
             for mark, literal in literals.items():
                 piece = piece.replace(mark, literal)
-            ids.extend(_encode(self._literal_backend(), piece))
+            if self._compact is not None:
+                ids.extend(self._compact.encode(piece, literal=True))
+            else:
+                ids.extend(_encode(self._literal_backend(), piece))
 
         for m in self._specials_re.finditer(text):
             segment(text[pos:m.start()])
-            ids.append(self._backend.token_to_id(m.group()))
+            ids.append(self.token_to_id(m.group()))
             pos = m.end()
         segment(text[pos:])
         return ids
@@ -521,6 +621,8 @@ class Tokenizer:
         return self._literal
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        if self._compact is not None:
+            return [self.encode(t) for t in texts]
         try:
             return [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
         except TypeError:
@@ -533,9 +635,15 @@ class Tokenizer:
         grammar's token table; a decode looks its ids up one by one, `_piece`)."""
         if self._bytes is None:
             table = [b""] * self.vocab_size
-            for token, i in self._backend.get_vocab(True).items():
-                if i < self.vocab_size and i not in self._unused:
-                    table[i] = _unmap(token)
+            if self._compact is not None:
+                blob, at = self._compact.bpe.pieces()
+                for i, (a, b) in enumerate(zip(at[:self.vocab_size].tolist(), at[1:self.vocab_size + 1].tolist())):
+                    if i not in self._unused:
+                        table[i] = blob[a:b]
+            else:
+                for token, i in self._backend.get_vocab(True).items():
+                    if i < self.vocab_size and i not in self._unused:
+                        table[i] = _unmap(token)
             for i, content in self._added.items():
                 if i < self.vocab_size:
                     table[i] = content.encode("utf-8")
@@ -553,7 +661,7 @@ class Tokenizer:
             if not 0 <= i < self.vocab_size or i in self._unused:
                 return b""
             added = self._added.get(i)
-            token = self._backend.id_to_token(i) if added is None else None
+            token = self.id_to_token(i) if added is None else None
             piece = added.encode("utf-8") if added is not None else (b"" if token is None else _unmap(token))
             self._pieces[i] = piece
         return piece
@@ -584,9 +692,14 @@ class Tokenizer:
         """The vocabulary string of an id (byte-level form for BPE tokens), None for padding/unknown."""
         if id in self._unused:
             return None
+        if self._compact is not None:
+            return self._compact.token(id) if 0 <= id < self.vocab_size else None
         return self._backend.id_to_token(id)
 
     def token_to_id(self, token: str) -> int | None:
+        if self._compact is not None:
+            i = self._compact.by_text.get(token)
+            return i if i is not None else self._compact.bpe.lookup(token)
         return self._backend.token_to_id(token)
 
     # ------------------------------------------------------------------ chat template
@@ -656,12 +769,12 @@ class Tokenizer:
                 f"GGUF tokenizer: expected tokenizer.ggml.pre to be one of {', '.join(PRE_TOKENIZER_REGEXES)}, found {pre!r}"
             )
         tokens = fields.get("tokenizer.ggml.tokens")
-        if not isinstance(tokens, (list, tuple)) or not tokens:
+        if not isinstance(tokens, (list, tuple)) and not hasattr(tokens, "strings_at") or not len(tokens):
             raise ModelFormatError(
                 f"GGUF tokenizer: expected tokenizer.ggml.tokens (a list of strings), found {_describe(tokens)}"
             )
         merges = fields.get("tokenizer.ggml.merges")
-        if not isinstance(merges, (list, tuple)) or not merges:
+        if not isinstance(merges, (list, tuple)) and not hasattr(merges, "strings_at") or not len(merges):
             raise ModelFormatError(
                 f"GGUF tokenizer: expected tokenizer.ggml.merges (a list of 'left right' strings), found {_describe(merges)}"
             )
@@ -679,6 +792,13 @@ class Tokenizer:
             last -= 1
         if last < 0:
             raise ModelFormatError("GGUF tokenizer: expected some tokens that are not padding, found only UNUSED tokens")
+        template = fields.get("tokenizer.chat_template")
+        if template is not None and not isinstance(template, str):
+            raise ModelFormatError(f"GGUF tokenizer: expected tokenizer.chat_template to be a string, found {_describe(template)}")
+        if native_bpe.available():
+            return cls._from_gguf_compact(fields, tokens, merges, types, last, pre, template, ignore_merges)
+        tokens = list(tokens) if hasattr(tokens, "strings_at") else tokens
+        merges = list(merges) if hasattr(merges, "strings_at") else merges
 
         # Every id up to `last` goes into the BPE vocabulary, so ids stay contiguous (tokenizers gives a
         # new added token the id len(vocab), which would collide across a gap). Padding and duplicate
@@ -725,9 +845,13 @@ class Tokenizer:
             if i not in got or got[i].content != content:
                 raise ModelFormatError(f"GGUF tokenizer: expected added token {content!r} at id {i}, found it elsewhere")
 
-        template = fields.get("tokenizer.chat_template")
-        if template is not None and not isinstance(template, str):
-            raise ModelFormatError(f"GGUF tokenizer: expected tokenizer.chat_template to be a string, found {_describe(template)}")
+        return cls._with_ids(fields, backend, None, last, unused, pre, template, longest)
+
+    @classmethod
+    def _with_ids(cls, fields: Mapping[str, Any], backend: _Backend | None, compact: _Compact | None, last: int,
+                  unused: list[int], pre: str, template: str | None, longest: int) -> "Tokenizer":
+        """The Tokenizer of a GGUF vocabulary, its eos/pad/bos/eot ids read and checked."""
+        unused_set = frozenset(unused)
 
         def id_field(key: str) -> int | None:
             value = fields.get(key)
@@ -735,7 +859,7 @@ class Tokenizer:
                 return None
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ModelFormatError(f"GGUF tokenizer: expected {key} to be an integer, found {_describe(value)}")
-            if not 0 <= value <= last or value in unused:
+            if not 0 <= value <= last or value in unused_set:
                 raise ModelFormatError(
                     f"GGUF tokenizer: expected {key} to name a token (0..{last}), found {value}"
                 )
@@ -753,7 +877,43 @@ class Tokenizer:
             pre=pre,
             vocab_size=last + 1,
             longest=longest,
+            compact=compact,
         )
+
+    @classmethod
+    def _from_gguf_compact(cls, fields: Mapping[str, Any], tokens: Any, merges: Any, types: Sequence[int], last: int,
+                           pre: str, template: str | None, ignore_merges: bool) -> "Tokenizer":
+        """`from_gguf_fields` on bpe.c: the token and merge strings read where they lie (a GGUF reader's
+        `strings_at`) or, given as Python strings, copied once; the same checks and errors."""
+        def strings_at(values: Any, what: str) -> native_bpe.StringsAt:
+            if hasattr(values, "strings_at"):
+                return values.strings_at()
+            if not set(map(type, values)) <= {str}:
+                i = next(i for i, t in enumerate(values) if not isinstance(t, str))
+                if what == "merge":
+                    raise ModelFormatError(f"GGUF tokenizer: expected merge {i} to be 'left right', found {values[i]!r}")
+                raise ModelFormatError(f"GGUF tokenizer: expected token {i} to be a string, found {type(values[i]).__name__}")
+            return native_bpe.StringsAt.of(values)
+
+        at = strings_at(tokens, "token").head(last + 1)
+        kinds = np.asarray(types[:last + 1], np.int64)
+        skip = (kinds == _TT_UNUSED).astype(np.uint8)
+        try:
+            bpe = native_bpe.NativeBPE(at, strings_at(merges, "merge"), skip)
+        except native_bpe.BadMerge as e:
+            merge = merges[e.index]
+            if e.kind == 1:
+                raise ModelFormatError(f"GGUF tokenizer: expected merge {e.index} to be 'left right', found {merge!r}") from None
+            left, right = merge.split(" ")
+            missing = (left, right, left + right)[e.part]
+            raise ModelFormatError(f"GGUF tokenizer: expected merges of tokens in the vocabulary, found: merge {e.index} "
+                                   f"({merge!r}) makes {missing!r}, which is not in the vocabulary") from None
+        unused = np.flatnonzero(skip).tolist()  # padding, and strings an earlier token has (placeholders)
+        added = [(i, bpe.token(i).decode("utf-8", errors="replace"), int(kinds[i]) == _TT_CONTROL)
+                 for i in np.flatnonzero((kinds == _TT_CONTROL) | (kinds == _TT_USER_DEFINED)).tolist() if not skip[i]]
+        longest = max(bpe.longest(skip), *(len(c.encode("utf-8")) for _, c, _ in added), 1)
+        compact = _Compact(bpe, added, PRE_TOKENIZER_REGEXES[pre], ignore_merges)
+        return cls._with_ids(fields, None, compact, last, unused, pre, template, longest)
 
     @classmethod
     def from_hf_dir(cls, path: str | Path, *, ignore_merges: bool | None = True) -> "Tokenizer":
@@ -839,7 +999,7 @@ class Tokenizer:
 
     def merges(self) -> list[str]:
         """The BPE merges as GGUF writes them ("left right"), in priority order."""
-        state = json.loads(self._backend.model.__getstate__())
+        state = json.loads(self.backend.model.__getstate__())
         return [m if isinstance(m, str) else f"{m[0]} {m[1]}" for m in state.get("merges", [])]
 
     def write_gguf(self, writer: "gguf.GGUFWriter", vocab_size: int) -> None:
@@ -862,7 +1022,7 @@ class Tokenizer:
         tokens: list[str] = []
         types: list[int] = []
         for i in range(vocab_size):
-            token = None if (i in self._unused or i >= self.vocab_size) else self._backend.id_to_token(i)
+            token = None if (i in self._unused or i >= self.vocab_size) else self.id_to_token(i)
             if token is None:
                 tokens.append(f"[PAD{i}]")
                 types.append(gguf.TokenType.UNUSED)

@@ -1,0 +1,62 @@
+"""Building deltaserve's C sources into a shared library, once per machine, in its cache directory.
+
+The native kernels (kernels/native.py) and the compact tokenizer (text/bpe.py) are compiled by the system C
+compiler (`cc`, or `$CC`) into `cache_root()/native`, under a name keyed by everything that decides the build
+(the sources, the compiler, the flags, and whatever the caller adds, e.g. this CPU's flags): a cached library is
+used as it is, a changed source builds a new one. Builds go through a temporary directory and a rename, so
+processes that build at once never load a half-written library.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from deltaserve.cachedir import cache_root
+
+
+def compiler() -> str | None:
+    """The C compiler's path ($CC, else cc), None if there is none."""
+    return shutil.which(os.environ.get("CC") or "cc")
+
+
+def build_library(stem: str, sources: list[Path], flags: list[str], *, cc: str, headers: list[Path] = (),
+                  source_flags: dict[str, list[str]] | None = None, link: list[str] = (), key_extra: str = "",
+                  what: str = "the native library") -> Path:
+    """The shared library `stem-<key>.so` built from `sources`, compiled now unless cached. Raises RuntimeError
+    (the compiler's first line of error) or OSError."""
+    source_flags = source_flags or {}
+    src = b"".join(s.read_bytes() for s in [*sources, *headers])
+    key = hashlib.sha256(src + cc.encode() + " ".join([*flags, *link, key_extra]).encode()
+                         + repr(sorted(source_flags.items())).encode()).hexdigest()[:16]
+    out = cache_root() / "native" / f"{stem}-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    print(f"[deltaserve] compiling {what} (once per machine) into {out.parent} ...", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        objects = []
+        includes = sorted({f"-I{h.parent}" for h in headers})
+        for s in sources:
+            obj = Path(tmp) / (s.stem + ".o")
+            run_cc([cc, *flags, *source_flags.get(s.name, []), *includes, "-c", str(s), "-o", str(obj)], s.name)
+            objects.append(str(obj))
+        part = Path(tmp) / out.name
+        run_cc([cc, "-shared", *objects, "-o", str(part), *link], "the link")
+        part.replace(out)
+    return out
+
+
+def run_cc(cmd: list[str], what: str) -> None:
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    except subprocess.SubprocessError as e:
+        raise RuntimeError(f"{Path(cmd[0]).name} failed on {what}: {e}") from None
+    if r.returncode != 0:
+        first = (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[0]
+        raise RuntimeError(f"{Path(cmd[0]).name} failed on {what}: {first}")
