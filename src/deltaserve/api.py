@@ -160,8 +160,8 @@ def load(path: str | os.PathLike | None = None, device: str = "cpu", threads: in
          weights: str | None = None, compute_thread: bool = False) -> Model:
     """Load a Qwen3.5 GGUF file or HF directory (no path: the embedded demo model). `threads`: CPU threads for
     the forwards (default: one for a model too small to split, else the cores this process may use; see
-    kernels/cpu.py). `weights`: "fast" (default: quantized tensors as int8 tables, 16-bit ones as bf16, f32
-    kept) or "exact" (all f32). `compute_thread`: the load and every CPU forward on one thread of their own
+    kernels/cpu.py). `weights`: "fast" (default: a GGUF's tensors held as the file's own blocks, see
+    engine/weights.py), "blocks", "tables" (int8 tables) or "exact" (all f32). `compute_thread`: the load and every CPU forward on one thread of their own
     (for callers that run sessions on several threads, as the server does; see runtime/compute.py)."""
     if path is None:
         path = default_model_path()

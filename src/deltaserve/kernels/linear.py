@@ -230,25 +230,62 @@ CHUNK_ELEMENTS = 1 << 20  # an f32 chunk of 4 MiB: cache-sized, and each product
 
 
 _AMX: list[bool] = []
+# the block kinds whose many-row products take int8 chunks by default where the CPU has AVX512-VNNI and no AMX: each
+# of their rows holds at most 64 levels per block, coarser than int8 per row, so requantizing adds little (0.8B
+# trained demo, Q4_K_M prefill: 0.98x llama.cpp's error against f32, f32 chunks 0.95x); Q8_0 and 16-bit weights
+# would lose their own precision there (Q8_0: 1.31x, the issue's bound is 1.1x): Q8_0 goes to blocks.c's GEMM on its
+# blocks (q8_gemm), 16-bit weights stay exact f32 chunks
+INT8_CHUNK_KINDS = ("Q4_0", "Q4_K", "Q5_K", "Q6_K")
 
 
 def amx_bf16() -> bool:
     """True where the CPU has AMX-BF16 and the kernel lets this process use its tiles (torch asks for them; torch's
-    oneDNN then runs bf16 GEMMs on them). Found once per process."""
+    oneDNN then runs bf16 GEMMs on them). Found once per process. DELTASERVE_AMX=off routes as on a CPU without
+    AMX (to measure that route here; ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 keeps torch's own GEMMs off the tiles)."""
     if not _AMX:
-        _AMX.append("amx_bf16" in native.cpu_flags() and bool(getattr(torch._C._cpu, "_init_amx", lambda: False)()))
+        _AMX.append(os.environ.get("DELTASERVE_AMX", "on") != "off" and "amx_bf16" in native.cpu_flags()
+                    and bool(getattr(torch._C._cpu, "_init_amx", lambda: False)()))
     return _AMX[0]
 
 
-def chunk_dtype() -> torch.dtype:
-    """The dtype of BlockLinear's many-row products: DELTASERVE_PREFILL "f32" (exact weights, f32 activations),
-    "bf16", "int8" (each chunk of the weight requantized per row, the activations per row, torch's int8 GEMM: the
-    int8 tables' prefill without the tables, see BlockLinear._chunks_int8), or "auto" (default): bf16 where
-    amx_bf16(), else f32."""
+def int8_chunks_fast() -> bool:
+    """True where torch's int8 GEMM is the fast many-row product and AMX is not there: an AVX512-VNNI CPU (the one
+    native.c builds for) without AMX tiles, a Zen 4/5. Measured on the Xeon with AMX left out (DELTASERVE_AMX=off
+    ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16), 0.8B pp512: Q4_K_M int8 chunks 467 tok/s, f32 chunks 288, bf16 185, the
+    int8 tables 466 (at 1.76x the memory); Q8_0 455, 284, 184 and 452. On an AVX2 CPU (a Zen 3) torch's int8
+    GEMM runs at about 1 GMAC/s against 20 for its f32 one."""
+    return not amx_bf16() and native.status()[0]
+
+
+def chunk_dtype(kind: str | None = None) -> torch.dtype:
+    """The dtype of BlockLinear's many-row products on blocks of `kind`: DELTASERVE_PREFILL "f32" (exact weights,
+    f32 activations), "bf16", "int8" (each chunk of the weight requantized per row, the activations per row, torch's
+    int8 GEMM: the int8 tables' prefill without the tables, see BlockLinear._chunks_int8), or "auto" (default):
+    bf16 where amx_bf16(); int8 for the 4- to 6-bit kinds (INT8_CHUNK_KINDS) where int8_chunks_fast(); else f32.
+    Without a kind: the dtype of most chunks (what the route line leads with)."""
     mode = os.environ.get("DELTASERVE_PREFILL", "auto")
     if mode in ("f32", "bf16", "int8"):
         return {"f32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}[mode]
-    return torch.bfloat16 if amx_bf16() else torch.float32
+    if amx_bf16():
+        return torch.bfloat16
+    if int8_chunks_fast() and (kind is None or kind in INT8_CHUNK_KINDS):
+        return torch.int8
+    return torch.float32
+
+
+def q8_gemm(kind: str) -> bool:
+    """Whether many rows on blocks of `kind` run on blocks.c's GEMM on Q8_0 blocks (ds_gemm_q8_0: the file's values
+    exactly, the activations int8 per block of 32 as llama.cpp's, so a Q8_0 prefill rounds nothing but them) rather
+    than on chunks: Q8_0 blocks under DELTASERVE_PREFILL=auto where the CPU has AVX512-VNNI and no AMX (a Zen 4/5).
+    Measured on the Xeon with AMX left out, 512 rows times a Q8_0 [3584, 1024] on 2 threads: 7.5 ms (500 GOP/s)
+    against 21.5 ms for torch's f32 GEMM on the exact chunk; the Q8_0 int8 chunks (requantized per row) were as
+    fast but 1.31x llama.cpp's error. Where AMX is there, bf16 chunks on its tiles stay faster (645-800 GOP/s).
+    The MLP's down projection (int8_activations False: its inputs have outliers) keeps exact f32 chunks: with it
+    on the GEMM too, the trained demo's Q8_0 prefill was 1.11x llama.cpp's error against f32 (llama.cpp's own
+    arithmetic, the issue's bound 1.1x), without it 0.95x; 0.8B pp512 304 tok/s against 393 with it, 213 on f32
+    chunks, llama.cpp 85 (the same round, 2026-12-05)."""
+    return kind == "Q8_0" and os.environ.get("DELTASERVE_PREFILL", "auto") not in ("f32", "bf16", "int8") \
+        and not amx_bf16() and native.has("ds_gemm_q8_0")
 
 
 def block_rows() -> int:
@@ -299,20 +336,25 @@ class BlockLinear(Linear):
         m = x2.shape[0]
         y = torch.empty(m, self.out_features)
         blocks = self.path(m) == "blocks"
-        low = None  # the activations in chunk_dtype(), made once for every chunk
+        low: dict = {}  # the activations in each chunk_dtype(kind), made once for every chunk of that dtype
         off = 0
         for kind, data in self.segments:
             n = data.shape[0]
-            if not (blocks and native.linear_on_blocks(x2, GGUF_TYPES[kind], data, y, off)):
-                if low is None:
-                    dtype = chunk_dtype()
-                    if dtype == torch.int8 and not self.int8_activations:
-                        dtype = torch.float32
-                    low = (native.quantize_rows(x2) or quantize_rows_int8(x2)) if dtype == torch.int8 else x2.to(dtype)
-                if isinstance(low, tuple):
-                    self._chunks_int8(low, kind, data, y, off)
+            if blocks and native.linear_on_blocks(x2, GGUF_TYPES[kind], data, y, off):
+                pass
+            elif not blocks and self.int8_activations and q8_gemm(kind) and native.gemm_q8_0(x2, data, y, off):
+                pass
+            else:
+                dtype = chunk_dtype(kind)
+                if dtype == torch.int8 and not self.int8_activations:
+                    dtype = torch.float32
+                if dtype not in low:
+                    low[dtype] = (native.quantize_rows(x2) or quantize_rows_int8(x2)) if dtype == torch.int8 else \
+                        x2.to(dtype)
+                if dtype == torch.int8:
+                    self._chunks_int8(low[dtype], kind, data, y, off)
                 else:
-                    self._chunks(low, kind, data, y, off)
+                    self._chunks(low[dtype], kind, data, y, off)
             off += n
         return y.reshape(*shape[:-1], self.out_features)
 
@@ -413,9 +455,16 @@ def blocks_route() -> str:
     ok, why = native.portable()
     if not ok:
         return f"the file's own blocks, dequantized in chunks for torch's f32 GEMM (native kernel not used: {why})"
+    auto = os.environ.get("DELTASERVE_PREFILL", "auto") not in ("f32", "bf16", "int8")
     many = {torch.bfloat16: "bf16 chunks and torch's bf16 GEMM (AMX tiles)" if amx_bf16() else
             "bf16 chunks and torch's bf16 GEMM",
-            torch.int8: "chunks requantized to int8 per row and torch's int8 GEMM (DELTASERVE_PREFILL=int8)"}.get(
+            torch.int8: "4- to 6-bit blocks' chunks requantized to int8 per row and torch's int8 GEMM (AVX512-VNNI, "
+                        "no AMX), Q8_0 blocks on the native kernel's GEMM (the file's values, activations int8 per "
+                        "block of 32; the down projection's exact f32 chunks), 16-bit ones' exact f32 chunks and "
+                        "torch's f32 GEMM" if auto and q8_gemm("Q8_0")
+                        else "4- to 6-bit blocks' chunks requantized to int8 per row and torch's int8 GEMM "
+                        "(AVX512-VNNI, no AMX), Q8_0 and 16-bit ones' exact f32 chunks and torch's f32 GEMM" if auto else
+                        "chunks requantized to int8 per row and torch's int8 GEMM (DELTASERVE_PREFILL=int8)"}.get(
         chunk_dtype(), "exact f32 chunks and torch's f32 GEMM")
     return (f"products on the file's own blocks: up to {block_rows()} rows on the native kernel ({why}, "
             f"activations int8 per block as llama.cpp's), more rows on {many}")
