@@ -20,6 +20,7 @@ from deltaserve.formats.gguf import GGUFStrings, read_gguf
 from deltaserve.text import bpe
 from deltaserve.text.tokenizer import GIL_FREE_CHARS, Tokenizer
 from tests.fixtures.tokenizers import load_tiktoken_ranks, qwen35_ranks_path, real_qwen35_tokenizer
+from tests.test_tokenizer import write_tokenizer_gguf
 
 pytestmark = pytest.mark.skipif(not bpe.available(), reason=f"bpe.c is not built here: {bpe.why_not()}")
 
@@ -41,15 +42,7 @@ def vocab_gguf(tmp_path_factory) -> Path:
     backend = real_qwen35_tokenizer()
     source = Tokenizer(backend, chat_template=TEMPLATE, eos_id=backend.token_to_id("<|im_end|>"),
                        pad_id=backend.token_to_id("<|endoftext|>"))
-    path = tmp_path_factory.mktemp("bpe") / "qwen35-vocab.gguf"
-    w = gguf.GGUFWriter(str(path), "qwen35")
-    source.write_gguf(w, ROWS)
-    w.add_tensor("dummy", np.zeros(4, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return write_tokenizer_gguf(source, tmp_path_factory.mktemp("bpe") / "qwen35-vocab.gguf", ROWS)
 
 
 @pytest.fixture(scope="module")
