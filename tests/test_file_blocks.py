@@ -153,19 +153,20 @@ def test_the_prefill_chunks_are_bf16_exactly_where_torch_runs_bf16_gemms_on_amx_
     assert L.chunk_dtype("Q4_K") == torch.float32
 
 
-def test_without_amx_the_4_to_6_bit_blocks_take_int8_chunks_and_q8_0_stays_exact(monkeypatch):
+def test_without_amx_the_blocks_take_the_gemm_on_their_own_values_and_q4_0_takes_int8_chunks(monkeypatch):
     """A Zen 4/5's route (AVX512-VNNI, no AMX), taken here with DELTASERVE_AMX=off: in one stack of projections the
-    Q4_K and Q6_K parts multiply int8 chunks (requantized per row), the Q8_0 part the file's exact values on
-    blocks.c's GEMM, with the activations int8 per block of 32 as llama.cpp rounds them (and nothing else)."""
-    if not native.status()[0]:
-        pytest.skip(f"no AVX512-VNNI kernels here ({native.status()[1]}): the int8 chunks are not the fast route")
+    Q4_K, Q8_0 and Q6_K parts multiply the file's exact values on blocks.c's GEMM, with the activations int8 per
+    block of 32 as llama.cpp rounds them for Q8_0 (and nothing else); the Q4_0 part int8 chunks (requantized per
+    row); a Q8_0 down projection exact f32 chunks, a K-quant one the GEMM."""
+    if not native.status()[0] or not native.has("ds_gemm_blocks"):
+        pytest.skip(f"no AVX512-VNNI kernels here ({native.status()[1]}): neither the GEMM nor int8 chunks run")
     monkeypatch.delenv("DELTASERVE_PREFILL", raising=False)
     monkeypatch.setenv("DELTASERVE_AMX", "off")
     monkeypatch.setattr(L, "_AMX", [])
     assert not L.amx_bf16() and L.int8_chunks_fast()
     cols = 512
     parts = [(kind, torch.from_numpy(random_blocks(kind, rows, cols, seed=40 + rows)))
-             for kind, rows in (("Q4_K", 96), ("Q8_0", 64), ("Q6_K", 80))]
+             for kind, rows in (("Q4_K", 96), ("Q8_0", 64), ("Q4_0", 40), ("Q6_K", 80))]
     lin = L.BlockLinear(parts, cols)
     x = torch.randn(L.block_rows() + 20, cols, generator=torch.Generator().manual_seed(5))
     assert lin.path(x.shape[0]) == "chunks"
@@ -173,44 +174,49 @@ def test_without_amx_the_4_to_6_bit_blocks_take_int8_chunks_and_q8_0_stays_exact
     xq, xs = L.quantize_rows_int8(x)
     for kind, raw in parts:
         w = L.BlockLinear([(kind, raw)], cols).dense()
-        if kind == "Q8_0":
-            want = quantized_activations(x, kind) @ w.double().t()
-        else:
+        if kind == "Q4_0":
             wq, ws = L.quantize_rows_int8(w)
             want = (xq.double() @ wq.double().t()) * ws.double() * xs.double()[:, None]
+        else:
+            want = quantized_activations(x, "Q8_0") @ w.double().t()
         part = got[:, off:off + raw.shape[0]].double()
         assert ((part - want).norm(dim=1) / want.norm(dim=1)).max().item() < 1e-6, kind
         off += raw.shape[0]
-    assert L.q8_gemm("Q8_0") and not L.q8_gemm("Q4_K")
-    q8 = L.BlockLinear([parts[1]], cols)
-    q8.int8_activations = False  # the MLP's down projection (outliers in its inputs): exact f32 chunks
-    exact = x.double() @ q8.dense().double().t()
-    assert ((q8(x).double() - exact).norm(dim=1) / exact.norm(dim=1)).max().item() < 1e-6
+    assert all(L.block_gemm(k) for k in ("Q8_0", "Q4_K", "Q5_K", "Q6_K")) and not L.block_gemm("Q4_0")
+    for kind, raw in parts[:2]:
+        down = L.BlockLinear([(kind, raw)], cols)
+        down.int8_activations = False  # the MLP's down projection (outliers in its inputs)
+        want = (x.double() if kind == "Q8_0" else quantized_activations(x, "Q8_0")) @ down.dense().double().t()
+        assert ((down(x).double() - want).norm(dim=1) / want.norm(dim=1)).max().item() < 1e-6, kind
     line = L.blocks_route()
-    assert "4- to 6-bit blocks' chunks requantized to int8 per row" in line and "Q8_0 blocks on the native kernel's GEMM" \
+    assert "Q8_0 and K-quant blocks on the native kernel's GEMM" in line and "Q4_0 ones' chunks requantized to int8" \
         in line and "16-bit ones' exact f32 chunks" in line
 
 
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 40, 300])
 @pytest.mark.parametrize("out", [32, 33, 100])
-def test_the_q8_0_gemm_is_the_files_values_times_activations_rounded_per_block_whatever_the_shape(rows, out):
-    """blocks.c's GEMM on Q8_0 blocks (panels of 32 output rows, tiles of 6 tokens): any number of rows and tokens,
-    the result written only where asked (a slice of a wider output), each token's row alone whatever is beside it."""
-    if not native.has("ds_gemm_q8_0"):
-        pytest.skip("blocks.c's Q8_0 GEMM is built only where the CPU has AVX512-VNNI")
-    cols = 256
-    raw = torch.from_numpy(random_blocks("Q8_0", out, cols, seed=out))
-    w = L.BlockLinear([("Q8_0", raw)], cols).dense().double()
+def test_the_block_gemm_is_the_files_values_times_activations_rounded_per_block_of_32_whatever_the_shape(kind, rows,
+                                                                                                         out):
+    """blocks.c's GEMM on the blocks (panels of 32 output rows, tiles of 6 tokens): any number of rows and tokens,
+    the result written only where asked (a slice of a wider output), each token's row alone whatever is beside it.
+    The oracle: gguf's values of the weight times the activations as llama.cpp rounds them for Q8_0, in float64."""
+    if not native.has("ds_gemm_blocks"):
+        pytest.skip("blocks.c's GEMM is built only where the CPU has AVX512-VNNI")
+    cols = 512
+    raw = torch.from_numpy(random_blocks(kind, out, cols, seed=out))
+    w = torch.from_numpy(quants.dequantize(raw.numpy(), T[kind])).double().reshape(out, cols)
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)) * 4
     y = torch.full((rows, out + 5), 7.0)
-    assert native.gemm_q8_0(x, raw, y, 2)
-    want = quantized_activations(x, "Q8_0") @ w.t()
+    assert native.gemm_blocks(x, int(T[kind]), raw, y, 2)
+    xa = quantized_activations(x, "Q8_0")
+    want = xa @ w.t()
     got = y[:, 2:2 + out].double()
-    assert ((got - want).abs() <= 1e-5 * (want.abs() + 1)).all()
+    assert ((got - want).abs() <= 1e-6 * (xa.abs() @ w.abs().t()) + 1e-9).all()  # f32 sums of exact block sums
     assert (y[:, :2] == 7).all() and (y[:, 2 + out:] == 7).all()
     y1 = torch.empty(1, out)
     for i in {0, rows // 2, rows - 1}:
-        assert native.gemm_q8_0(x[i:i + 1], raw, y1, 0) and torch.equal(y1[0], y[i, 2:2 + out])
+        assert native.gemm_blocks(x[i:i + 1], int(T[kind]), raw, y1, 0) and torch.equal(y1[0], y[i, 2:2 + out])
 
 
 def test_a_stack_of_projections_is_one_product_over_their_segments_without_a_copy():
@@ -268,6 +274,8 @@ def test_the_default_weights_are_the_files_own_blocks_with_or_without_amx(amx, m
         assert "dequantized in chunks for torch's f32 GEMM" in line, line
     elif L.amx_bf16():
         assert "more rows on bf16 chunks and torch's bf16 GEMM (AMX tiles)" in line, line
+    elif native.status()[0] and native.has("ds_gemm_blocks"):
+        assert "more rows on Q8_0 and K-quant blocks on the native kernel's GEMM" in line, line
     elif native.status()[0]:
         assert "4- to 6-bit blocks' chunks requantized to int8 per row and torch's int8 GEMM (AVX512-VNNI, no AMX)" \
             in line, line

@@ -14,8 +14,8 @@
  *   product exact in int32, scaled once per block. For a Q8_0 file the only rounding is the activations'.
  *   Each thread takes a run of output rows; a row's blocks are read once from memory and then from L1 for
  *   every group of activation rows.
- * - ds_gemm_q8_0 (AVX512-VNNI): the same arithmetic on Q8_0 blocks for many rows (a prefill on a CPU without AMX),
- *   on panels of 32 weight rows laid out for vpdpbusd once per product and tiles of 6 tokens.
+ * - ds_gemm_blocks (AVX512-VNNI): the same arithmetic on Q8_0 and K-quant blocks for many rows (a prefill on a
+ *   CPU without AMX), on panels of 32 weight rows laid out for vpdpbusd once per product and tiles of 6 tokens.
  *
  * AVX2 has no unsigned-by-signed byte dot product with 32-bit sums (VNNI), so a block goes through vpmaddubsw
  * (u8 x s8 -> s16 pairs) and vpmaddwd (s16 pairs -> s32): an int8 weight w is made unsigned by the sign trick,
@@ -727,145 +727,221 @@ static void decode_tile(int type, const uint8_t *row0, size_t row_bytes, int R, 
     }
 }
 
-/* ---- many rows on Q8_0 blocks: a GEMM on panels of the file's blocks ---------------------------------------
- * The prefill's product on a Q8_0 tensor where the CPU has AVX512-VNNI and no AMX (a Zen 4/5): the file's values
- * exactly, the activations int8 per block of 32 as llama.cpp quantizes them, so the only rounding is the
- * activations' (torch has no such product: its int8 GEMM wants one scale per row, and requantizing Q8_0 per row
- * doubled the error; its f32 GEMM on exact chunks ran the 0.8B pp512 at 284 tok/s on the Xeon without AMX).
- * Each thread copies a panel of GP = 32 rows into a buffer laid out for vpdpbusd (16 rows' 4 bytes per vector,
- * u = w + 128; the block scales as f32), once per product: the copy is used by every token, so it costs ~1/M of
- * the product and holds no second copy of the tensor. A tile is the panel's 32 rows times GT tokens: per block,
- * 8 vpdpbusd per 16 rows and token, whose int32 sums start at -128 * (the token's block sum), then one convert
- * and one multiply-add by d_w * d_a into f32. Each row's f32 sum takes the blocks in order, whatever M is. */
+/* ---- many rows on the blocks: a GEMM on panels of the file's blocks -----------------------------------------
+ * The prefill's products on Q8_0, Q4_K, Q5_K and Q6_K tensors where the CPU has AVX512-VNNI and no AMX (a Zen 4/5):
+ * the file's values exactly, the activations int8 per block of 32 with an f16-rounded scale (Q8_0's activations,
+ * as llama.cpp quantizes them for Q8_0; its K-quant products use blocks of 256, coarser), so the only rounding is
+ * the activations'. torch has no such product: its int8 GEMM wants one scale per row (requantizing Q8_0 per row
+ * doubled its error), and its f32 GEMM on exact chunks ran at a third of this speed.
+ * Each thread copies a panel of GP = 32 weight rows into a buffer laid out for vpdpbusd, once per product: each
+ * sub-block of 32 (Q6_K: 16) values as unsigned bytes u, 16 rows' 4 bytes per vector, and per row and sub-block a
+ * scale s (and for Q4_K/Q5_K a min m) with w = s (u - z) (Q8_0: u = w + 128, z = 128; Q6_K: z = 32) or
+ * w = s u - m (Q4_K/Q5_K, z = 0). The copy is used by every token, so it costs ~1/M of the product and holds no
+ * second copy of the tensor. A tile is the panel's 32 rows times GT tokens: per sub-block, SB/4 vpdpbusd per 16
+ * rows and token into int32 sums that start at -z (the token's sum over the sub-block), so they end at the exact
+ * sum of w' a (w' = u - z); then one convert and one multiply-add by s d_a into f32, and for a min one more
+ * multiply-add by -m d_a (sum of a). Each row's f32 sum takes the sub-blocks in order, whatever M is. */
 #define GP 32
 #define GT 6
 #define PACK_ALIGN(n) (((n) + 63) & ~(size_t)63)
 
-static inline __attribute__((always_inline)) void gemm_q8_0_tile(const uint8_t *pw, const float *pd, int nb,
-                                                                 const int8_t *xq, const float *xd, const int32_t *xs,
-                                                                 int K, float *out, long ldo, int nrows) {
+/* 0: Q8_0, one scale per 32, z = 128; 1: Q6_K, a scale per 16, z = 32; 2: Q4_K/Q5_K, a scale and a min per 32 */
+static int gemm_mode(int type) {
+    return type == T_Q8_0 ? 0 : type == T_Q6_K ? 1 : (type == T_Q4_K || type == T_Q5_K) ? 2 : -1;
+}
+
+static inline __attribute__((always_inline)) void gemm_tile(const int mode, const uint8_t *pw, const float *ps,
+                                                            const float *po, int nb, const int8_t *xq,
+                                                            const float *xd, const int32_t *xi, const float *xf,
+                                                            int K, float *out, long ldo, int nrows) {
+    const int subs = mode == 1 ? 2 : 1, groups = 8 / subs, ni = mode == 1 ? 2 * nb : nb;
     __m512 f[GT][2];
     for (int t = 0; t < GT; t++) f[t][0] = f[t][1] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        __m512i acc[GT][2];
-        for (int t = 0; t < GT; t++) acc[t][0] = acc[t][1] = _mm512_set1_epi32(xs[(size_t)t * nb + b]);
         const uint8_t *w = pw + (size_t)b * 8 * 128;
+        for (int h = 0; h < subs; h++) {
+            __m512i acc[GT][2];
+            for (int t = 0; t < GT; t++)
+                acc[t][0] = acc[t][1] = mode == 2 ? _mm512_setzero_si512()
+                                                  : _mm512_set1_epi32(xi[(size_t)t * ni + b * subs + h]);
 #pragma GCC unroll 8
-        for (int k = 0; k < 8; k++) {
-            __m512i w0 = _mm512_load_si512(w + k * 128), w1 = _mm512_load_si512(w + k * 128 + 64);
+            for (int k = h * groups; k < (h + 1) * groups; k++) {
+                __m512i w0 = _mm512_load_si512(w + k * 128), w1 = _mm512_load_si512(w + k * 128 + 64);
+                for (int t = 0; t < GT; t++) {
+                    int32_t v;
+                    memcpy(&v, xq + (size_t)t * K + 32 * b + 4 * k, 4);
+                    __m512i xb = _mm512_set1_epi32(v);
+                    acc[t][0] = _mm512_dpbusd_epi32(acc[t][0], w0, xb);
+                    acc[t][1] = _mm512_dpbusd_epi32(acc[t][1], w1, xb);
+                }
+            }
+            const float *sv = ps + ((size_t)b * subs + h) * 32;
+            __m512 s0 = _mm512_load_ps(sv), s1 = _mm512_load_ps(sv + 16);
             for (int t = 0; t < GT; t++) {
-                int32_t v;
-                memcpy(&v, xq + (size_t)t * K + 32 * b + 4 * k, 4);
-                __m512i xb = _mm512_set1_epi32(v);
-                acc[t][0] = _mm512_dpbusd_epi32(acc[t][0], w0, xb);
-                acc[t][1] = _mm512_dpbusd_epi32(acc[t][1], w1, xb);
+                __m512 d = _mm512_set1_ps(xd[(size_t)t * nb + b]);
+                f[t][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[t][0]), _mm512_mul_ps(s0, d), f[t][0]);
+                f[t][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[t][1]), _mm512_mul_ps(s1, d), f[t][1]);
             }
         }
-        __m512 d0 = _mm512_load_ps(pd + (size_t)b * 32), d1 = _mm512_load_ps(pd + (size_t)b * 32 + 16);
-        for (int t = 0; t < GT; t++) {
-            __m512 s = _mm512_set1_ps(xd[(size_t)t * nb + b]);
-            f[t][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[t][0]), _mm512_mul_ps(d0, s), f[t][0]);
-            f[t][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[t][1]), _mm512_mul_ps(d1, s), f[t][1]);
+        if (mode == 2) {  /* - m (d_a times the sum of the block's int8 activations) */
+            __m512 m0 = _mm512_load_ps(po + (size_t)b * 32), m1 = _mm512_load_ps(po + (size_t)b * 32 + 16);
+            for (int t = 0; t < GT; t++) {
+                __m512 a = _mm512_set1_ps(xf[(size_t)t * nb + b]);
+                f[t][0] = _mm512_fnmadd_ps(m0, a, f[t][0]);
+                f[t][1] = _mm512_fnmadd_ps(m1, a, f[t][1]);
+            }
         }
     }
-    if (nrows == GP) {
-        for (int t = 0; t < GT; t++) {
-            _mm512_storeu_ps(out + t * ldo, f[t][0]);
-            _mm512_storeu_ps(out + t * ldo + 16, f[t][1]);
-        }
-    } else {
-        __mmask16 m0 = nrows >= 16 ? 0xFFFF : (__mmask16)((1u << nrows) - 1),
-                  m1 = nrows <= 16 ? 0 : (__mmask16)((1u << (nrows - 16)) - 1);
-        for (int t = 0; t < GT; t++) {
-            _mm512_mask_storeu_ps(out + t * ldo, m0, f[t][0]);
-            _mm512_mask_storeu_ps(out + t * ldo + 16, m1, f[t][1]);
-        }
+    __mmask16 k0 = nrows >= 16 ? 0xFFFF : (__mmask16)((1u << nrows) - 1),
+              k1 = nrows >= GP ? 0xFFFF : nrows <= 16 ? 0 : (__mmask16)((1u << (nrows - 16)) - 1);
+    for (int t = 0; t < GT; t++) {
+        _mm512_mask_storeu_ps(out + t * ldo, k0, f[t][0]);
+        _mm512_mask_storeu_ps(out + t * ldo + 16, k1, f[t][1]);
     }
 }
 
-/* rows n0 .. n0 + nrows - 1 (nrows <= GP) of a Q8_0 tensor laid out for gemm_q8_0_tile: pw [nb][8][2][16 rows x 4
- * bytes] (w + 128; rows past the tensor: w = 0), pd [nb][32] f32 (0 past the tensor) */
-static void pack_q8_0(const uint8_t *blocks, size_t row_bytes, int n0, int nrows, int nb, uint8_t *pw, float *pd) {
+/* One block of a row as unsigned values u [vals] and, per sub-block, s (and m): see the section's comment. */
+static int unpack_block(int type, const uint8_t *b, uint8_t *u, float *s, float *m) {
+    switch (type) {
+    case T_Q8_0:
+        s[0] = h2f(b);
+        for (int i = 0; i < 32; i++) u[i] = b[2 + i] ^ 0x80;
+        return 32;
+    case T_Q4_K:
+    case T_Q5_K: {
+        const int q5 = type == T_Q5_K;
+        const float d = h2f(b), dmin = h2f(b + 2);
+        uint8_t sc[8], mn[8];
+        k_scales(b + 4, sc, mn);
+        const uint8_t *qh = b + 16, *qs = b + (q5 ? 48 : 16);
+        for (int j = 0; j < 8; j++) {
+            s[j] = d * (float)sc[j], m[j] = dmin * (float)mn[j];  /* deq_row's ds and dm */
+            const uint8_t *g = qs + 32 * (j / 2);
+            for (int l = 0; l < 32; l++) {
+                int q = (j & 1) ? g[l] >> 4 : g[l] & 0xF;
+                if (q5) q |= ((qh[l] >> j) & 1) << 4;
+                u[32 * j + l] = (uint8_t)q;
+            }
+        }
+        return 256;
+    }
+    case T_Q6_K: {
+        const float d = h2f(b + 208);
+        const int8_t *sc = (const int8_t *)(b + 192);
+        for (int j = 0; j < 16; j++) s[j] = d * (float)sc[j];
+        for (int h = 0; h < 2; h++)
+            for (int g = 0; g < 4; g++) {
+                const uint8_t *lo = b + 64 * h + 32 * (g & 1), *hi = b + 128 + 32 * h;
+                const int sl = g < 2 ? 0 : 4, sh = 2 * g;
+                for (int l = 0; l < 32; l++)
+                    u[128 * h + 32 * g + l] = (uint8_t)(((lo[l] >> sl) & 0xF) | (((hi[l] >> sh) & 3) << 4));
+            }
+        return 256;
+    }
+    }
+    return 0;
+}
+
+/* rows n0 .. n0 + nrows - 1 (nrows <= GP) of a tensor laid out for gemm_tile: pw [nb][8][2][16 rows x 4 bytes],
+ * ps [subs][32], po [nb][32] (mode 2); rows past the tensor: u = z (a zero weight), s = m = 0. */
+static void pack_panel(int type, int mode, const uint8_t *blocks, size_t row_bytes, int n0, int nrows, int K,
+                       uint8_t *pw, float *ps, float *po) {
+    const int nb = K / 32, per32 = mode == 1 ? 2 : 1, bytes = type == T_Q8_0 ? 34 : type == T_Q4_K ? 144
+                                                                   : type == T_Q5_K ? 176 : 210;
+    const uint8_t zero = mode == 0 ? 0x80 : mode == 1 ? 32 : 0;
+    uint8_t u[256];
+    float s[16], m[8];
     for (int r = 0; r < GP; r++) {
         const int g = r / 16, lane = r % 16;
         if (r >= nrows) {
             for (int b = 0; b < nb; b++) {
-                pd[(size_t)b * 32 + r] = 0.0f;
-                for (int k = 0; k < 8; k++) memset(pw + (size_t)b * 1024 + k * 128 + g * 64 + lane * 4, 0x80, 4);
+                for (int h = 0; h < per32; h++) ps[((size_t)b * per32 + h) * 32 + r] = 0.0f;
+                if (mode == 2) po[(size_t)b * 32 + r] = 0.0f;
+                for (int k = 0; k < 8; k++) memset(pw + (size_t)b * 1024 + k * 128 + g * 64 + lane * 4, zero, 4);
             }
             continue;
         }
         const uint8_t *row = blocks + (size_t)(n0 + r) * row_bytes;
-        for (int b = 0; b < nb; b++) {
-            const uint8_t *blk = row + (size_t)b * 34;
-            pd[(size_t)b * 32 + r] = h2f(blk);
-            __m256i u = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 2)), _mm256_set1_epi8((char)0x80));
-            uint32_t v[8];
-            _mm256_storeu_si256((__m256i *)v, u);
-            uint8_t *dst = pw + (size_t)b * 1024 + g * 64 + lane * 4;
-            for (int k = 0; k < 8; k++) memcpy(dst + k * 128, &v[k], 4);
+        for (int v0 = 0; v0 < K;) {
+            const int vals = unpack_block(type, row + (size_t)(v0 / (type == T_Q8_0 ? 32 : 256)) * bytes, u, s, m);
+            for (int i = 0; i < vals / 32; i++) {
+                const int b = v0 / 32 + i;
+                for (int h = 0; h < per32; h++) ps[((size_t)b * per32 + h) * 32 + r] = s[i * per32 + h];
+                if (mode == 2) po[(size_t)b * 32 + r] = m[i];
+                uint8_t *dst = pw + (size_t)b * 1024 + g * 64 + lane * 4;
+                for (int k = 0; k < 8; k++) memcpy(dst + k * 128, u + 32 * i + 4 * k, 4);
+            }
+            v0 += vals;
         }
     }
 }
 
-/* y[m, n] = sum_k v(n, k) x[m, k] for a Q8_0 tensor [N, K] (rows after each other), any M: see gemm_q8_0_tile.
- * Returns 0, or -1 when it cannot take the product (K, memory). */
-int ds_gemm_q8_0(const float *x, int M, int K, long ldx, const uint8_t *blocks, int N, float *y, long ldy,
-                 int nthreads) {
-    if (M <= 0 || N <= 0 || K % 32) return -1;
-    const int nb = K / 32, Mp = (M + GT - 1) / GT * GT, panels = (N + GP - 1) / GP;
-    const size_t row_bytes = (size_t)nb * 34;
-    /* the activations: int8 values [Mp][K], scales [Mp][nb], -128 * block sums [Mp][nb] (rows past M: zeros) */
+/* y[m, n] = sum_k v(n, k) x[m, k] for a tensor [N, K] of Q8_0, Q4_K, Q5_K or Q6_K blocks (rows after each other),
+ * any M: see gemm_tile. Returns 0, or -1 when it cannot take the product (type, K, memory). */
+int ds_gemm_blocks(int type, const float *x, int M, int K, long ldx, const uint8_t *blocks, int N, float *y,
+                   long ldy, int nthreads) {
+    const int mode = gemm_mode(type), vals = type == T_Q8_0 ? 32 : 256;
+    if (mode < 0 || M <= 0 || N <= 0 || K % vals) return -1;
+    const int nb = K / 32, ni = mode == 1 ? 2 * nb : nb, Mp = (M + GT - 1) / GT * GT, panels = (N + GP - 1) / GP;
+    const size_t row_bytes = (size_t)(K / vals) * (type == T_Q8_0 ? 34 : type == T_Q4_K ? 144 : type == T_Q5_K ? 176 : 210);
+    /* the activations: int8 values [Mp][K], scales [Mp][nb], the sums' terms xi [Mp][ni] (modes 0, 1) and xf
+       [Mp][nb] (mode 2); rows past M: zeros */
     size_t qb = PACK_ALIGN((size_t)Mp * K), db = PACK_ALIGN((size_t)Mp * nb * sizeof(float)),
-           sb = PACK_ALIGN((size_t)Mp * nb * sizeof(int32_t)), cb = PACK_ALIGN((size_t)K / 4 * sizeof(int32_t));
-    uint8_t *act = aligned_alloc(64, qb + db + sb);
+           ib = PACK_ALIGN((size_t)Mp * ni * sizeof(int32_t)), cb = PACK_ALIGN((size_t)K / 4 * sizeof(int32_t)),
+           pb = (size_t)nb * 1024 + (size_t)ni * GP * sizeof(float) + (size_t)nb * GP * sizeof(float);
+    uint8_t *act = aligned_alloc(64, qb + 2 * db + ib);
     if (!act) return -1;
     int8_t *xq = (int8_t *)act;
-    float *xd = (float *)(act + qb);
-    int32_t *xs = (int32_t *)(act + qb + db);
+    float *xd = (float *)(act + qb), *xf = (float *)(act + qb + db);
+    int32_t *xi = (int32_t *)(act + qb + 2 * db);
     int failed = 0;
     #pragma omp parallel num_threads(nthreads)
     {
         int32_t *c = aligned_alloc(64, cb);
-        uint8_t *pw = aligned_alloc(64, (size_t)nb * 1024 + (size_t)nb * GP * sizeof(float));
+        uint8_t *pw = aligned_alloc(64, pb);
         float *tail = aligned_alloc(64, (size_t)GT * GP * sizeof(float));
         if (!c || !pw || !tail) {
             #pragma omp atomic write
             failed = 1;
         }
         #pragma omp for schedule(static)
-        for (int m = 0; m < Mp; m++) {
-            int8_t *q = xq + (size_t)m * K;
-            float *d = xd + (size_t)m * nb;
-            int32_t *s = xs + (size_t)m * nb;
-            if (m >= M || !c) {
-                memset(q, 0, K), memset(d, 0, nb * sizeof(float)), memset(s, 0, nb * sizeof(int32_t));
+        for (int t = 0; t < Mp; t++) {
+            int8_t *q = xq + (size_t)t * K;
+            float *d = xd + (size_t)t * nb, *fs = xf + (size_t)t * nb;
+            int32_t *is = xi + (size_t)t * ni;
+            if (t >= M || !c) {
+                memset(q, 0, K), memset(d, 0, nb * sizeof(float)), memset(fs, 0, nb * sizeof(float));
+                memset(is, 0, ni * sizeof(int32_t));
                 continue;
             }
-            quant_q8_0(x + (size_t)m * ldx, K, q, d, c);
-            for (int b = 0; b < nb; b++) {
-                int32_t t = 0;
-                for (int l = 0; l < 8; l++) t += c[8 * b + l];
-                s[b] = t;
+            quant_q8_0(x + (size_t)t * ldx, K, q, d, c);
+            const int span = K / ni, z = mode == 0 ? 128 : mode == 1 ? 32 : 0;
+            for (int i = 0; i < ni; i++) {
+                int32_t sum = 0;
+                for (int l = 0; l < span; l++) sum += q[i * span + l];
+                is[i] = -z * sum;
+                if (mode != 1) fs[i] = d[i] * (float)sum;
             }
         }  /* the barrier: every row quantized before any tile reads it */
         if (!failed) {
-            float *pd = (float *)(pw + (size_t)nb * 1024);
+            float *ps = (float *)(pw + (size_t)nb * 1024), *po = ps + (size_t)ni * GP;
             #pragma omp for schedule(dynamic, 1)
             for (int p = 0; p < panels; p++) {
                 int n0 = p * GP, nrows = N - n0 < GP ? N - n0 : GP;
-                pack_q8_0(blocks, row_bytes, n0, nrows, nb, pw, pd);
+                pack_panel(type, mode, blocks, row_bytes, n0, nrows, K, pw, ps, po);
                 for (int m0 = 0; m0 < Mp; m0 += GT) {
-                    const int8_t *q = xq + (size_t)m0 * K;
-                    const float *d = xd + (size_t)m0 * nb;
-                    const int32_t *s = xs + (size_t)m0 * nb;
-                    if (m0 + GT <= M) {
-                        gemm_q8_0_tile(pw, pd, nb, q, d, s, K, y + (size_t)m0 * ldy + n0, ldy, nrows);
-                    } else {  /* the last tokens: a tile into a buffer, its rows below M copied out */
-                        gemm_q8_0_tile(pw, pd, nb, q, d, s, K, tail, GP, nrows);
+                    const size_t at = (size_t)m0;
+                    float *out = m0 + GT <= M ? y + at * ldy + n0 : tail;
+                    long ldo = m0 + GT <= M ? ldy : GP;
+                    if (mode == 0)
+                        gemm_tile(0, pw, ps, po, nb, xq + at * K, xd + at * nb, xi + at * ni, xf + at * nb, K, out, ldo, nrows);
+                    else if (mode == 1)
+                        gemm_tile(1, pw, ps, po, nb, xq + at * K, xd + at * nb, xi + at * ni, xf + at * nb, K, out, ldo, nrows);
+                    else
+                        gemm_tile(2, pw, ps, po, nb, xq + at * K, xd + at * nb, xi + at * ni, xf + at * nb, K, out, ldo, nrows);
+                    if (out == tail)  /* the last tokens: their rows below M copied out */
                         for (int t = 0; m0 + t < M; t++)
                             memcpy(y + (size_t)(m0 + t) * ldy + n0, tail + t * GP, nrows * sizeof(float));
-                    }
                 }
             }
         }
@@ -874,6 +950,7 @@ int ds_gemm_q8_0(const float *x, int M, int K, long ldx, const uint8_t *blocks, 
     free(act);
     return failed ? -1 : 0;
 }
+
 #endif  /* BLK_VNNI */
 
 /* ---- the team-level pieces (blocks.h), and the product built from them ----------------------------------- */

@@ -230,11 +230,11 @@ CHUNK_ELEMENTS = 1 << 20  # an f32 chunk of 4 MiB: cache-sized, and each product
 
 
 _AMX: list[bool] = []
-# the block kinds whose many-row products take int8 chunks by default where the CPU has AVX512-VNNI and no AMX: each
-# of their rows holds at most 64 levels per block, coarser than int8 per row, so requantizing adds little (0.8B
-# trained demo, Q4_K_M prefill: 0.98x llama.cpp's error against f32, f32 chunks 0.95x); Q8_0 and 16-bit weights
-# would lose their own precision there (Q8_0: 1.31x, the issue's bound is 1.1x): Q8_0 goes to blocks.c's GEMM on its
-# blocks (q8_gemm), 16-bit weights stay exact f32 chunks
+# the block kinds whose many-row products take int8 chunks by default where the CPU has AVX512-VNNI and no AMX and
+# blocks.c's GEMM does not take them (block_gemm; Q4_0 always): each of their rows holds at most 64 levels per block,
+# coarser than int8 per row, so requantizing adds little (0.8B trained demo, Q4_K_M prefill: 0.98x llama.cpp's error
+# against f32, f32 chunks 0.95x); Q8_0 and 16-bit weights would lose their own precision there (Q8_0: 1.31x, the
+# issue's bound is 1.1x) and stay exact f32 chunks
 INT8_CHUNK_KINDS = ("Q4_0", "Q4_K", "Q5_K", "Q6_K")
 
 
@@ -273,19 +273,25 @@ def chunk_dtype(kind: str | None = None) -> torch.dtype:
     return torch.float32
 
 
-def q8_gemm(kind: str) -> bool:
-    """Whether many rows on blocks of `kind` run on blocks.c's GEMM on Q8_0 blocks (ds_gemm_q8_0: the file's values
-    exactly, the activations int8 per block of 32 as llama.cpp's, so a Q8_0 prefill rounds nothing but them) rather
-    than on chunks: Q8_0 blocks under DELTASERVE_PREFILL=auto where the CPU has AVX512-VNNI and no AMX (a Zen 4/5).
-    Measured on the Xeon with AMX left out, 512 rows times a Q8_0 [3584, 1024] on 2 threads: 7.5 ms (500 GOP/s)
-    against 21.5 ms for torch's f32 GEMM on the exact chunk; the Q8_0 int8 chunks (requantized per row) were as
-    fast but 1.31x llama.cpp's error. Where AMX is there, bf16 chunks on its tiles stay faster (645-800 GOP/s).
-    The MLP's down projection (int8_activations False: its inputs have outliers) keeps exact f32 chunks: with it
-    on the GEMM too, the trained demo's Q8_0 prefill was 1.11x llama.cpp's error against f32 (llama.cpp's own
-    arithmetic, the issue's bound 1.1x), without it 0.95x; 0.8B pp512 304 tok/s against 393 with it, 213 on f32
-    chunks, llama.cpp 85 (the same round, 2026-12-05)."""
-    return kind == "Q8_0" and os.environ.get("DELTASERVE_PREFILL", "auto") not in ("f32", "bf16", "int8") \
-        and not amx_bf16() and native.has("ds_gemm_q8_0")
+GEMM_KINDS = ("Q8_0", "Q4_K", "Q5_K", "Q6_K")  # the block kinds blocks.c's many-row GEMM takes (ds_gemm_blocks)
+
+
+def block_gemm(kind: str, int8_activations: bool = True) -> bool:
+    """Whether many rows on blocks of `kind` run on blocks.c's GEMM on the blocks themselves (ds_gemm_blocks: the
+    file's values exactly, the activations int8 per block of 32 with an f16 scale, llama.cpp's arithmetic for Q8_0
+    and finer than its blocks of 256 for the K-quants) rather than on chunks: Q8_0 and K-quant blocks under
+    DELTASERVE_PREFILL=auto where the CPU has AVX512-VNNI and no AMX (a Zen 4/5); where AMX is there, bf16 chunks on
+    its tiles are faster (torch's bf16 GEMM 645-800 GOP/s against this GEMM's 500-690).
+    Measured on the Xeon with AMX left out, 512 rows on 2 threads: a Q8_0 [3584, 1024] 5.4-7.5 ms against 16.6-21.5
+    for torch's f32 GEMM on the exact chunks; Q4_K 5.7 against 16.8; Q6_K 8.5 against 18.1 (its scales come every
+    16 values). The int8 chunks (requantized per row) ran as fast, but took the trained demo's Q8_0 prefill to 1.31x
+    llama.cpp's error against f32 (the issue's bound is 1.1x) and its Q4_K_M one to 0.98x (this GEMM: 0.95x).
+    `int8_activations` False (the MLP's down projection, whose inputs have outliers) keeps a Q8_0 weight on exact
+    f32 chunks: on the GEMM the Q8_0 prefill came to 1.11x llama.cpp's error, on f32 chunks 0.95x; a 4- to 6-bit
+    weight's own error is far larger than that rounding (Q4_K_M: 0.953x with it on the GEMM, 0.954x without)."""
+    return kind in GEMM_KINDS and (int8_activations or kind != "Q8_0") \
+        and os.environ.get("DELTASERVE_PREFILL", "auto") not in ("f32", "bf16", "int8") \
+        and not amx_bf16() and native.has("ds_gemm_blocks")
 
 
 def block_rows() -> int:
@@ -342,7 +348,8 @@ class BlockLinear(Linear):
             n = data.shape[0]
             if blocks and native.linear_on_blocks(x2, GGUF_TYPES[kind], data, y, off):
                 pass
-            elif not blocks and self.int8_activations and q8_gemm(kind) and native.gemm_q8_0(x2, data, y, off):
+            elif not blocks and block_gemm(kind, self.int8_activations) and \
+                    native.gemm_blocks(x2, GGUF_TYPES[kind], data, y, off):
                 pass
             else:
                 dtype = chunk_dtype(kind)
@@ -458,12 +465,12 @@ def blocks_route() -> str:
     auto = os.environ.get("DELTASERVE_PREFILL", "auto") not in ("f32", "bf16", "int8")
     many = {torch.bfloat16: "bf16 chunks and torch's bf16 GEMM (AMX tiles)" if amx_bf16() else
             "bf16 chunks and torch's bf16 GEMM",
-            torch.int8: "4- to 6-bit blocks' chunks requantized to int8 per row and torch's int8 GEMM (AVX512-VNNI, "
-                        "no AMX), Q8_0 blocks on the native kernel's GEMM (the file's values, activations int8 per "
-                        "block of 32; the down projection's exact f32 chunks), 16-bit ones' exact f32 chunks and "
-                        "torch's f32 GEMM" if auto and q8_gemm("Q8_0")
-                        else "4- to 6-bit blocks' chunks requantized to int8 per row and torch's int8 GEMM "
-                        "(AVX512-VNNI, no AMX), Q8_0 and 16-bit ones' exact f32 chunks and torch's f32 GEMM" if auto else
+            torch.int8: "Q8_0 and K-quant blocks on the native kernel's GEMM (the file's values, activations int8 "
+                        "per block of 32; Q8_0's down projection on exact f32 chunks), Q4_0 ones' chunks requantized "
+                        "to int8 per row and torch's int8 GEMM (AVX512-VNNI, no AMX), 16-bit ones' exact f32 chunks "
+                        "and torch's f32 GEMM" if auto and block_gemm("Q8_0") else
+                        "4- to 6-bit blocks' chunks requantized to int8 per row and torch's int8 GEMM (AVX512-VNNI, "
+                        "no AMX), Q8_0 and 16-bit ones' exact f32 chunks and torch's f32 GEMM" if auto else
                         "chunks requantized to int8 per row and torch's int8 GEMM (DELTASERVE_PREFILL=int8)"}.get(
         chunk_dtype(), "exact f32 chunks and torch's f32 GEMM")
     return (f"products on the file's own blocks: up to {block_rows()} rows on the native kernel ({why}, "

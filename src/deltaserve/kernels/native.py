@@ -10,7 +10,7 @@ they do not take. What is compiled depends on the CPU, and the library's symbols
 - `blocks.c`: the file's own blocks (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, F16, BF16) dequantized exactly, and products
   on them: AVX2 + FMA + F16C, so on every x86-64 CPU these machines have; where the CPU has AVX512-VNNI, the
   products of up to 16 rows are its 512-bit ones (vpdpbusd, vpdpwssd; the same integer sums), and a GEMM on Q8_0
-  blocks takes the prefill's products without AMX (`ds_gemm_q8_0`, kernels/linear.py's q8_gemm);
+  and K-quant blocks takes the prefill's products without AMX (`ds_gemm_blocks`, kernels/linear.py's block_gemm);
 - `native_avx2.c`: the one-call token decode and the decode's DeltaNet step on every CPU (each product on
   blocks.c's or, for int8 tables, native.c's), and the prefill's delta rule and causal conv for CPUs without AVX512.
 
@@ -126,7 +126,7 @@ SIGNATURES = {
     "ds_dequant": [_I, _P, _L, _I, _P, _L, _I],
     "ds_dequant_bf16": [_I, _P, _L, _I, _P, _L, _I],
     "ds_linear_blocks": [_I, _P, _I, _I, _L, _P, _I, _P, _L, _I],
-    "ds_gemm_q8_0": [_P, _I, _I, _L, _P, _I, _P, _L, _I],
+    "ds_gemm_blocks": [_I, _P, _I, _I, _L, _P, _I, _P, _L, _I],
 }
 
 
@@ -262,15 +262,15 @@ def linear_on_blocks(x: torch.Tensor, gguf_type: int, data: torch.Tensor, y: tor
                                       torch.get_num_threads()) == 0
 
 
-def gemm_q8_0(x: torch.Tensor, data: torch.Tensor, y: torch.Tensor, off: int) -> bool:
-    """y[:, off:off + rows] = x [M, K] (f32, rows contiguous) times Q8_0 blocks (uint8 [rows, row bytes]) on
-    blocks.c's GEMM for many rows (AVX512-VNNI: the file's values, the activations int8 per block of 32); False,
-    with nothing written, where it does not take it."""
-    if not has("ds_gemm_q8_0") or data.stride(-1) != 1 or (data.shape[0] > 1 and data.stride(0) != data.shape[1]):
+def gemm_blocks(x: torch.Tensor, gguf_type: int, data: torch.Tensor, y: torch.Tensor, off: int) -> bool:
+    """y[:, off:off + rows] = x [M, K] (f32, rows contiguous) times Q8_0, Q4_K, Q5_K or Q6_K blocks (uint8 [rows,
+    row bytes]) on blocks.c's GEMM for many rows (AVX512-VNNI: the file's values, the activations int8 per block of
+    32); False, with nothing written, where it does not take it."""
+    if not has("ds_gemm_blocks") or data.stride(-1) != 1 or (data.shape[0] > 1 and data.stride(0) != data.shape[1]):
         return False
     m, k = x.shape
-    return library().ds_gemm_q8_0(x.data_ptr(), m, k, x.stride(0), data.data_ptr(), data.shape[0],
-                                  y.data_ptr() + off * y.element_size(), y.stride(0), torch.get_num_threads()) == 0
+    return library().ds_gemm_blocks(gguf_type, x.data_ptr(), m, k, x.stride(0), data.data_ptr(), data.shape[0],
+                                    y.data_ptr() + off * y.element_size(), y.stride(0), torch.get_num_threads()) == 0
 
 
 def takes(in_features: int) -> bool:
