@@ -161,8 +161,9 @@ def load(path: str | os.PathLike | None = None, device: str = "cpu", threads: in
     """Load a Qwen3.5 GGUF file or HF directory (no path: the embedded demo model). `threads`: CPU threads for
     the forwards (default: one for a model too small to split, else the cores this process may use; see
     kernels/cpu.py). `weights`: "fast" (default: a GGUF's tensors held as the file's own blocks, see
-    engine/weights.py), "blocks", "tables" (int8 tables) or "exact" (all f32). `compute_thread`: the load and every CPU forward on one thread of their own
-    (for callers that run sessions on several threads, as the server does; see runtime/compute.py)."""
+    engine/weights.py), "blocks", "tables" (int8 tables) or "exact" (all f32). `compute_thread`: the load and
+    every CPU forward on one thread of their own (for callers that run sessions on several threads, as the server
+    does; see runtime/compute.py)."""
     if path is None:
         path = default_model_path()
     if threads is not None and int(threads) < 1:

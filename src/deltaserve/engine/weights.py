@@ -172,9 +172,10 @@ def weight_mode(mode: str | None = None) -> str:
 
 def resolve_mode(mode: str) -> str:
     """The weight mode "fast" stands for: "blocks" on every CPU (the file's own blocks, held once). It was "tables"
-    on an AVX512-VNNI CPU without AMX (a Zen 4/5), for their int8 x int8 prefill; the blocks route's prefill on
-    int8 chunks (linear.chunk_dtype) now runs as fast there at the memory of the file (measured with AMX left out
-    on the Xeon: 0.8B Q4_K_M pp512 467 tok/s against the tables' 466, peak RSS 915 MiB against 1611)."""
+    on an AVX512-VNNI CPU without AMX (a Zen 4/5), for their int8 x int8 prefill; the blocks route's prefill there
+    (blocks.c's GEMM on the blocks, linear.block_gemm; int8 chunks for Q4_0) runs as fast at the memory of the file
+    (measured with AMX left out on the Xeon: 0.8B Q4_K_M pp512 on int8 chunks 467 tok/s against the tables' 466,
+    peak RSS 915 MiB against 1611; the GEMM 1.15-1.3x the int8 chunks)."""
     return "blocks" if mode == "fast" else mode
 
 

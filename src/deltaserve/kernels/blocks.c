@@ -45,6 +45,7 @@
 #define T_Q6_K 14
 #define T_BF16 30
 #define MG 4  /* activation rows per pass over a weight row */
+#define ALIGN64(n) (((n) + 63) & ~(size_t)63)
 
 /* AVX512-VNNI, with AVX512BW and AVX512VL (the 256-bit forms of the tails): the 512-bit products below */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__) && defined(__AVX512F__)
@@ -743,7 +744,6 @@ static void decode_tile(int type, const uint8_t *row0, size_t row_bytes, int R, 
  * multiply-add by -m d_a (sum of a). Each row's f32 sum takes the sub-blocks in order, whatever M is. */
 #define GP 32
 #define GT 6
-#define PACK_ALIGN(n) (((n) + 63) & ~(size_t)63)
 
 /* 0: Q8_0, one scale per 32, z = 128; 1: Q6_K, a scale per 16, z = 32; 2: Q4_K/Q5_K, a scale and a min per 32 */
 static int gemm_mode(int type) {
@@ -800,13 +800,13 @@ static inline __attribute__((always_inline)) void gemm_tile(const int mode, cons
     }
 }
 
-/* One block of a row as unsigned values u [vals] and, per sub-block, s (and m): see the section's comment. */
-static int unpack_block(int type, const uint8_t *b, uint8_t *u, float *s, float *m) {
+/* One block of a row as unsigned values u [32 or 256] and, per sub-block, s (and m): see the section's comment. */
+static void unpack_block(int type, const uint8_t *b, uint8_t *u, float *s, float *m) {
     switch (type) {
     case T_Q8_0:
         s[0] = h2f(b);
         for (int i = 0; i < 32; i++) u[i] = b[2 + i] ^ 0x80;
-        return 32;
+        return;
     case T_Q4_K:
     case T_Q5_K: {
         const int q5 = type == T_Q5_K;
@@ -823,7 +823,7 @@ static int unpack_block(int type, const uint8_t *b, uint8_t *u, float *s, float 
                 u[32 * j + l] = (uint8_t)q;
             }
         }
-        return 256;
+        return;
     }
     case T_Q6_K: {
         const float d = h2f(b + 208);
@@ -836,18 +836,18 @@ static int unpack_block(int type, const uint8_t *b, uint8_t *u, float *s, float 
                 for (int l = 0; l < 32; l++)
                     u[128 * h + 32 * g + l] = (uint8_t)(((lo[l] >> sl) & 0xF) | (((hi[l] >> sh) & 3) << 4));
             }
-        return 256;
+        return;
     }
     }
-    return 0;
 }
 
 /* rows n0 .. n0 + nrows - 1 (nrows <= GP) of a tensor laid out for gemm_tile: pw [nb][8][2][16 rows x 4 bytes],
  * ps [subs][32], po [nb][32] (mode 2); rows past the tensor: u = z (a zero weight), s = m = 0. */
 static void pack_panel(int type, int mode, const uint8_t *blocks, size_t row_bytes, int n0, int nrows, int K,
                        uint8_t *pw, float *ps, float *po) {
-    const int nb = K / 32, per32 = mode == 1 ? 2 : 1, bytes = type == T_Q8_0 ? 34 : type == T_Q4_K ? 144
-                                                                   : type == T_Q5_K ? 176 : 210;
+    const int nb = K / 32, per32 = mode == 1 ? 2 : 1;
+    int vals, bytes;
+    block_info(type, &vals, &bytes);
     const uint8_t zero = mode == 0 ? 0x80 : mode == 1 ? 32 : 0;
     uint8_t u[256];
     float s[16], m[8];
@@ -863,7 +863,7 @@ static void pack_panel(int type, int mode, const uint8_t *blocks, size_t row_byt
         }
         const uint8_t *row = blocks + (size_t)(n0 + r) * row_bytes;
         for (int v0 = 0; v0 < K;) {
-            const int vals = unpack_block(type, row + (size_t)(v0 / (type == T_Q8_0 ? 32 : 256)) * bytes, u, s, m);
+            unpack_block(type, row + (size_t)(v0 / vals) * bytes, u, s, m);
             for (int i = 0; i < vals / 32; i++) {
                 const int b = v0 / 32 + i;
                 for (int h = 0; h < per32; h++) ps[((size_t)b * per32 + h) * 32 + r] = s[i * per32 + h];
@@ -880,14 +880,15 @@ static void pack_panel(int type, int mode, const uint8_t *blocks, size_t row_byt
  * any M: see gemm_tile. Returns 0, or -1 when it cannot take the product (type, K, memory). */
 int ds_gemm_blocks(int type, const float *x, int M, int K, long ldx, const uint8_t *blocks, int N, float *y,
                    long ldy, int nthreads) {
-    const int mode = gemm_mode(type), vals = type == T_Q8_0 ? 32 : 256;
-    if (mode < 0 || M <= 0 || N <= 0 || K % vals) return -1;
+    const int mode = gemm_mode(type);
+    int vals, bytes;
+    if (mode < 0 || M <= 0 || N <= 0 || (block_info(type, &vals, &bytes), K % vals)) return -1;
     const int nb = K / 32, ni = mode == 1 ? 2 * nb : nb, Mp = (M + GT - 1) / GT * GT, panels = (N + GP - 1) / GP;
-    const size_t row_bytes = (size_t)(K / vals) * (type == T_Q8_0 ? 34 : type == T_Q4_K ? 144 : type == T_Q5_K ? 176 : 210);
+    const size_t row_bytes = (size_t)(K / vals) * bytes;
     /* the activations: int8 values [Mp][K], scales [Mp][nb], the sums' terms xi [Mp][ni] (modes 0, 1) and xf
        [Mp][nb] (mode 2); rows past M: zeros */
-    size_t qb = PACK_ALIGN((size_t)Mp * K), db = PACK_ALIGN((size_t)Mp * nb * sizeof(float)),
-           ib = PACK_ALIGN((size_t)Mp * ni * sizeof(int32_t)), cb = PACK_ALIGN((size_t)K / 4 * sizeof(int32_t)),
+    size_t qb = ALIGN64((size_t)Mp * K), db = ALIGN64((size_t)Mp * nb * sizeof(float)),
+           ib = ALIGN64((size_t)Mp * ni * sizeof(int32_t)), cb = ALIGN64((size_t)K / 4 * sizeof(int32_t)),
            pb = (size_t)nb * 1024 + (size_t)ni * GP * sizeof(float) + (size_t)nb * GP * sizeof(float);
     uint8_t *act = aligned_alloc(64, qb + 2 * db + ib);
     if (!act) return -1;
@@ -915,12 +916,13 @@ int ds_gemm_blocks(int type, const float *x, int M, int K, long ldx, const uint8
                 continue;
             }
             quant_q8_0(x + (size_t)t * ldx, K, q, d, c);
-            const int span = K / ni, z = mode == 0 ? 128 : mode == 1 ? 32 : 0;
-            for (int i = 0; i < ni; i++) {
+            const int fours = K / ni / 4, z = mode == 0 ? 128 : mode == 1 ? 32 : 0;
+            for (int i = 0; i < ni; i++) {  /* each sub-block's sum, from quant_q8_0's -128 x (sums of 4) */
                 int32_t sum = 0;
-                for (int l = 0; l < span; l++) sum += q[i * span + l];
+                for (int l = 0; l < fours; l++) sum += c[i * fours + l];
+                sum /= -128;
                 is[i] = -z * sum;
-                if (mode != 1) fs[i] = d[i] * (float)sum;
+                if (mode == 2) fs[i] = d[i] * (float)sum;
             }
         }  /* the barrier: every row quantized before any tile reads it */
         if (!failed) {
@@ -974,8 +976,6 @@ typedef struct {
     int16_t *bs;
     int32_t *c;
 } parts_t;
-
-#define ALIGN64(n) (((n) + 63) & ~(size_t)63)
 
 static size_t parts_layout(void *scratch, int M, int K, parts_t *p) {
     size_t at = 0, q = ALIGN64((size_t)M * K + 64), d = ALIGN64((size_t)M * (K / 32) * sizeof(float) + 64),

@@ -257,14 +257,20 @@ def int8_chunks_fast() -> bool:
     return not amx_bf16() and native.status()[0]
 
 
+def prefill_mode() -> str:
+    """DELTASERVE_PREFILL: "f32", "bf16" or "int8" (every chunk in that dtype), else "auto"."""
+    mode = os.environ.get("DELTASERVE_PREFILL", "auto")
+    return mode if mode in ("f32", "bf16", "int8") else "auto"
+
+
 def chunk_dtype(kind: str | None = None) -> torch.dtype:
     """The dtype of BlockLinear's many-row products on blocks of `kind`: DELTASERVE_PREFILL "f32" (exact weights,
     f32 activations), "bf16", "int8" (each chunk of the weight requantized per row, the activations per row, torch's
     int8 GEMM: the int8 tables' prefill without the tables, see BlockLinear._chunks_int8), or "auto" (default):
     bf16 where amx_bf16(); int8 for the 4- to 6-bit kinds (INT8_CHUNK_KINDS) where int8_chunks_fast(); else f32.
     Without a kind: the dtype of most chunks (what the route line leads with)."""
-    mode = os.environ.get("DELTASERVE_PREFILL", "auto")
-    if mode in ("f32", "bf16", "int8"):
+    mode = prefill_mode()
+    if mode != "auto":
         return {"f32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}[mode]
     if amx_bf16():
         return torch.bfloat16
@@ -289,8 +295,7 @@ def block_gemm(kind: str, int8_activations: bool = True) -> bool:
     `int8_activations` False (the MLP's down projection, whose inputs have outliers) keeps a Q8_0 weight on exact
     f32 chunks: on the GEMM the Q8_0 prefill came to 1.11x llama.cpp's error, on f32 chunks 0.95x; a 4- to 6-bit
     weight's own error is far larger than that rounding (Q4_K_M: 0.953x with it on the GEMM, 0.954x without)."""
-    return kind in GEMM_KINDS and (int8_activations or kind != "Q8_0") \
-        and os.environ.get("DELTASERVE_PREFILL", "auto") not in ("f32", "bf16", "int8") \
+    return kind in GEMM_KINDS and (int8_activations or kind != "Q8_0") and prefill_mode() == "auto" \
         and not amx_bf16() and native.has("ds_gemm_blocks")
 
 
@@ -346,12 +351,11 @@ class BlockLinear(Linear):
         off = 0
         for kind, data in self.segments:
             n = data.shape[0]
-            if blocks and native.linear_on_blocks(x2, GGUF_TYPES[kind], data, y, off):
-                pass
-            elif not blocks and block_gemm(kind, self.int8_activations) and \
-                    native.gemm_blocks(x2, GGUF_TYPES[kind], data, y, off):
-                pass
+            if blocks:
+                done = native.linear_on_blocks(x2, GGUF_TYPES[kind], data, y, off)
             else:
+                done = block_gemm(kind, self.int8_activations) and native.gemm_blocks(x2, GGUF_TYPES[kind], data, y, off)
+            if not done:
                 dtype = chunk_dtype(kind)
                 if dtype == torch.int8 and not self.int8_activations:
                     dtype = torch.float32
@@ -462,7 +466,7 @@ def blocks_route() -> str:
     ok, why = native.portable()
     if not ok:
         return f"the file's own blocks, dequantized in chunks for torch's f32 GEMM (native kernel not used: {why})"
-    auto = os.environ.get("DELTASERVE_PREFILL", "auto") not in ("f32", "bf16", "int8")
+    auto = prefill_mode() == "auto"
     many = {torch.bfloat16: "bf16 chunks and torch's bf16 GEMM (AMX tiles)" if amx_bf16() else
             "bf16 chunks and torch's bf16 GEMM",
             torch.int8: "Q8_0 and K-quant blocks on the native kernel's GEMM (the file's values, activations int8 "
