@@ -352,6 +352,29 @@ def test_bf16_chunks_come_out_of_the_blocks_rounded_as_torch_rounds_the_exact_va
     assert torch.equal(got.view(torch.int16), exact.bfloat16().view(torch.int16))
 
 
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_bf16_chunks_of_blocks_with_a_nan_or_infinite_scale_round_as_torch_rounds_them(kind):
+    """A damaged file's scale (f16 NaN, +inf, -inf) gives a NaN where torch's rounding gives one (its bits differ
+    between torch's own scalar and vector paths) and the same bits everywhere else, the infinities included."""
+    if not native.has("ds_dequant_bf16"):
+        pytest.skip(f"blocks.c does not run here: {native.portable()[1]}")
+    rows, cols = 5, 512
+    raw = random_blocks(kind, rows, cols, seed=3)
+    block, size = quants.GGML_QUANT_SIZES[T[kind]]
+    at = 208 if kind == "Q6_K" else 0  # the f16 scale d of the block
+    blocks = raw.reshape(-1, size)
+    for i, bits in enumerate((0x7E00, 0x7C00, 0xFC00, 0xFE00)):
+        blocks[3 * i, at:at + 2] = np.array([bits], dtype=np.uint16).view(np.uint8)
+    with np.errstate(invalid="ignore", over="ignore"):
+        exact = torch.from_numpy(quants.dequantize(raw, T[kind]).reshape(rows, cols))
+    assert exact.isnan().any() and exact.isinf().any()
+    got = torch.zeros((rows, cols), dtype=torch.bfloat16)
+    assert native.dequant_bf16(L.GGUF_TYPES[kind], torch.from_numpy(raw), cols, got)
+    want = exact.bfloat16()
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.view(torch.int16)[~want.isnan()], want.view(torch.int16)[~want.isnan()])
+
+
 def test_int8_chunks_multiply_each_chunk_requantized_per_row_and_leave_the_down_projection_exact(monkeypatch):
     """DELTASERVE_PREFILL=int8 (the int8 tables' prefill without the tables, for AVX512-VNNI CPUs without AMX): the
     weight's exact values requantized per row, the activations per row, an int8 GEMM, nothing kept."""

@@ -48,8 +48,10 @@ def model_file(shape: str, kind: str, layers: int | None = None) -> Path:
     CACHE.mkdir(parents=True, exist_ok=True)
     suffix = f"-{layers}L" if layers else ""
     if kind.upper() in ("Q4_K_M", "Q6_K", "Q4_0"):
-        src = model_file(shape, "f16", layers)
-        return quantize_with_llama_cpp(src, CACHE / f"qwen35-{shape}{suffix}-{kind.upper()}.gguf", kind.upper())
+        out = CACHE / f"qwen35-{shape}{suffix}-{kind.upper()}.gguf"
+        if out.exists():  # its f16 source is not written again (18 GB at the 9B shape)
+            return out
+        return quantize_with_llama_cpp(model_file(shape, "f16", layers), out, kind.upper())
     return write_random_gguf(shape, CACHE / f"qwen35-{shape}{suffix}-{kind}.gguf", kind, layers=layers)
 
 
