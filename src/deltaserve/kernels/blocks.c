@@ -200,7 +200,7 @@ static inline __m512i u8x16(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_
 /* A row of Q8_0, Q4_0, Q4_K, Q5_K or Q6_K blocks straight to bf16, 32 values at a time: each value the same f32
  * arithmetic as deq_row's (the same products and differences, in the same order), then to_bf16's rounding.
  * Returns 0 for another type. The scalar row (deq_row into an f32 buffer, then to_bf16) ran at 1.3-2.2 G weights/s
- * for Q6_K, 3.3-5.1 for Q4_K and 4.7-6.5 for Q8_0 on two Xeon threads: a tenth of a 0.8B Q4_K_M prefill on AMX. */
+ * for Q6_K, 3.3-5.1 for Q4_K and 4.7-6.5 for Q8_0 on two Xeon threads: 8 % of a 0.8B Q4_K_M pp512 on AMX. */
 static int deq_row_bf16(int type, const uint8_t *b, int K, uint16_t *o) {
     const __m512i lo4 = _mm512_set1_epi32(0xF);
     switch (type) {
@@ -245,7 +245,7 @@ static int deq_row_bf16(int type, const uint8_t *b, int K, uint16_t *o) {
         return 1;
     }
     case T_Q6_K: {
-        const __m512i two = _mm512_set1_epi32(3), off = _mm512_set1_epi32(32);
+        const __m512i hi2 = _mm512_set1_epi32(3), off = _mm512_set1_epi32(32);
         for (int j = 0; j < K / 256; j++, b += 210, o += 256) {
             const float d = h2f(b + 208);
             const int8_t *sc = (const int8_t *)(b + 192);
@@ -257,7 +257,7 @@ static int deq_row_bf16(int type, const uint8_t *b, int K, uint16_t *o) {
                     for (int half = 0; half < 2; half++) {
                         const __m512 ds = _mm512_set1_ps(d * (float)sc[(i0 + 16 * half) / 16]);
                         __m512i q = _mm512_and_si512(_mm512_srli_epi32(u8x16(lo + 16 * half), sl), lo4);
-                        q = _mm512_or_si512(q, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u8x16(hi + 16 * half), sh), two), 4));
+                        q = _mm512_or_si512(q, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u8x16(hi + 16 * half), sh), hi2), 4));
                         v[half] = _mm512_mul_ps(ds, _mm512_cvtepi32_ps(_mm512_sub_epi32(q, off)));
                     }
                     store_bf16x32(o + i0, v[0], v[1]);
