@@ -283,6 +283,19 @@ def test_the_default_weights_are_the_files_own_blocks_with_or_without_amx(amx, m
         assert "more rows on exact f32 chunks and torch's f32 GEMM" in line, line
 
 
+@pytest.mark.parametrize("amx", ["on", "off"])
+def test_the_prefill_attention_multiplies_in_bf16_only_on_amx_tiles(amx, monkeypatch):
+    """Without AMX (a Zen 4/5, or DELTASERVE_AMX=off) torch's bf16 matmuls lose to its f32 ones, so the prefill's
+    attention stays f32 there, as the weight chunks do; on AMX tiles it runs in bf16."""
+    monkeypatch.setenv("DELTASERVE_AMX", amx)
+    monkeypatch.setattr(L, "_AMX", [])
+    m = blocks_model(fx.gguf_path("hybrid", "q8_0"))
+    assert not m.host.weights.has_f32_linears()
+    dtype = Forward(m.config, m.host.weights).attention_dtype
+    assert dtype == (torch.bfloat16 if L.amx_bf16() else torch.float32)
+    assert amx == "on" or dtype == torch.float32
+
+
 def test_the_route_line_says_the_products_run_on_the_files_own_blocks_and_on_which_instructions():
     m = blocks_model(fx.gguf_path("hybrid", "q8_0"))
     line = m.session().notices[-1]
