@@ -280,14 +280,16 @@ int ds_dequant_bf16(int type, const uint8_t *src, long rows, int K, uint16_t *ds
     size_t row_bytes = (size_t)(K / elems) * bytes;
     #pragma omp parallel num_threads(nthreads) if (rows * (long)K >= 65536) reduction(|:failed)
     {
-        float *tmp = malloc((size_t)K * sizeof(float));
-        if (!tmp) failed = 1;
+        float *tmp = NULL;  /* the f32 row, for the types deq_row_bf16 does not take */
         #pragma omp for schedule(static)
         for (long r = 0; r < rows; r++) {
-            if (!tmp) continue;
 #ifdef BLK_VNNI
             if (deq_row_bf16(type, src + (size_t)r * row_bytes, K, dst + (size_t)r * ldd)) continue;
 #endif
+            if (!tmp && !(tmp = malloc((size_t)K * sizeof(float)))) {
+                failed = 1;
+                continue;
+            }
             deq_row(type, src + (size_t)r * row_bytes, K, tmp);
             to_bf16(tmp, dst + (size_t)r * ldd, K);
         }
