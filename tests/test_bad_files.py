@@ -67,8 +67,11 @@ def test_a_file_that_is_not_gguf_says_what_it_starts_with(bad):
 
 
 def test_another_architecture_is_named(bad):
-    assert_one_clear_line(run_cli("run", str(bad["llama"]), "-p", "hi"), "'qwen35'", "'llama'")
-    assert_one_clear_line(run_cli("inspect", str(bad["moe"])), "'qwen35moe'", "MoE")
+    assert_one_clear_line(run_cli("run", str(bad["llama"]), "-p", "hi"), "'qwen35'", "'qwen35moe'", "'llama'")
+
+
+def test_a_dense_file_labelled_as_the_moe_sibling_names_the_expert_count_it_lacks(bad):
+    assert_one_clear_line(run_cli("inspect", str(bad["moe"])), "'qwen35moe.expert_count'", "qwen35moe file")
 
 
 def test_a_missing_tensor_is_named_with_its_expected_shape(bad):

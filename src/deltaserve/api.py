@@ -173,7 +173,7 @@ def load(path: str | os.PathLike | None = None, device: str = "cpu", threads: in
 
     def build() -> tuple[HostModel, str]:
         host = cached_host(path, weights) if cache else load_host(path, weights)
-        n, why = plan_threads(host.weights.nbytes, int(threads) if threads is not None else None)
+        n, why = plan_threads(host.weights.active_nbytes, int(threads) if threads is not None else None)
         torch.set_num_threads(n)  # on the thread that runs the forwards (OpenMP's count is per thread)
         return host, why
 

@@ -179,7 +179,7 @@ class Session:
             self._say_fallback(str(e))
             backend = backend.fallback()
             backend.start()
-        self.say(f"Backend: {backend.describe()} [qwen35 hybrid, {self.host.config.num_layers} layers]")
+        self.say(f"Backend: {backend.describe()} [{self.host.config.describe()}]")
         return backend
 
     def _say_fallback(self, reason: str) -> None:

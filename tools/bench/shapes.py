@@ -18,6 +18,11 @@ SHAPES: dict[str, dict] = {
     "9B": dict(hidden_size=4096, intermediate_size=12288, num_layers=32, num_attention_heads=16, num_kv_heads=4,
                head_dim=256, linear_num_key_heads=16, linear_key_head_dim=128, linear_num_value_heads=32,
                linear_value_head_dim=128, tie_word_embeddings=False),
+    # text_config of Qwen/Qwen3.5-35B-A3B (qwen35moe): 256 experts of 512, 8 a token, a shared expert of 512
+    "35B-A3B": dict(hidden_size=2048, intermediate_size=0, num_layers=40, num_attention_heads=16, num_kv_heads=2,
+                    head_dim=256, linear_num_key_heads=16, linear_key_head_dim=128, linear_num_value_heads=32,
+                    linear_value_head_dim=128, tie_word_embeddings=False, num_experts=256, num_experts_per_tok=8,
+                    moe_intermediate_size=512, shared_expert_intermediate_size=512),
 }
 
 
@@ -28,4 +33,5 @@ def shape_config(name: str, vocab_size: int = 248320, context: int = 262144, lay
     return HybridConfig(
         vocab_size=vocab_size, rms_norm_eps=1e-6, rope_theta=1e7, rotary_dim=s["head_dim"] // 4,
         context_length=context, layer_types=HybridConfig.layer_types_for(s["num_layers"], 4), conv_kernel=4,
-        value_head_order="tiled", eos_token_ids=(248046,), **s)
+        value_head_order="tiled", eos_token_ids=(248046,), arch="qwen35moe" if s.get("num_experts") else "qwen35",
+        **s)

@@ -69,13 +69,14 @@ class Forward:
         return torch.tensor(list(tokens), dtype=torch.long, device=self.device)
 
     def _layers(self, x: torch.Tensor, attention: Callable, deltanet: Callable) -> torch.Tensor:
-        """The one layer loop (prefill, decode and batched decode): norm, mixer, residual, MLP, residual per layer;
+        """The one layer loop (prefill, decode and batched decode): norm, mixer, residual, FFN (an MLP or an MoE
+        block), residual per layer;
         `attention(i, h, weights)` and `deltanet(i, h, weights)` mix a layer's normed input."""
         w, eps = self.weights, self.config.rms_norm_eps
         for i, lw in enumerate(w.layers):
             h = L.rms_norm(x, lw.attn_norm, eps)
             x = x + (attention(i, h, lw.mixer) if isinstance(lw.mixer, AttentionWeights) else deltanet(i, h, lw.mixer))
-            x = x + L.mlp(L.rms_norm(x, lw.post_norm, eps), lw.gate_up, lw.down)
+            x = x + L.ffn(L.rms_norm(x, lw.post_norm, eps), lw)
         return x
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,51 @@ def mlp(x: torch.Tensor, gate_up, down) -> torch.Tensor:
     return down(F.silu(gate) * up)
 
 
+def ffn(x: torch.Tensor, lw) -> torch.Tensor:
+    """A layer's FFN: its MLP, or its MoE block where it has one (`lw`: engine.weights.LayerWeights)."""
+    if lw.moe is not None:
+        return moe(x, lw.moe, lw.gate_up, lw.down)
+    return mlp(x, lw.gate_up, lw.down)
+
+
+# ---------------------------------------------------------------------------------------------
+# The MoE block (qwen35moe)
+# ---------------------------------------------------------------------------------------------
+
+def route(x: torch.Tensor, router, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts each row of x [T, hidden] goes to and their weights ([T, top_k] each, the larger weight first):
+    the softmax over the router's logits in f32, its top k, renormalised to sum to 1 (transformers'
+    Qwen3_5MoeTopKRouter; llama.cpp's qwen35moe: softmax gating, weights normalised)."""
+    probs = torch.softmax(router(x).float(), dim=-1)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    return weights / weights.sum(dim=-1, keepdim=True), experts
+
+
+def moe(x: torch.Tensor, mw, shared_gate_up, shared_down) -> torch.Tensor:
+    """The MoE block over rows x [..., hidden]: the rows are grouped by the experts they go to, and each expert
+    used runs one product over its rows (its own rows of the layer's tensors, read once); each row sums its
+    experts' outputs times their weights, plus the shared expert times sigmoid(its gate)."""
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])
+    weights, experts = route(x, mw.router, mw.top_k)
+    flat = experts.reshape(-1)  # (row, choice) pairs, choice-minor
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=mw.count).tolist()
+    rows, pair_weights = order // mw.top_k, weights.reshape(-1)[order]
+    by_expert = torch.empty(flat.numel(), shape[-1], dtype=torch.float32, device=x.device)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            gate_up, down = mw.expert(e)
+            torch.mul(mlp(x.index_select(0, rows[start:start + n]), gate_up, down),
+                      pair_weights[start:start + n, None], out=by_expert[start:start + n])
+            start += n
+    pairs = torch.empty_like(by_expert).index_copy_(0, order, by_expert)  # back in (row, choice) order
+    gate = torch.sigmoid(x.float() @ mw.shared_gate)
+    out = mlp(x, shared_gate_up, shared_down).mul_(gate[:, None])
+    return out.add_(pairs.reshape(x.shape[0], mw.top_k, shape[-1]).sum(dim=1)).reshape(shape)
+
+
 # ---------------------------------------------------------------------------------------------
 # Gated DeltaNet
 # ---------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from deltaserve.kernels import native
 from deltaserve.engine.state import DecodeState
 
 # native.c's structs, read from kernels/native.h (declared once, there)
-Seg, Lin, Layer, Model = (native.STRUCTS[n] for n in ("seg_t", "lin_t", "layer_t", "model_t"))
+Seg, Lin, Layer, Model, Experts = (native.STRUCTS[n] for n in ("seg_t", "lin_t", "layer_t", "model_t", "experts_t"))
 MAX_SEGMENTS = native.CONSTANTS["DS_MAX_SEGMENTS"]
 
 
@@ -116,6 +116,33 @@ def _file_linear(layer, keep: list) -> Lin:
     return out
 
 
+def _router(moe, keep: list) -> Lin:
+    """An MoE layer's router rows, then its shared expert's gate as one more F32 row: one product gives both."""
+    segments = _file_segments(moe.router, moe.router.in_features, True)
+    segments.append((0, moe.shared_gate.reshape(1, -1)))
+    if len(segments) > MAX_SEGMENTS:
+        raise NotNative(f"a router of {len(segments) - 1} segments")
+    out = Lin()
+    out.K, out.nseg = moe.router.in_features, len(segments)
+    for j, (gguf_type, data) in enumerate(segments):
+        if data.dtype == torch.float32 and (data.device.type != "cpu" or not data.is_contiguous()):
+            raise NotNative("a router or shared expert gate that is not contiguous f32 on the CPU")
+        out.seg[j] = Seg(gguf_type, data.shape[0], data.data_ptr(), None)
+        keep.append(data)
+    return out
+
+
+def _experts(t, count: int, keep: list) -> Experts:
+    """One projection of an MoE layer's experts (engine.weights.ExpertTensor) as native.h's experts_t: the file's
+    blocks (one segment) or F32 rows, expert e's first row at e * stride + offset."""
+    (gguf_type, data), = _file_segments(t.linear, t.linear.in_features, True)
+    if data.shape[0] != count * t.stride or t.offset + t.rows > t.stride:
+        raise NotNative(f"experts of {t.rows} rows every {t.stride} in a tensor of {data.shape[0]} rows")
+    row_bytes = data.shape[1] * data.element_size()
+    keep.append(data)
+    return Experts(gguf_type, t.rows, t.stride, data.data_ptr() + t.offset * row_bytes)
+
+
 def _linear(layer, keep: list) -> Lin:
     """A projection as native.h's lin_t: an int8 table's segments (native.c), or the file's own blocks'."""
     table = layer.fused if isinstance(layer, lin.StackedLinear) else layer
@@ -142,6 +169,13 @@ class TokenProgram:
             L = layers[i]
             L.attn_norm, L.post_norm = _vector(lw.attn_norm, self.keep), _vector(lw.post_norm, self.keep)
             L.gate_up, L.down = _linear(lw.gate_up, self.keep), _linear(lw.down, self.keep)
+            if lw.moe is not None:
+                L.n_expert, L.n_used = lw.moe.count, lw.moe.top_k
+                if lw.moe.top_k > native.CONSTANTS["DS_MAX_USED"]:
+                    raise NotNative(f"{lw.moe.top_k} experts a token (at most {native.CONSTANTS['DS_MAX_USED']})")
+                L.router = _router(lw.moe, self.keep)
+                L.exp_gate, L.exp_up, L.exp_down = (_experts(t, lw.moe.count, self.keep)
+                                                    for t in (lw.moe.gate, lw.moe.up, lw.moe.down))
             mx = lw.mixer
             if isinstance(mx, AttentionWeights):
                 L.attention = 1
@@ -153,7 +187,7 @@ class TokenProgram:
                 L.conv_w, L.a_neg = _vector(mx.conv, self.keep), _vector(mx.a_neg, self.keep)
                 L.dt_bias, L.norm_w = _vector(mx.dt_bias, self.keep), _vector(mx.norm, self.keep)
         m = Model()
-        m.n_layers, m.hidden, m.inter = len(weights.layers), c.hidden_size, c.intermediate_size
+        m.n_layers, m.hidden = len(weights.layers), c.hidden_size
         m.nk, m.dk = c.linear_num_key_heads, c.linear_key_head_dim
         m.nv, m.dv = c.linear_num_value_heads, c.linear_value_head_dim
         m.Kc, m.tiled = c.conv_kernel, int(c.value_head_order == "tiled")

@@ -9,8 +9,9 @@ Conventions (those of llama.cpp's converter): norm weights are multiplicative (H
 from __future__ import annotations
 
 import ctypes
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,7 +19,7 @@ from deltaserve.errors import ModelFormatError
 from deltaserve.formats import quant
 from deltaserve.formats.config import HybridConfig
 from deltaserve.formats.layout import TensorSource, check_tensors
-from deltaserve.kernels.linear import GGUF_TYPES, BlockLinear, DenseLinear, Int8Linear, Linear, StackedLinear
+from deltaserve.kernels.linear import GGUF_TYPES, BlockLinear, DenseLinear, Int8Linear, Linear, StackedLinear, row_view
 from deltaserve.kernels.native import BLOCK_TYPES
 
 
@@ -71,12 +72,69 @@ class DeltaNetWeights:
 
 
 @dataclass
+class ExpertTensor:
+    """One projection of every routed expert of an MoE layer: expert e's `rows` output rows are the rows from
+    e * stride + offset of `linear` ([experts x stride, in_features], the file's 3-D tensor); `of(e)` is a view of
+    them, nothing copied. A fused gate_up tensor is two of these over one linear (stride 2 rows, offsets 0, rows)."""
+
+    linear: Linear
+    rows: int
+    stride: int
+    offset: int = 0
+
+    def of(self, e: int) -> Linear:
+        r0 = e * self.stride + self.offset
+        return row_view(self.linear, r0, r0 + self.rows)
+
+    def to(self, device) -> "ExpertTensor":
+        return ExpertTensor(self.linear.to(device), self.rows, self.stride, self.offset)
+
+
+@dataclass
+class MoEWeights:
+    """The routed half of an MoE layer's FFN (the shared expert is the layer's gate_up and down): the router
+    (ffn_gate_inp [E, hidden]), the shared expert's gate (ffn_gate_inp_shexp [hidden]), and the experts' gate, up
+    and down projections; `top_k` experts a token."""
+
+    router: Linear
+    shared_gate: torch.Tensor
+    gate: ExpertTensor
+    up: ExpertTensor
+    down: ExpertTensor
+    top_k: int
+    _experts: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def count(self) -> int:
+        return self.router.out_features
+
+    def expert(self, e: int) -> tuple[StackedLinear, Linear]:
+        """Expert e's (gate_up, down), views of the layer's tensors, made on first use."""
+        if e not in self._experts:
+            parts = [self.gate.of(e), self.up.of(e)]
+            self._experts[e] = (StackedLinear(parts, fuse=False), self.down.of(e))
+        return self._experts[e]
+
+    def expert_nbytes(self) -> int:
+        """The bytes of one expert's three projections (what a token reads per expert it uses)."""
+        return sum(t.linear.nbytes * t.rows // t.linear.out_features for t in (self.gate, self.up, self.down))
+
+    def to(self, device) -> "MoEWeights":
+        gate = self.gate.to(device)
+        up = ExpertTensor(gate.linear, self.up.rows, self.up.stride, self.up.offset) \
+            if self.up.linear is self.gate.linear else self.up.to(device)
+        return MoEWeights(self.router.to(device), self.shared_gate.to(device), gate, up, self.down.to(device),
+                          self.top_k)
+
+
+@dataclass
 class LayerWeights:
     attn_norm: torch.Tensor
     post_norm: torch.Tensor
     mixer: AttentionWeights | DeltaNetWeights
-    gate_up: StackedLinear  # ffn_gate, ffn_up
+    gate_up: StackedLinear  # ffn_gate, ffn_up (an MoE layer: its shared expert's)
     down: Linear
+    moe: MoEWeights | None = None  # an MoE layer's router and routed experts
 
 
 @dataclass
@@ -99,7 +157,8 @@ class Weights:
         for lw in self.layers:
             m = lw.mixer
             mixer = type(m)(**{k: mv(v) for k, v in vars(m).items()})
-            layers.append(LayerWeights(mv(lw.attn_norm), mv(lw.post_norm), mixer, mv(lw.gate_up), mv(lw.down)))
+            layers.append(LayerWeights(mv(lw.attn_norm), mv(lw.post_norm), mixer, mv(lw.gate_up), mv(lw.down),
+                                       lw.moe.to(device) if lw.moe is not None else None))
         embed = self.embed.to(device)
         head = embed.as_linear() if self.tied else mv(self.lm_head)
         return Weights(embed, layers, mv(self.final_norm), head, self.tied)
@@ -151,7 +210,18 @@ class Weights:
         for lw in self.layers:
             for v in (lw.attn_norm, lw.post_norm, lw.gate_up, lw.down, *vars(lw.mixer).values()):
                 visit(v)
+            if lw.moe is not None:
+                for v in (lw.moe.router, lw.moe.shared_gate, lw.moe.gate.linear, lw.moe.up.linear, lw.moe.down.linear):
+                    visit(v)
         return total
+
+    @property
+    def active_nbytes(self) -> int:
+        """The weight bytes one token's decode reads: all of them, except the routed experts a token does not use
+        (an MoE layer reads top_k of its experts)."""
+        unused = sum(lw.moe.expert_nbytes() * (lw.moe.count - lw.moe.top_k) for lw in self.layers
+                     if lw.moe is not None)
+        return self.nbytes - unused
 
 
 WEIGHT_MODES = ("fast", "blocks", "tables", "exact")
@@ -193,7 +263,8 @@ def load_linear(src: TensorSource, name: str, mode: str) -> Linear:
     mapping (nothing read now). Otherwise a file's tensor converts a chunk of rows at a time (each chunk's file
     pages given back once converted); a Q4_K/Q6_K tensor's own blocks are kept too, as a view of the mapping, for
     the native decode (its pages come back from the page cache when decode reads them)."""
-    kind, (rows, cols) = src.type_name(name), src.shape(name)
+    kind, shape = src.type_name(name), src.shape(name)
+    rows, cols = math.prod(shape[:-1]), shape[-1]  # a 3-D tensor (an MoE layer's experts): its rows one after another
     data = src.blocks(name)
     if mode == "blocks" and data is not None and kind in GGUF_TYPES:
         blocks = torch.from_numpy(data)
@@ -203,7 +274,7 @@ def load_linear(src: TensorSource, name: str, mode: str) -> Linear:
     mode = "tables" if mode == "blocks" else mode  # a source without GGUF blocks (safetensors): as before
     step = max(1, CHUNK_ELEMENTS // cols)
     if data is None or rows <= step:
-        out = make_linear(src.dense(name), kind, mode)
+        out = make_linear(src.dense(name).reshape(rows, cols), kind, mode)
         trim_heap()  # the f32 transient's pages back now, not left as holes under the next tensors
     else:
         row_bytes = data.shape[1]
@@ -252,6 +323,24 @@ def _down_projection(down: Linear) -> Linear:
     return down
 
 
+def _moe(c: HybridConfig, src: TensorSource, p: str, linear) -> MoEWeights:
+    """An MoE layer's router and routed experts: each of the experts' projections one Linear over the file's 3-D
+    tensor (views of its blocks where the weights stay the file's), an expert's rows a view of it."""
+    ff = c.moe_intermediate_size
+    if p + "ffn_gate_up_exps.weight" in src.names():
+        gate_up = linear(p + "ffn_gate_up_exps.weight")
+        gate, up = ExpertTensor(gate_up, ff, 2 * ff), ExpertTensor(gate_up, ff, 2 * ff, ff)
+    else:
+        gate = ExpertTensor(linear(p + "ffn_gate_exps.weight"), ff, ff)
+        up = ExpertTensor(linear(p + "ffn_up_exps.weight"), ff, ff)
+    # the experts' down projections multiply int8 activations per block (a dense MLP's keeps exact chunks for Q8_0, see
+    # _down_projection): an expert's few rows per prefill would otherwise dequantize its whole tensor for them
+    down = ExpertTensor(linear(p + "ffn_down_exps.weight"), c.hidden_size, c.hidden_size)
+    return MoEWeights(router=linear(p + "ffn_gate_inp.weight"),
+                      shared_gate=src.dense(p + "ffn_gate_inp_shexp.weight").reshape(-1).contiguous(),
+                      gate=gate, up=up, down=down, top_k=c.num_experts_per_tok)
+
+
 def build_weights(c: HybridConfig, src: TensorSource, where: str, mode: str | None = None) -> Weights:
     """The forward's weights from a source, every matrix made what `mode` (see `weight_mode`) makes of it."""
     mode = resolve_mode(weight_mode(mode))
@@ -277,10 +366,12 @@ def build_weights(c: HybridConfig, src: TensorSource, where: str, mode: str | No
                 out=linear(p + "ssm_out.weight"), conv=src.dense(p + "ssm_conv1d.weight"),
                 dt_bias=src.dense(p + "ssm_dt.bias"), a_neg=src.dense(p + "ssm_a"),
                 norm=src.dense(p + "ssm_norm.weight"))
+        ffn = "_shexp" if c.is_moe else ""  # an MoE layer's gate_up and down: its shared expert
         layers.append(LayerWeights(
             attn_norm=src.dense(p + "attn_norm.weight"), post_norm=src.dense(p + "post_attention_norm.weight"),
-            mixer=mixer, gate_up=stacked("ffn_gate.weight", "ffn_up.weight"),
-            down=_down_projection(linear(p + "ffn_down.weight"))))
+            mixer=mixer, gate_up=stacked(f"ffn_gate{ffn}.weight", f"ffn_up{ffn}.weight"),
+            down=_down_projection(linear(p + f"ffn_down{ffn}.weight")),
+            moe=_moe(c, src, p, linear) if c.is_moe else None))
     embed = load_embedding(src, "token_embd.weight", mode)
     tied = "output.weight" not in src.names()
     head = embed.as_linear() if tied else linear("output.weight")

@@ -15,6 +15,8 @@ DELTANET = "linear_attention"
 NEXTN_KEY = "{arch}.nextn_predict_layers"
 RECURRENT_LAYERS_KEY = "{arch}.attention.recurrent_layers"
 INTERVAL_KEY = "{arch}.full_attention_interval"
+GGUF_ARCHS = ("qwen35", "qwen35moe")  # llama.cpp's names of the dense hybrid and its MoE sibling
+HF_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,15 @@ class HybridConfig:
     tie_word_embeddings: bool
     value_head_order: str = "grouped"
     arch: str = "qwen35"
+    # the MoE sibling (qwen35moe): every layer's FFN is a router over `num_experts` routed experts of
+    # `moe_intermediate_size`, the top `num_experts_per_tok` of them per token (their softmax weights renormalised to
+    # sum to 1, as transformers' Qwen3_5MoeTopKRouter and llama.cpp's qwen35moe do), plus one shared expert of
+    # `shared_expert_intermediate_size` scaled by a sigmoid gate. 0 experts: a dense model, whose FFN is
+    # `intermediate_size`
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
     eos_token_ids: tuple[int, ...] = field(default=())
     # what the reader noticed and the user should hear (printed once at load by formats/source.py); not part of
     # the model's identity
@@ -71,12 +82,36 @@ class HybridConfig:
                             f"{self.linear_num_key_heads} key heads")
         if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
             problems.append(f"rotary dim {self.rotary_dim} for head dim {self.head_dim}")
+        if self.num_experts:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                problems.append(f"{self.num_experts_per_tok} experts per token of {self.num_experts}")
+            for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+                if getattr(self, name) <= 0:
+                    problems.append(f"{name} = {getattr(self, name)}")
+        elif self.intermediate_size <= 0:
+            problems.append(f"intermediate_size = {self.intermediate_size}")
         if self.value_head_order not in ("grouped", "tiled"):
             problems.append(f"value head order {self.value_head_order!r}")
         if problems:
             raise ModelFormatError("not a usable Qwen3.5 hybrid config: " + "; ".join(problems))
 
     # -- derived shapes -------------------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def ffn_size(self) -> int:
+        """The widest FFN activation a token makes: the dense FFN's, or the shared expert's / a routed one's."""
+        return max(self.intermediate_size, self.moe_intermediate_size, self.shared_expert_intermediate_size)
+
+    def describe(self) -> str:
+        """The model in a few words, for the route line."""
+        if self.is_moe:
+            return (f"{self.arch} hybrid MoE, {self.num_layers} layers, {self.num_experts_per_tok} of "
+                    f"{self.num_experts} experts a token + a shared expert")
+        return f"{self.arch} hybrid, {self.num_layers} layers"
+
     def is_attention(self, layer: int) -> bool:
         return self.layer_types[layer] == ATTENTION
 
@@ -129,12 +164,11 @@ class HybridConfig:
         model_type = config.get("model_type")
         text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else config
         tmt = text.get("model_type", model_type)
-        if tmt not in ("qwen3_5_text", "qwen3_5") and not any(a.startswith("Qwen3_5") for a in archs):
+        if tmt not in HF_MODEL_TYPES and not any(a.startswith("Qwen3_5") for a in archs):
             raise ModelFormatError(
-                f"expected a Qwen3.5 config (model_type qwen3_5 / qwen3_5_text), found model_type "
+                f"expected a Qwen3.5 config (model_type {' / '.join(HF_MODEL_TYPES)}), found model_type "
                 f"{model_type!r}, architectures {archs}")
-        if "MoE" in "".join(archs) or "moe" in str(tmt):
-            raise ModelFormatError(f"the MoE sibling ({archs or tmt}) is not supported; expected dense Qwen3.5")
+        moe = "moe" in str(tmt).lower() or any("Moe" in a for a in archs)
 
         def need(key: str) -> Any:
             if key not in text:
@@ -152,10 +186,14 @@ class HybridConfig:
         tie = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
         eos = text.get("eos_token_id", config.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+        experts = dict(
+            num_experts=int(need("num_experts")), num_experts_per_tok=int(need("num_experts_per_tok")),
+            moe_intermediate_size=int(need("moe_intermediate_size")),
+            shared_expert_intermediate_size=int(need("shared_expert_intermediate_size"))) if moe else {}
         return cls(
             vocab_size=int(need("vocab_size")),
             hidden_size=int(need("hidden_size")),
-            intermediate_size=int(need("intermediate_size")),
+            intermediate_size=int(text.get("intermediate_size") or 0) if moe else int(need("intermediate_size")),
             num_layers=num_layers,
             num_attention_heads=int(need("num_attention_heads")),
             num_kv_heads=int(need("num_key_value_heads")),
@@ -172,22 +210,33 @@ class HybridConfig:
             linear_value_head_dim=int(need("linear_value_head_dim")),
             tie_word_embeddings=bool(tie),
             value_head_order="grouped",
+            arch="qwen35moe" if moe else "qwen35",
             eos_token_ids=eos_ids,
+            **experts,
         )
 
     @classmethod
     def from_gguf(cls, meta: Mapping[str, Any], vocab_rows: int, tied: bool) -> "HybridConfig":
-        """From GGUF metadata of arch `qwen35`. `vocab_rows` is the embedding's row count."""
+        """From GGUF metadata of arch `qwen35` or `qwen35moe`. `vocab_rows` is the embedding's row count."""
         arch = meta.get("general.architecture")
-        if arch != "qwen35":
-            hint = " (the MoE sibling is not supported)" if arch == "qwen35moe" else ""
-            raise ModelFormatError(f"expected a GGUF of architecture 'qwen35', found {arch!r}{hint}")
+        if arch not in GGUF_ARCHS:
+            raise ModelFormatError(f"expected a GGUF of architecture {' or '.join(map(repr, GGUF_ARCHS))}, "
+                                   f"found {arch!r}")
 
         def need(key: str) -> Any:
             full = f"{arch}.{key}"
             if full not in meta:
-                raise ModelFormatError(f"GGUF metadata has no {full!r} (expected in a qwen35 file)")
+                raise ModelFormatError(f"GGUF metadata has no {full!r} (expected in a {arch} file)")
             return meta[full]
+
+        experts: dict[str, Any] = {}
+        if arch == "qwen35moe":
+            experts = dict(num_experts=_one_count(need("expert_count"), f"{arch}.expert_count"),
+                           num_experts_per_tok=_one_count(need("expert_used_count"), f"{arch}.expert_used_count"),
+                           moe_intermediate_size=_one_count(need("expert_feed_forward_length"),
+                                                            f"{arch}.expert_feed_forward_length"),
+                           shared_expert_intermediate_size=_one_count(need("expert_shared_feed_forward_length"),
+                                                                      f"{arch}.expert_shared_feed_forward_length"))
 
         blocks = int(need("block_count"))
         nextn = meta.get(NEXTN_KEY.format(arch=arch), 0)
@@ -203,7 +252,8 @@ class HybridConfig:
         return cls(
             vocab_size=int(vocab_rows),
             hidden_size=int(need("embedding_length")),
-            intermediate_size=int(need("feed_forward_length")),
+            intermediate_size=int(meta.get(f"{arch}.feed_forward_length") or 0) if experts
+            else int(need("feed_forward_length")),
             num_layers=num_layers,
             num_attention_heads=int(need("attention.head_count")),
             num_kv_heads=int(need("attention.head_count_kv")),
@@ -220,9 +270,23 @@ class HybridConfig:
             linear_value_head_dim=inner // max(nv, 1),
             tie_word_embeddings=tied,
             value_head_order="tiled",
+            arch=arch,
             eos_token_ids=(int(eos),) if eos is not None else (),
             notices=notices,
+            **experts,
         )
+
+
+def _one_count(value: Any, key: str) -> int:
+    """A count that llama.cpp lets a file give per layer (an array): one value for every layer, or a clear refusal."""
+    if isinstance(value, (list, tuple)):
+        if not value or len(set(value)) != 1:
+            raise ModelFormatError(f"{key} differs between layers ({list(value)[:8]}...): one value for every layer "
+                                   "is supported")
+        value = value[0]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ModelFormatError(f"{key} must be an integer, found {value!r}")
+    return int(value)
 
 
 def gguf_layer_types(meta: Mapping[str, Any], arch: str, blocks: int, num_layers: int) -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -1,4 +1,5 @@
-"""HF Qwen3.5 directory -> GGUF (arch `qwen35`), in the layout llama.cpp's converter writes.
+"""HF Qwen3.5 directory -> GGUF (arch `qwen35`, or `qwen35moe` for the MoE sibling), in the layout llama.cpp's
+converter writes.
 
 The transforms are those of the GGUF convention: norms stored as `1 + w` (not the DeltaNet output
 norm), `ssm_a = -exp(A_log)`, conv weights squeezed to [channels, K], and DeltaNet value heads
@@ -69,9 +70,14 @@ def tiled_layout(name: str, t: torch.Tensor, c: HybridConfig) -> torch.Tensor:
     return t
 
 
+# tensors llama.cpp's converter keeps f32 whatever the output type (and llama-quantize leaves as they are)
+_F32_TENSORS = ("ssm_conv1d.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
+
+
 def _storage_type(name: str, t: torch.Tensor, want: gguf.GGMLQuantizationType) -> gguf.GGMLQuantizationType:
-    """1-D tensors and the conv kernel stay f32 (as llama.cpp's converter keeps them); q8_0 needs rows of 32."""
-    if t.dim() < 2 or name.endswith("ssm_conv1d.weight"):
+    """1-D tensors, the conv kernel and an MoE layer's router and shared expert gate stay f32 (as llama.cpp's
+    converter keeps them); q8_0 needs rows of 32."""
+    if t.dim() < 2 or name.endswith(_F32_TENSORS):
         return gguf.GGMLQuantizationType.F32
     if want == gguf.GGMLQuantizationType.Q8_0 and t.shape[-1] % 32:
         return gguf.GGMLQuantizationType.F16
@@ -115,7 +121,13 @@ def write_metadata(w: gguf.GGUFWriter, c: HybridConfig, name: str, file_type: in
     w.add_block_count(c.num_layers)
     w.add_context_length(c.context_length)
     w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
+    if c.intermediate_size:  # an MoE config may have no dense FFN size (llama.cpp's converter then writes none)
+        w.add_feed_forward_length(c.intermediate_size)
+    if c.is_moe:
+        w.add_expert_count(c.num_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_kv_heads)
     w.add_key_length(c.head_dim)
@@ -172,18 +184,29 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "
     want, file_type = TYPES[out_type]
 
     tmp = out.with_suffix(out.suffix + ".part")
-    w = gguf.GGUFWriter(str(tmp), "qwen35")
+    w = gguf.GGUFWriter(str(tmp), c.arch)
     write_metadata(w, c, src_dir.name, int(file_type), rope_sections(c, raw))
     tokenizer.write_gguf(w, c.vocab_size)
     names = sorted(src.names(), key=lambda n: (0, 0, n) if not n.startswith("blk.") else (1, int(n.split(".")[1]), n))
     if c.tie_word_embeddings and "output.weight" in names:
         names.remove("output.weight")  # tied: llama.cpp reuses token_embd
     for name in names:
-        t = tiled_layout(name, src.dense(name), c)
-        qtype = add_tensor(w, name, t, want)
-        if progress:
-            progress(f"{name} {qtype.name} {tuple(t.shape)}")
+        for gname, t in split_experts(name, tiled_layout(name, src.dense(name), c)):
+            qtype = add_tensor(w, gname, t, want)
+            if progress:
+                progress(f"{gname} {qtype.name} {tuple(t.shape)}")
     return finish(w, tmp, out)
+
+
+def split_experts(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """A fused gate_up tensor of the experts ([experts, 2 x rows, hidden], transformers' layout) as the two tensors
+    llama.cpp's converter writes, ffn_gate_exps and ffn_up_exps; any other tensor as it is."""
+    if not name.endswith("ffn_gate_up_exps.weight"):
+        return [(name, t)]
+    rows = t.shape[1] // 2
+    stem = name[: -len("ffn_gate_up_exps.weight")]
+    return [(stem + "ffn_gate_exps.weight", t[:, :rows].contiguous()),
+            (stem + "ffn_up_exps.weight", t[:, rows:].contiguous())]
 
 
 def add_tensor(w: gguf.GGUFWriter, name: str, t: torch.Tensor, want: gguf.GGMLQuantizationType):

@@ -34,7 +34,19 @@ _HF_LAYER_MAP = {
     "linear_attn.A_log": ("ssm_a", "neg_exp"),
     "linear_attn.norm.weight": ("ssm_norm.weight", None),
     "linear_attn.out_proj.weight": ("ssm_out.weight", None),
+    # the MoE block (Qwen3_5MoeSparseMoeBlock): the router, the experts fused as transformers holds them (gate and
+    # up rows of each expert in one 3-D tensor), the shared expert and its gate
+    "mlp.gate.weight": ("ffn_gate_inp.weight", None),
+    "mlp.experts.gate_up_proj": ("ffn_gate_up_exps.weight", None),
+    "mlp.experts.down_proj": ("ffn_down_exps.weight", None),
+    "mlp.shared_expert.gate_proj.weight": ("ffn_gate_shexp.weight", None),
+    "mlp.shared_expert.up_proj.weight": ("ffn_up_shexp.weight", None),
+    "mlp.shared_expert.down_proj.weight": ("ffn_down_shexp.weight", None),
+    "mlp.shared_expert_gate.weight": ("ffn_gate_inp_shexp.weight", None),
 }
+# experts stored one tensor each (`mlp.experts.{e}.gate_proj.weight`): stacked on read into the 3-D tensor
+_HF_EXPERT_MAP = {"gate_proj.weight": "ffn_gate_exps.weight", "up_proj.weight": "ffn_up_exps.weight",
+                  "down_proj.weight": "ffn_down_exps.weight"}
 
 
 def hf_to_gguf_name(name: str, prefix: str) -> tuple[str, str | None] | None:
@@ -53,6 +65,10 @@ def hf_to_gguf_name(name: str, prefix: str) -> tuple[str, str | None] | None:
         if tail in _HF_LAYER_MAP:
             gname, how = _HF_LAYER_MAP[tail]
             return f"blk.{idx}.{gname}", how
+        if tail.startswith("mlp.experts."):
+            expert, _, proj = tail[len("mlp.experts."):].partition(".")
+            if expert.isdigit() and proj in _HF_EXPERT_MAP:
+                return f"blk.{idx}.{_HF_EXPERT_MAP[proj]}", f"expert:{int(expert)}"
     return None
 
 
@@ -87,6 +103,7 @@ class HFSource:
                 raise ModelFormatError(f"{directory}: the index names shards that are missing: {', '.join(missing)}")
         self._handles = []
         self._where: dict[str, tuple[Any, str, str | None]] = {}
+        experts: dict[str, dict[int, tuple[Any, str]]] = {}  # one tensor per expert: stacked on read
         for path in files:
             try:
                 h = safe_open(str(path), framework="pt")
@@ -98,20 +115,34 @@ class HFSource:
                 if mapped is None:
                     continue  # vision tower, mtp.*, anything not part of the text model
                 gname, how = mapped
-                self._where[gname] = (h, name, how)
+                if how and how.startswith("expert:"):
+                    experts.setdefault(gname, {})[int(how.split(":")[1])] = (h, name)
+                else:
+                    self._where[gname] = (h, name, how)
+        for gname, parts in experts.items():
+            if sorted(parts) != list(range(len(parts))):
+                missing = sorted(set(range(max(parts) + 1)) - set(parts))
+                raise ModelFormatError(f"{directory}: {gname} is stored one tensor per expert, and experts {missing[:8]} "
+                                       f"of {max(parts) + 1} are missing")
+            self._where[gname] = ([parts[e] for e in range(len(parts))], "", "stack")
 
     def names(self) -> set[str]:
         return set(self._where)
 
     def shape(self, name: str) -> tuple[int, ...]:
         h, hf_name, how = self._where[name]
+        if how == "stack":
+            first, first_name = h[0]
+            return (len(h), *first.get_slice(first_name).get_shape())
         shape = tuple(h.get_slice(hf_name).get_shape())
         if how == "squeeze":
             shape = (shape[0], int(np.prod(shape[1:])))
         return shape
 
     def type_name(self, name: str) -> str:
-        h, hf_name, _ = self._where[name]
+        h, hf_name, how = self._where[name]
+        if how == "stack":
+            h, hf_name = h[0]
         return str(h.get_slice(hf_name).get_dtype())
 
     def stored_bytes(self, name: str) -> int:
@@ -120,11 +151,16 @@ class HFSource:
 
     def dense(self, name: str) -> torch.Tensor:
         h, hf_name, how = self._where[name]
+        if how == "stack":
+            return torch.stack([self._read(part, part_name).float() for part, part_name in h])
+        return apply_hf_transform(self._read(h, hf_name), how).float().contiguous()
+
+    @staticmethod
+    def _read(h: Any, hf_name: str) -> torch.Tensor:
         try:
-            t = h.get_tensor(hf_name)
+            return h.get_tensor(hf_name)
         except Exception as e:
             raise ModelFormatError(f"tensor {hf_name} could not be read: {e}") from None
-        return apply_hf_transform(t, how).float().contiguous()
 
     def blocks(self, name: str) -> None:
         return None  # safetensors hold no quantized blocks

@@ -37,7 +37,8 @@ class TensorSummary:
 
 
 def expected_shapes(c: HybridConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a qwen35 file must hold (GGUF names, numpy order), except the optional `output.weight`."""
+    """Every tensor a qwen35 (or qwen35moe) file must hold (GGUF names, numpy order), except the optional
+    `output.weight` and the MoE tensors a file may hold in either of two forms (`moe_forms`)."""
     h, inter = c.hidden_size, c.intermediate_size
     shapes: dict[str, tuple[int, ...]] = {
         "token_embd.weight": (c.vocab_size, h),
@@ -48,10 +49,22 @@ def expected_shapes(c: HybridConfig) -> dict[str, tuple[int, ...]]:
         shapes.update({
             p + "attn_norm.weight": (h,),
             p + "post_attention_norm.weight": (h,),
-            p + "ffn_gate.weight": (inter, h),
-            p + "ffn_up.weight": (inter, h),
-            p + "ffn_down.weight": (h, inter),
         })
+        if c.is_moe:
+            e, ff, sff = c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
+            shapes.update({
+                p + "ffn_gate_inp.weight": (e, h),
+                p + "ffn_down_exps.weight": (e, h, ff),
+                p + "ffn_gate_shexp.weight": (sff, h),
+                p + "ffn_up_shexp.weight": (sff, h),
+                p + "ffn_down_shexp.weight": (h, sff),
+            })
+        else:
+            shapes.update({
+                p + "ffn_gate.weight": (inter, h),
+                p + "ffn_up.weight": (inter, h),
+                p + "ffn_down.weight": (h, inter),
+            })
         if c.is_attention(i):
             nh, nkv, hd = c.num_attention_heads, c.num_kv_heads, c.head_dim
             shapes.update({
@@ -78,6 +91,18 @@ def expected_shapes(c: HybridConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def moe_forms(c: HybridConfig, layer: int) -> list[list[dict[str, tuple[int, ...]]]]:
+    """The MoE tensors of a layer that files hold in one of two forms, each a list of the forms it may take: the
+    routed experts' gate and up projections as two 3-D tensors (llama.cpp's converter) or one fused
+    `ffn_gate_up_exps` (gate rows, then up rows, per expert); the shared expert's gate as a vector or one row."""
+    if not c.is_moe:
+        return []
+    p, e, ff, h = f"blk.{layer}.", c.num_experts, c.moe_intermediate_size, c.hidden_size
+    return [[{p + "ffn_gate_exps.weight": (e, ff, h), p + "ffn_up_exps.weight": (e, ff, h)},
+             {p + "ffn_gate_up_exps.weight": (e, 2 * ff, h)}],
+            [{p + "ffn_gate_inp_shexp.weight": (h,)}, {p + "ffn_gate_inp_shexp.weight": (1, h)}]]
+
+
 def check_tensors(c: HybridConfig, src: TensorSource, where: str) -> None:
     """Every expected tensor present with its expected shape, or one clear error naming both."""
     have = src.names()
@@ -87,6 +112,13 @@ def check_tensors(c: HybridConfig, src: TensorSource, where: str) -> None:
         found = src.shape(name)
         if tuple(found) != tuple(shape):
             raise ModelFormatError(f"{where}: tensor {name} has shape {tuple(found)}, expected {shape}")
+    for i in range(c.num_layers):
+        for forms in moe_forms(c, i):
+            if not any(all(n in have and tuple(src.shape(n)) == s for n, s in form.items()) for form in forms):
+                found = {n: tuple(src.shape(n)) for form in forms for n in form if n in have}
+                want = " or ".join(", ".join(f"{n} {s}" for n, s in form.items()) for form in forms)
+                raise ModelFormatError(f"{where}: expected {want} for this config; found "
+                                       + (", ".join(f"{n} {s}" for n, s in found.items()) or "none of them"))
     if "output.weight" in have and tuple(src.shape("output.weight")) != (c.vocab_size, c.hidden_size):
         raise ModelFormatError(f"{where}: tensor output.weight has shape {tuple(src.shape('output.weight'))}, "
                                f"expected {(c.vocab_size, c.hidden_size)}")

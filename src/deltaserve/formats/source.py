@@ -47,8 +47,10 @@ class GGUFSource:
         return quant.dequantize(t.data, t.qtype, t.shape)
 
     def blocks(self, name: str) -> np.ndarray:
+        """[rows, row bytes]: a 3-D tensor (the experts of an MoE layer) as its experts' rows one after another."""
         t = self.f.tensors[name]
-        return t.data.view(np.uint8).reshape(t.shape[0], -1)
+        rows = int(np.prod(t.shape[:-1])) if len(t.shape) > 1 else t.shape[0]
+        return t.data.view(np.uint8).reshape(rows, -1)
 
     def release(self, name: str, lo_byte: int = 0, hi_byte: int | None = None) -> None:
         self.f.release(name, lo_byte, hi_byte)

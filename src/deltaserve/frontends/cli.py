@@ -211,6 +211,12 @@ def cmd_inspect(a) -> int:
     print(f"tokenizer: {tok.vocab_size} tokens, stop ids {sorted(tok.stop_ids)}, "
           f"chat template: {'from the file' if tok.chat_template else 'built-in ChatML'}")
     print(f"weights in memory: {host.weights.nbytes / (1 << 20):.1f} MiB ({host.weight_mode} mode)")
+    if c.is_moe:
+        w = host.weights
+        print(f"experts: {c.num_experts} routed experts of {c.moe_intermediate_size} in each of the {c.num_layers} "
+              f"layers, {c.num_experts_per_tok} a token, and a shared expert of {c.shared_expert_intermediate_size}; "
+              f"weights read per token: {w.active_nbytes / (1 << 20):.1f} MiB of the {w.nbytes / (1 << 20):.1f} MiB "
+              f"({100 * w.active_nbytes / max(w.nbytes, 1):.1f} %)")
     print(f"KV cache: {c.kv_bytes_per_position() / 1024:.1f} KiB per position (f32); "
           f"recurrent + conv state: {c.recurrent_state_bytes() / (1 << 20):.2f} MiB")
     print("one saved conversation state (serve's state store, chat --resume): "
@@ -365,7 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks against llama.cpp and transformers",
                        description="Run the benchmarks and write results under benchmarks/.")
     b.add_argument("what", nargs="?", default="all", choices=["all", "session", "speed", "chat", "threads", "conversations", "replicas",
-                                                      "sizes", "grammar"],
+                                                      "sizes", "moe", "grammar"],
                    help="which benchmark (default all)")
     b.add_argument("--out", default="benchmarks", help="where results go (default benchmarks/)")
     b.add_argument("--kind", default="bf16", help="weight format of the session benchmark's model (default bf16)")

@@ -1069,6 +1069,12 @@ int blk_values(int type) {
     return elems;
 }
 
+size_t blk_row_bytes(int type, int K) {
+    int elems = 1, bytes = 0;
+    if (block_info(type, &elems, &bytes)) return 0;
+    return (size_t)(K / elems) * bytes;
+}
+
 /* A product's scratch: M prepared rows of each part, the parts one after the other (scratch_parts). */
 typedef struct {
     int8_t *q, *qp;
@@ -1120,6 +1126,19 @@ void blk_prepare(int kind, const float *x, int M, int K, long ldx, void *scratch
         if (kind == 3) memcpy((float *)a.x, x + (size_t)m * ldx, (size_t)K * sizeof(float));
         else if (kind == 2) quant_q8_k(x + (size_t)m * ldx, K, (int8_t *)a.q, (float *)a.d, (int16_t *)a.bs, (int8_t *)a.qp);
         else quant_q8_0(x + (size_t)m * ldx, K, (int8_t *)a.q, (float *)a.d, (int32_t *)a.c);
+    }
+}
+
+void blk_prepare_groups(int kind, const float *x, int G, int M, int K, long ldx, void *scratch, size_t group_bytes) {
+    #pragma omp for schedule(static)
+    for (int t = 0; t < G * M; t++) {
+        int g = t / M, m = t % M;
+        void *scr = (uint8_t *)scratch + (size_t)g * group_bytes;
+        act_t a = act_row(kind, scr, M, K, m);
+        const float *row = x + (size_t)t * ldx;
+        if (kind == 3) memcpy((float *)a.x, row, (size_t)K * sizeof(float));
+        else if (kind == 2) quant_q8_k(row, K, (int8_t *)a.q, (float *)a.d, (int16_t *)a.bs, (int8_t *)a.qp);
+        else quant_q8_0(row, K, (int8_t *)a.q, (float *)a.d, (int32_t *)a.c);
     }
 }
 

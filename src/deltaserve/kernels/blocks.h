@@ -23,7 +23,11 @@ static inline float blk_hsum8(__m256 v) {
 int blk_kind(int type);  /* 1: blocks of 32 (Q8_0, Q4_0), 2: blocks of 256 (K-quants), 3: F16/BF16, 0: none of them */
 int blk_values(int type);  /* values per block (1 for F16/BF16): a product's K is a multiple of it */
 size_t blk_scratch_bytes(int M, int K);
+size_t blk_row_bytes(int type, int K);  /* bytes of one row of K values of `type` (0 for a type it does not know) */
 void blk_prepare(int kind, const float *x, int M, int K, long ldx, void *scratch);
+/* G groups of M rows (row g * M + m of x), each group prepared into its own scratch of group_bytes
+ * (blk_scratch_bytes(M, K) or more) at scratch + g * group_bytes: one worksharing loop with its barrier */
+void blk_prepare_groups(int kind, const float *x, int G, int M, int K, long ldx, void *scratch, size_t group_bytes);
 void blk_tiles(int type, const uint8_t *blocks, int N, int K, void *scratch, int M, float *y, long ldy);
 
 #endif

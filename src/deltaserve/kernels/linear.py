@@ -491,17 +491,39 @@ def int8_route() -> str:
     return f"int8 decode products on torch's weight-only kernel (native kernel not used: {why})"
 
 
+def row_view(layer: Linear, r0: int, r1: int) -> Linear:
+    """Output rows r0..r1 of a DenseLinear, Int8Linear or one-segment BlockLinear, as a view of its weight (nothing
+    copied): one expert's rows of an MoE layer's 3-D tensor."""
+    if not 0 <= r0 < r1 <= layer.out_features:
+        raise ValueError(f"rows {r0}..{r1} of a {layer.out_features}-row projection")
+    if isinstance(layer, DenseLinear):
+        return DenseLinear(layer.weight[r0:r1])
+    if isinstance(layer, Int8Linear):
+        out = Int8Linear(layer.q[r0:r1], layer.scale[r0:r1])
+        out.int8_activations = layer.int8_activations
+        return out
+    if isinstance(layer, BlockLinear) and len(layer.segments) == 1:
+        (kind, data), = layer.segments
+        out = BlockLinear([(kind, data[r0:r1])], layer.in_features)
+        out.int8_activations = layer.int8_activations
+        return out
+    raise ValueError(f"no row view of a {type(layer).__name__} of {layer.kind}")
+
+
 class StackedLinear(Linear):
     """Several projections of the same input as one call: outputs concatenated along the last dim.
-    The parts are fused into one weight when they are of one kind; otherwise each is called in turn."""
+    The parts are fused into one weight when they are of one kind (and `fuse`: a fusion copies an int8 or dense
+    weight, never a BlockLinear's); otherwise each is called in turn."""
 
-    def __init__(self, parts: list[Linear]):
+    def __init__(self, parts: list[Linear], fuse: bool = True):
         self.sizes = tuple(p.out_features for p in parts)
         self.in_features = parts[0].in_features
         self.out_features = sum(self.sizes)
         if any(p.in_features != self.in_features for p in parts):
             raise ValueError("stacked projections must share their input size")
-        if all(isinstance(p, Int8Linear) for p in parts):
+        if not fuse and not all(isinstance(p, BlockLinear) for p in parts):
+            self.fused, self.parts = None, list(parts)
+        elif all(isinstance(p, Int8Linear) for p in parts):
             fused = Int8Linear(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
             if all(p.blocks for p in parts):  # the parts' blocks too, adjacent ones of one kind as one table
                 segments: list[tuple[str, list[torch.Tensor]]] = []

@@ -5,12 +5,13 @@
 #ifndef DS_NATIVE_H
 #define DS_NATIVE_H
 
-#define DS_ABI 13           /* the library's interface version: a cached library of another one is rebuilt */
+#define DS_ABI 14           /* the library's interface version: a cached library of another one is rebuilt */
 #define DS_MAX_ROWS 8       /* activation rows per product, and sequences per batched decode call */
 #define DS_MAX_SEGMENTS 4   /* parts of a stacked linear that keep their own block kinds */
 #define DS_Q6K 14           /* GGUF Q6_K blocks, read as the file has them */
 #define DS_I8 100           /* an int8 table with per-row scales (native.c) */
 #define DS_Q4KR 112         /* Q4_K blocks repacked at load (scale bits unpacked; native.c) */
+#define DS_MAX_USED 32      /* routed experts a token may use in an MoE layer */
 
 typedef struct {
     int type;               /* a GGUF type id of the file's blocks (blocks.c: F16 1, Q4_0 2, Q8_0 8, Q4_K 12,
@@ -27,13 +28,27 @@ typedef struct {
 } lin_t;
 
 typedef struct {
+    int type;               /* a GGUF type id of the experts' blocks (blocks.c's), or 0 for F32 rows */
+    int rows;               /* output rows of one expert */
+    int stride;             /* rows from one expert's first row to the next one's (rows, or 2 rows where a fused
+                               gate_up tensor holds each expert's gate rows, then its up rows) */
+    const void *data;       /* expert 0's first row */
+} experts_t;
+
+typedef struct {
     int attention;          /* 1: gated attention; 0: Gated DeltaNet */
     const float *attn_norm;
     const float *post_norm;
     lin_t mix_in;
     lin_t mix_out;
-    lin_t gate_up;
+    lin_t gate_up;          /* the FFN's gate and up rows (an MoE layer's shared expert) */
     lin_t down;
+    int n_expert;           /* 0: a dense FFN; else an MoE block: the router over n_expert experts, n_used a token */
+    int n_used;
+    lin_t router;           /* ffn_gate_inp's n_expert rows, then the shared expert's gate (one row) */
+    experts_t exp_gate;     /* [n_expert x rows, hidden] */
+    experts_t exp_up;
+    experts_t exp_down;     /* [n_expert x hidden, rows] */
     const float *conv_w;    /* DeltaNet */
     const float *a_neg;
     const float *dt_bias;
@@ -45,7 +60,6 @@ typedef struct {
 typedef struct {
     int n_layers;
     int hidden;
-    int inter;
     int nk;                 /* DeltaNet */
     int dk;
     int nv;

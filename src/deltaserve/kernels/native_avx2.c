@@ -451,6 +451,123 @@ static void attn_head(const model_t *m, int h, const float *qkv, const float *q,
     for (int i = 0; i < hd; i++) out[(size_t)h * hd + i] = o[i] / (1.0f + expf(-gate[i]));
 }
 
+/* ---- the MoE block (qwen35moe): a router over n_expert experts, the top n_used a token, and a shared expert ---- */
+
+/* The top k of E router logits (the larger first; of equal ones the lower expert), and their softmax weights
+ * renormalised over the k (the softmax's denominator cancels: e^(l - max) / the k's sum): transformers'
+ * Qwen3_5MoeTopKRouter, llama.cpp's qwen35moe (softmax gating, weights normalised). */
+static void moe_route(const float *logits, int E, int k, int *sel, float *w) {
+    unsigned char taken[E];
+    for (int e = 0; e < E; e++) taken[e] = 0;
+    float top = -INFINITY, sum = 0.0f;
+    for (int j = 0; j < k; j++) {
+        int best = -1;
+        for (int e = 0; e < E; e++)
+            if (!taken[e] && (best < 0 || logits[e] > logits[best])) best = e;
+        taken[best] = 1;
+        sel[j] = best;
+        if (j == 0) top = logits[best];
+        w[j] = expf(logits[best] - top);
+        sum += w[j];
+    }
+    for (int j = 0; j < k; j++) w[j] /= sum;
+}
+
+/* One expert's rows of an experts_t times M activation rows (prepared in scratch for blocks; the f32 rows x for
+ * F32): an orphaned worksharing loop, no barrier. */
+static void expert_tiles(const experts_t *X, int e, int K, const float *x, void *scratch, int M, float *y, long ldy) {
+    if (X->type == 0) {
+        f32_tiles((const float *)X->data + (size_t)e * X->stride * K, X->rows, K, x, M, y, ldy);
+        return;
+    }
+    const uint8_t *first = (const uint8_t *)X->data + (size_t)e * X->stride * blk_row_bytes(X->type, K);
+    blk_tiles(X->type, first, X->rows, K, scratch, M, y, ldy);
+}
+
+static int experts_ok(const experts_t *X, int K, int rows) {
+    return X->data && X->rows == rows && X->stride >= X->rows
+        && (X->type == 0 || (blk_kind(X->type) > 0 && K % blk_values(X->type) == 0));
+}
+
+/* the MoE block's buffers for one call: U = min(n_expert, B n_used) experts at most in a layer */
+typedef struct {
+    float *logits, *gu, *mid, *out, *shared, *w;
+    int *sel, *uniq, *slot, nu;
+    void *scratch;     /* U groups of blk_scratch_bytes(B, ff) */
+    size_t group_bytes;
+} moe_buf_t;
+
+static void swiglu_rows(const float *gu, float *out, int rows, int I) {
+    for (int r = 0; r < rows; r++) {
+        float *g = (float *)gu + (size_t)r * 2 * I, *o = out + (size_t)r * I;
+        silu_inplace(g, I);
+        for (int j = 0; j < I; j++) o[j] = g[j] * g[I + j];
+    }
+}
+
+/* x [B, H] += the MoE block of h [B, H] (the normed residual): the shared expert (gate_up, down) scaled by the
+ * sigmoid of its gate, plus each token's n_used experts weighted by the router. Each expert any of the B rows
+ * chose is read once, for all B rows (decode reads weights, not arithmetic). Called by every thread of the team. */
+static void moe_ffn(const layer_t *L, int B, int H, const float *h, float *x, float *big, float *mid,
+                    void *const *scratch, moe_buf_t *mb) {
+    int E = L->n_expert, k = L->n_used, ff = L->exp_gate.rows, I = lin_rows(&L->gate_up) / 2;
+    team_product(&L->router, h, B, mb->logits, scratch);  /* [B, E + 1]: the router's logits, the shared gate */
+    team_product(&L->gate_up, h, B, big, scratch);
+    #pragma omp for schedule(static)
+    for (int b = 0; b < B; b++) swiglu_rows(big + (size_t)b * 2 * I, mid + (size_t)b * I, 1, I);
+    team_product(&L->down, mid, B, mb->shared, scratch);
+    #pragma omp single
+    {
+        int nu = 0;
+        for (int b = 0; b < B; b++) {
+            moe_route(mb->logits + (size_t)b * (E + 1), E, k, mb->sel + b * k, mb->w + b * k);
+            for (int j = 0; j < k; j++) {
+                int e = mb->sel[b * k + j], u = 0;
+                while (u < nu && mb->uniq[u] != e) u++;
+                if (u == nu) mb->uniq[nu++] = e;
+                mb->slot[b * k + j] = u;
+            }
+        }
+        mb->nu = nu;
+    }
+    int nu = mb->nu, kg = blk_kind(L->exp_gate.type), ku = blk_kind(L->exp_up.type), kd = blk_kind(L->exp_down.type);
+    if (kg) blk_prepare(kg, h, B, H, H, scratch[kg]);
+    if (ku && ku != kg) blk_prepare(ku, h, B, H, H, scratch[ku]);
+    for (int u = 0; u < nu; u++) {  /* every chosen expert's gate and up rows, shared out without barriers */
+        float *gu = mb->gu + (size_t)u * B * 2 * ff;
+        expert_tiles(&L->exp_gate, mb->uniq[u], H, h, scratch[kg], B, gu, 2 * ff);
+        expert_tiles(&L->exp_up, mb->uniq[u], H, h, scratch[ku], B, gu + ff, 2 * ff);
+    }
+    #pragma omp barrier
+    #pragma omp for schedule(static)
+    for (int t = 0; t < nu * B; t++) swiglu_rows(mb->gu + (size_t)t * 2 * ff, mb->mid + (size_t)t * ff, 1, ff);
+    if (kd) blk_prepare_groups(kd, mb->mid, nu, B, ff, ff, mb->scratch, mb->group_bytes);
+    for (int u = 0; u < nu; u++)
+        expert_tiles(&L->exp_down, mb->uniq[u], ff, mb->mid + (size_t)u * B * ff,
+                     (uint8_t *)mb->scratch + (size_t)u * mb->group_bytes, B, mb->out + (size_t)u * B * H, H);
+    #pragma omp barrier
+    #pragma omp for schedule(static)
+    for (int b = 0; b < B; b++) {
+        float g = 1.0f / (1.0f + expf(-mb->logits[(size_t)b * (E + 1) + E]));
+        float *xb = x + (size_t)b * H;
+        const float *sh = mb->shared + (size_t)b * H;
+        for (int j = 0; j < H; j++) xb[j] += g * sh[j];
+        for (int j = 0; j < k; j++) {
+            const float *o = mb->out + ((size_t)mb->slot[b * k + j] * B + b) * H;
+            float wj = mb->w[b * k + j];
+            for (int i = 0; i < H; i++) xb[i] += wj * o[i];
+        }
+    }
+}
+
+/* An MoE layer's shapes, checked before anything is touched. */
+static int moe_ok(const layer_t *L, int H) {
+    int E = L->n_expert, ff = L->exp_gate.rows;
+    return E > 0 && L->n_used >= 1 && L->n_used <= E && L->n_used <= DS_MAX_USED && ff > 0
+        && lin_ok(&L->router) && L->router.K == H && lin_rows(&L->router) == E + 1
+        && experts_ok(&L->exp_gate, H, ff) && experts_ok(&L->exp_up, H, ff) && experts_ok(&L->exp_down, ff, H);
+}
+
 /* B sequences, one token each (B <= 8: the products read every weight once for all of them).
  * x [B, hidden]: the tokens' embedding rows (overwritten: the residual streams). state[b][2i], state[b][2i+1]:
  * sequence b's layer i (conv [Kc-1, C], ssm [nv, dk, dv]) or (k cache, v cache) [nkv, cap[b], hd], f32;
@@ -467,6 +584,7 @@ int ds_decode_tokens(const model_t *m, int B, float *x, float *const *const *sta
         if (pos[b] < 0 || pos[b] >= cap[b]) return -1;
         spos[b + 1] = spos[b] + (size_t)nh * (pos[b] + 1);  /* sequence b's score rows start at spos[b] */
     }
+    size_t emax = 0, umax = 0, ffmax = 0;  /* the MoE layers' most experts, chosen experts and expert rows */
     for (int i = 0; i < m->n_layers; i++) {
         const layer_t *L = &m->layers[i];
         const lin_t *ls[4] = {&L->mix_in, &L->mix_out, &L->gate_up, &L->down};
@@ -474,6 +592,13 @@ int ds_decode_tokens(const model_t *m, int B, float *x, float *const *const *sta
             if (!lin_ok(ls[j])) return -1;
             if (ls[j]->K > (int)kmax) kmax = (size_t)ls[j]->K;
             if (lin_rows(ls[j]) > (int)nmax) nmax = (size_t)lin_rows(ls[j]);
+        }
+        if (L->n_expert) {
+            if (!moe_ok(L, H)) return -1;
+            size_t u = (size_t)B * L->n_used < (size_t)L->n_expert ? (size_t)B * L->n_used : (size_t)L->n_expert;
+            if ((size_t)L->n_expert > emax) emax = (size_t)L->n_expert;
+            if (u > umax) umax = u;
+            if ((size_t)L->exp_gate.rows > ffmax) ffmax = (size_t)L->exp_gate.rows;
         }
     }
     if (m->head.K > (int)kmax) kmax = (size_t)m->head.K;
@@ -484,6 +609,21 @@ int ds_decode_tokens(const model_t *m, int B, float *x, float *const *const *sta
     void *scratch[NKIND] = {NULL};
     int ok = hbuf && big && mid && u && qr && scores;
     for (int kind = 1; kind < NKIND; kind++) ok = ok && (scratch[kind] = malloc(scratch_bytes(kind, B, (int)kmax)));
+    moe_buf_t mb = {0};
+    if (ok && emax) {
+        mb.group_bytes = (blk_scratch_bytes(B, (int)ffmax) + 63) / 64 * 64;
+        mb.logits = malloc((size_t)B * (emax + 1) * sizeof(float));
+        mb.gu = malloc(umax * B * 2 * ffmax * sizeof(float));
+        mb.mid = malloc(umax * B * ffmax * sizeof(float));
+        mb.out = malloc(umax * B * H * sizeof(float));
+        mb.shared = malloc((size_t)B * H * sizeof(float));
+        mb.w = malloc((size_t)B * DS_MAX_USED * sizeof(float));
+        mb.sel = malloc((size_t)B * DS_MAX_USED * sizeof(int));
+        mb.slot = malloc((size_t)B * DS_MAX_USED * sizeof(int));
+        mb.uniq = malloc(umax * sizeof(int));
+        mb.scratch = malloc(umax * mb.group_bytes);
+        ok = mb.logits && mb.gu && mb.mid && mb.out && mb.shared && mb.w && mb.sel && mb.slot && mb.uniq && mb.scratch;
+    }
     if (ok) {
         #pragma omp parallel num_threads(nthreads)
         {
@@ -524,13 +664,15 @@ int ds_decode_tokens(const model_t *m, int B, float *x, float *const *const *sta
                     for (int j = 0; j < H; j++) xb[j] += hb[j];
                     rms_norm_row(xb, L->post_norm, hb, H, m->eps);
                 }
+                if (L->n_expert) {
+                    moe_ffn(L, B, H, hbuf, x, big, mid, scratch, &mb);
+                    continue;
+                }
                 team_product(&L->gate_up, hbuf, B, big, scratch);
                 #pragma omp for schedule(static)
                 for (int b = 0; b < B; b++) {
-                    int I = m->inter;
-                    float *g = big + (size_t)b * 2 * I, *md = mid + (size_t)b * I;
-                    silu_inplace(g, I);
-                    for (int j = 0; j < I; j++) md[j] = g[j] * g[I + j];
+                    int I = lin_rows(&L->gate_up) / 2;
+                    swiglu_rows(big + (size_t)b * 2 * I, mid + (size_t)b * I, 1, I);
                 }
                 team_product(&L->down, mid, B, hbuf, scratch);
                 #pragma omp for schedule(static)
@@ -544,6 +686,8 @@ int ds_decode_tokens(const model_t *m, int B, float *x, float *const *const *sta
     }
     free(hbuf); free(big); free(mid); free(u); free(qr); free(scores);
     for (int kind = 1; kind < NKIND; kind++) free(scratch[kind]);
+    free(mb.logits); free(mb.gu); free(mb.mid); free(mb.out); free(mb.shared); free(mb.w); free(mb.sel); free(mb.slot);
+    free(mb.uniq); free(mb.scratch);
     return ok ? 0 : -1;
 }
 
