@@ -60,6 +60,20 @@ def route(x: torch.Tensor, router, top_k: int) -> tuple[torch.Tensor, torch.Tens
     return weights / weights.sum(dim=-1, keepdim=True), experts
 
 
+def experts_native(x: torch.Tensor, mw, counts: list[int], rows: torch.Tensor, weights: torch.Tensor,
+                   out: torch.Tensor) -> bool:
+    """The routed experts of every pair (row, expert), grouped by expert, in one native call on the file's blocks
+    (blocks.c's products, each expert's rows read once for its pairs): False where it does not take them (a device,
+    weights that are not the file's blocks)."""
+    structs = mw.native() if x.device.type == "cpu" else None
+    if structs is None:
+        return False
+    used = [e for e, n in enumerate(counts) if n]
+    n = torch.tensor([counts[e] for e in used])
+    return kernel.moe_experts(structs, x.shape[-1], torch.tensor(used), torch.cumsum(n, 0) - n, n,
+                              x.contiguous(), rows, weights, out)
+
+
 def moe(x: torch.Tensor, mw, shared_gate_up, shared_down) -> torch.Tensor:
     """The MoE block over rows x [..., hidden]: the rows are grouped by the experts they go to, and each expert
     used runs one product over its rows (its own rows of the layer's tensors, read once); each row sums its
@@ -72,13 +86,14 @@ def moe(x: torch.Tensor, mw, shared_gate_up, shared_down) -> torch.Tensor:
     counts = torch.bincount(flat, minlength=mw.count).tolist()
     rows, pair_weights = order // mw.top_k, weights.reshape(-1)[order]
     by_expert = torch.empty(flat.numel(), shape[-1], dtype=torch.float32, device=x.device)
-    start = 0
-    for e, n in enumerate(counts):
-        if n:
-            gate_up, down = mw.expert(e)
-            torch.mul(mlp(x.index_select(0, rows[start:start + n]), gate_up, down),
-                      pair_weights[start:start + n, None], out=by_expert[start:start + n])
-            start += n
+    if not experts_native(x, mw, counts, rows, pair_weights, by_expert):
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                gate_up, down = mw.expert(e)
+                torch.mul(mlp(x.index_select(0, rows[start:start + n]), gate_up, down),
+                          pair_weights[start:start + n, None], out=by_expert[start:start + n])
+                start += n
     pairs = torch.empty_like(by_expert).index_copy_(0, order, by_expert)  # back in (row, choice) order
     gate = torch.sigmoid(x.float() @ mw.shared_gate)
     out = mlp(x, shared_gate_up, shared_down).mul_(gate[:, None])

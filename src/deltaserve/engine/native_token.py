@@ -29,7 +29,7 @@ from deltaserve.kernels import native
 from deltaserve.engine.state import DecodeState
 
 # native.c's structs, read from kernels/native.h (declared once, there)
-Seg, Lin, Layer, Model, Experts = (native.STRUCTS[n] for n in ("seg_t", "lin_t", "layer_t", "model_t", "experts_t"))
+Seg, Lin, Layer, Model = (native.STRUCTS[n] for n in ("seg_t", "lin_t", "layer_t", "model_t"))
 MAX_SEGMENTS = native.CONSTANTS["DS_MAX_SEGMENTS"]
 
 
@@ -132,17 +132,6 @@ def _router(moe, keep: list) -> Lin:
     return out
 
 
-def _experts(t, count: int, keep: list) -> Experts:
-    """One projection of an MoE layer's experts (engine.weights.ExpertTensor) as native.h's experts_t: the file's
-    blocks (one segment) or F32 rows, expert e's first row at e * stride + offset."""
-    (gguf_type, data), = _file_segments(t.linear, t.linear.in_features, True)
-    if data.shape[0] != count * t.stride or t.offset + t.rows > t.stride:
-        raise NotNative(f"experts of {t.rows} rows every {t.stride} in a tensor of {data.shape[0]} rows")
-    row_bytes = data.shape[1] * data.element_size()
-    keep.append(data)
-    return Experts(gguf_type, t.rows, t.stride, data.data_ptr() + t.offset * row_bytes)
-
-
 def _linear(layer, keep: list) -> Lin:
     """A projection as native.h's lin_t: an int8 table's segments (native.c), or the file's own blocks'."""
     table = layer.fused if isinstance(layer, lin.StackedLinear) else layer
@@ -174,8 +163,11 @@ class TokenProgram:
                 if lw.moe.top_k > native.CONSTANTS["DS_MAX_USED"]:
                     raise NotNative(f"{lw.moe.top_k} experts a token (at most {native.CONSTANTS['DS_MAX_USED']})")
                 L.router = _router(lw.moe, self.keep)
-                L.exp_gate, L.exp_up, L.exp_down = (_experts(t, lw.moe.count, self.keep)
-                                                    for t in (lw.moe.gate, lw.moe.up, lw.moe.down))
+                experts = lw.moe.native()
+                if experts is None:
+                    raise NotNative("an MoE layer's experts are not the file's blocks")
+                L.exp_gate, L.exp_up, L.exp_down = experts
+                self.keep.append(lw.moe)
             mx = lw.mixer
             if isinstance(mx, AttentionWeights):
                 L.attention = 1

@@ -20,6 +20,7 @@ from deltaserve.formats import quant
 from deltaserve.formats.config import HybridConfig
 from deltaserve.formats.layout import TensorSource, check_tensors
 from deltaserve.kernels.linear import GGUF_TYPES, BlockLinear, DenseLinear, Int8Linear, Linear, StackedLinear, row_view
+from deltaserve.kernels import native
 from deltaserve.kernels.native import BLOCK_TYPES
 
 
@@ -89,6 +90,22 @@ class ExpertTensor:
     def to(self, device) -> "ExpertTensor":
         return ExpertTensor(self.linear.to(device), self.rows, self.stride, self.offset)
 
+    def native(self, count: int):
+        """native.h's experts_t for these experts (the file's blocks of one type, or F32 rows: type 0), or None where
+        the linear is neither (an int8 table, a device's copy)."""
+        lin = self.linear
+        if isinstance(lin, BlockLinear) and len(lin.segments) == 1 and lin.segments[0][1].device.type == "cpu":
+            (kind, data), = lin.segments
+            gguf_type = GGUF_TYPES[kind]
+        elif isinstance(lin, DenseLinear) and lin.weight.dtype == torch.float32 and lin.weight.device.type == "cpu":
+            gguf_type, data = 0, lin.weight
+        else:
+            return None
+        if not data.is_contiguous() or data.shape[0] != count * self.stride or self.offset + self.rows > self.stride:
+            return None
+        row_bytes = data.shape[1] * data.element_size()
+        return native.STRUCTS["experts_t"](gguf_type, self.rows, self.stride, data.data_ptr() + self.offset * row_bytes)
+
 
 @dataclass
 class MoEWeights:
@@ -114,6 +131,14 @@ class MoEWeights:
             parts = [self.gate.of(e), self.up.of(e)]
             self._experts[e] = (StackedLinear(parts, fuse=False), self.down.of(e))
         return self._experts[e]
+
+    def native(self) -> tuple | None:
+        """The gate, up and down experts as native.h's experts_t (for blocks.c's grouped products), made once; None
+        where one of them is not the file's blocks or F32 rows. The structs point into tensors this object holds."""
+        if "native" not in self._experts:
+            structs = tuple(t.native(self.count) for t in (self.gate, self.up, self.down))
+            self._experts["native"] = None if any(s is None for s in structs) else structs
+        return self._experts["native"]
 
     def expert_nbytes(self) -> int:
         """The bytes of one expert's three projections (what a token reads per expert it uses)."""

@@ -1120,22 +1120,14 @@ static act_t act_row(int kind, void *scratch, int M, int K, int m) {
 }
 
 void blk_prepare(int kind, const float *x, int M, int K, long ldx, void *scratch) {
+    blk_prepare_rows(kind, x, M, K, ldx, NULL, scratch);
+}
+
+void blk_prepare_rows(int kind, const float *x, int M, int K, long ldx, const int *rows, void *scratch) {
     #pragma omp for schedule(static)
     for (int m = 0; m < M; m++) {
         act_t a = act_row(kind, scratch, M, K, m);
-        if (kind == 3) memcpy((float *)a.x, x + (size_t)m * ldx, (size_t)K * sizeof(float));
-        else if (kind == 2) quant_q8_k(x + (size_t)m * ldx, K, (int8_t *)a.q, (float *)a.d, (int16_t *)a.bs, (int8_t *)a.qp);
-        else quant_q8_0(x + (size_t)m * ldx, K, (int8_t *)a.q, (float *)a.d, (int32_t *)a.c);
-    }
-}
-
-void blk_prepare_groups(int kind, const float *x, int G, int M, int K, long ldx, void *scratch, size_t group_bytes) {
-    #pragma omp for schedule(static)
-    for (int t = 0; t < G * M; t++) {
-        int g = t / M, m = t % M;
-        void *scr = (uint8_t *)scratch + (size_t)g * group_bytes;
-        act_t a = act_row(kind, scr, M, K, m);
-        const float *row = x + (size_t)t * ldx;
+        const float *row = x + (size_t)(rows ? rows[m] : m) * ldx;
         if (kind == 3) memcpy((float *)a.x, row, (size_t)K * sizeof(float));
         else if (kind == 2) quant_q8_k(row, K, (int8_t *)a.q, (float *)a.d, (int16_t *)a.bs, (int8_t *)a.qp);
         else quant_q8_0(row, K, (int8_t *)a.q, (float *)a.d, (int32_t *)a.c);
@@ -1143,6 +1135,11 @@ void blk_prepare_groups(int kind, const float *x, int G, int M, int K, long ldx,
 }
 
 void blk_tiles(int type, const uint8_t *blocks, int N, int K, void *scratch, int M, float *y, long ldy) {
+    blk_tiles_rows(type, blocks, N, K, scratch, M, 0, M, y, ldy);
+}
+
+void blk_tiles_rows(int type, const uint8_t *blocks, int N, int K, void *scratch, int Mall, int m_first, int M, float *y,
+                    long ldy) {
     int elems = 1, bytes = 0, kind = blk_kind(type);
     block_info(type, &elems, &bytes);
     size_t row_bytes = (size_t)(K / elems) * bytes;
@@ -1157,7 +1154,7 @@ void blk_tiles(int type, const uint8_t *blocks, int N, int K, void *scratch, int
             for (int m0 = 0; m0 < M; m0 += 2) {
                 int mm = M - m0 < 2 ? M - m0 : 2;
                 float out[8];
-                for (int m = 0; m < mm; m++) a[m] = act_row(kind, scratch, M, K, m0 + m);
+                for (int m = 0; m < mm; m++) a[m] = act_row(kind, scratch, Mall, K, m_first + m0 + m);
                 decode_tile(type, blocks + (size_t)n * row_bytes, row_bytes, R, K, a, mm, out);
                 for (int r = 0; r < R; r++)
                     for (int m = 0; m < mm; m++) y[(size_t)(m0 + m) * ldy + n + r] = out[r * 2 + m];
@@ -1167,7 +1164,7 @@ void blk_tiles(int type, const uint8_t *blocks, int N, int K, void *scratch, int
     }
 #else
     if (kind == 1 && M <= 2) {  /* decode: four rows at a time (four accumulation chains) */
-        for (int m = 0; m < M; m++) a[m] = act_row(kind, scratch, M, K, m);
+        for (int m = 0; m < M; m++) a[m] = act_row(kind, scratch, Mall, K, m_first + m);
         int tiles = N / 4;
         #pragma omp for schedule(static) nowait
         for (int t = 0; t < tiles + (N - 4 * tiles); t++) {
@@ -1191,7 +1188,7 @@ void blk_tiles(int type, const uint8_t *blocks, int N, int K, void *scratch, int
         if (M > MG && n + 1 < N) _mm_prefetch((const char *)(row + row_bytes), _MM_HINT_T0);
         for (int m0 = 0; m0 < M; m0 += MG) {
             int mg = M - m0 < MG ? M - m0 : MG;
-            for (int m = 0; m < mg; m++) a[m] = act_row(kind, scratch, M, K, m0 + m);
+            for (int m = 0; m < mg; m++) a[m] = act_row(kind, scratch, Mall, K, m_first + m0 + m);
             float out[MG];
             if (kind == 3) row_half(type, row, K, a, mg, out);
 #ifndef BLK_VNNI

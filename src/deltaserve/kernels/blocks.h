@@ -25,9 +25,11 @@ int blk_values(int type);  /* values per block (1 for F16/BF16): a product's K i
 size_t blk_scratch_bytes(int M, int K);
 size_t blk_row_bytes(int type, int K);  /* bytes of one row of K values of `type` (0 for a type it does not know) */
 void blk_prepare(int kind, const float *x, int M, int K, long ldx, void *scratch);
-/* G groups of M rows (row g * M + m of x), each group prepared into its own scratch of group_bytes
- * (blk_scratch_bytes(M, K) or more) at scratch + g * group_bytes: one worksharing loop with its barrier */
-void blk_prepare_groups(int kind, const float *x, int G, int M, int K, long ldx, void *scratch, size_t group_bytes);
+/* blk_prepare of the rows rows[0..M) of x (row m of the scratch from x + rows[m] ldx; NULL: rows 0..M) */
+void blk_prepare_rows(int kind, const float *x, int M, int K, long ldx, const int *rows, void *scratch);
 void blk_tiles(int type, const uint8_t *blocks, int N, int K, void *scratch, int M, float *y, long ldy);
+/* blk_tiles on rows m_first .. m_first + M of a scratch prepared for Mall rows (y: the first of them's outputs) */
+void blk_tiles_rows(int type, const uint8_t *blocks, int N, int K, void *scratch, int Mall, int m_first, int M, float *y,
+                    long ldy);
 
 #endif

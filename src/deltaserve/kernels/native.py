@@ -127,6 +127,7 @@ SIGNATURES = {
     "ds_dequant_bf16": [_I, _P, _L, _I, _P, _L, _I],
     "ds_linear_blocks": [_I, _P, _I, _I, _L, _P, _I, _P, _L, _I],
     "ds_gemm_blocks": [_I, _P, _I, _I, _L, _P, _I, _P, _L, _I],
+    "ds_moe_experts": [_P, _P, _P, _I, _I, _P, _P, _P, _P, _P, _P, _I, _P, _I],
 }
 
 
@@ -260,6 +261,22 @@ def linear_on_blocks(x: torch.Tensor, gguf_type: int, data: torch.Tensor, y: tor
     return library().ds_linear_blocks(gguf_type, x.data_ptr(), m, k, x.stride(0), data.data_ptr(), data.shape[0],
                                       y.data_ptr() + off * y.element_size(), y.stride(0),
                                       torch.get_num_threads()) == 0
+
+
+def moe_experts(experts: tuple, hidden: int, uniq: torch.Tensor, first: torch.Tensor, count: torch.Tensor,
+                x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> bool:
+    """out [P, hidden] (f32, contiguous): pair i's expert (the u-th expert used, uniq[u], takes the pairs first[u] ..
+    first[u] + count[u]) on row rows[i] of x [*, hidden], times weights[i]; `experts`: native.h's experts_t of the
+    gate, up and down projections (the file's blocks). One native call for an MoE layer's routed experts; False, with
+    nothing written, where blocks.c does not take them."""
+    if not has("ds_moe_experts") or not x.is_contiguous() or x.dtype != torch.float32:
+        return False
+    gate, up, down = (ctypes.byref(e) for e in experts)
+    ints = [t.to(torch.int32).contiguous() for t in (uniq, first, count, rows)]
+    w = weights.float().contiguous()
+    return library().ds_moe_experts(gate, up, down, hidden, ints[0].numel(), *(t.data_ptr() for t in ints[:3]),
+                                    x.data_ptr(), ints[3].data_ptr(), w.data_ptr(), w.numel(), out.data_ptr(),
+                                    torch.get_num_threads()) == 0
 
 
 def gemm_blocks(x: torch.Tensor, gguf_type: int, data: torch.Tensor, y: torch.Tensor, off: int) -> bool:

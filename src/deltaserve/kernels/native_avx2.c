@@ -473,15 +473,16 @@ static void moe_route(const float *logits, int E, int k, int *sel, float *w) {
     for (int j = 0; j < k; j++) w[j] /= sum;
 }
 
-/* One expert's rows of an experts_t times M activation rows (prepared in scratch for blocks; the f32 rows x for
- * F32): an orphaned worksharing loop, no barrier. */
-static void expert_tiles(const experts_t *X, int e, int K, const float *x, void *scratch, int M, float *y, long ldy) {
+/* One expert's rows of an experts_t times M activation rows: rows m_first .. m_first + M of a scratch prepared for
+ * Mall rows (blocks), or the f32 rows x (F32): an orphaned worksharing loop, no barrier. */
+static void expert_tiles(const experts_t *X, int e, int K, const float *x, void *scratch, int Mall, int m_first, int M,
+                         float *y, long ldy) {
     if (X->type == 0) {
         f32_tiles((const float *)X->data + (size_t)e * X->stride * K, X->rows, K, x, M, y, ldy);
         return;
     }
     const uint8_t *first = (const uint8_t *)X->data + (size_t)e * X->stride * blk_row_bytes(X->type, K);
-    blk_tiles(X->type, first, X->rows, K, scratch, M, y, ldy);
+    blk_tiles_rows(X->type, first, X->rows, K, scratch, Mall, m_first, M, y, ldy);
 }
 
 static int experts_ok(const experts_t *X, int K, int rows) {
@@ -493,8 +494,7 @@ static int experts_ok(const experts_t *X, int K, int rows) {
 typedef struct {
     float *logits, *gu, *mid, *out, *shared, *w;
     int *sel, *uniq, *slot, nu;
-    void *scratch;     /* U groups of blk_scratch_bytes(B, ff) */
-    size_t group_bytes;
+    void *scratch;     /* blk_scratch_bytes(U B, ff): every chosen expert's B rows of its down projection's input */
 } moe_buf_t;
 
 static void swiglu_rows(const float *gu, float *out, int rows, int I) {
@@ -535,16 +535,16 @@ static void moe_ffn(const layer_t *L, int B, int H, const float *h, float *x, fl
     if (ku && ku != kg) blk_prepare(ku, h, B, H, H, scratch[ku]);
     for (int u = 0; u < nu; u++) {  /* every chosen expert's gate and up rows, shared out without barriers */
         float *gu = mb->gu + (size_t)u * B * 2 * ff;
-        expert_tiles(&L->exp_gate, mb->uniq[u], H, h, scratch[kg], B, gu, 2 * ff);
-        expert_tiles(&L->exp_up, mb->uniq[u], H, h, scratch[ku], B, gu + ff, 2 * ff);
+        expert_tiles(&L->exp_gate, mb->uniq[u], H, h, scratch[kg], B, 0, B, gu, 2 * ff);
+        expert_tiles(&L->exp_up, mb->uniq[u], H, h, scratch[ku], B, 0, B, gu + ff, 2 * ff);
     }
     #pragma omp barrier
     #pragma omp for schedule(static)
     for (int t = 0; t < nu * B; t++) swiglu_rows(mb->gu + (size_t)t * 2 * ff, mb->mid + (size_t)t * ff, 1, ff);
-    if (kd) blk_prepare_groups(kd, mb->mid, nu, B, ff, ff, mb->scratch, mb->group_bytes);
+    if (kd) blk_prepare_rows(kd, mb->mid, nu * B, ff, ff, NULL, mb->scratch);
     for (int u = 0; u < nu; u++)
-        expert_tiles(&L->exp_down, mb->uniq[u], ff, mb->mid + (size_t)u * B * ff,
-                     (uint8_t *)mb->scratch + (size_t)u * mb->group_bytes, B, mb->out + (size_t)u * B * H, H);
+        expert_tiles(&L->exp_down, mb->uniq[u], ff, mb->mid + (size_t)u * B * ff, mb->scratch, nu * B, u * B, B,
+                     mb->out + (size_t)u * B * H, H);
     #pragma omp barrier
     #pragma omp for schedule(static)
     for (int b = 0; b < B; b++) {
@@ -566,6 +566,48 @@ static int moe_ok(const layer_t *L, int H) {
     return E > 0 && L->n_used >= 1 && L->n_used <= E && L->n_used <= DS_MAX_USED && ff > 0
         && lin_ok(&L->router) && L->router.K == H && lin_rows(&L->router) == E + 1
         && experts_ok(&L->exp_gate, H, ff) && experts_ok(&L->exp_up, H, ff) && experts_ok(&L->exp_down, ff, H);
+}
+
+/* The routed experts of one MoE layer over a prefill's P (row, expert) pairs, grouped by expert: the u-th expert used,
+ * uniq[u], takes the pairs first[u] .. first[u] + count[u]; pair i reads row rows[i] of x [*, H] and writes
+ * out[i] = weights[i] expert(x[rows[i]]) ([P, H]). Each expert's rows of the three tensors are read once for all its
+ * pairs (the activations prepared once, as the types' products want them); one OpenMP team for the whole layer.
+ * Blocks only (not F32). Returns 0, or -1 (nothing written) where a type or a shape is not taken or memory ran out. */
+int ds_moe_experts(const experts_t *G, const experts_t *U, const experts_t *D, int H, int nu, const int *uniq,
+                   const int *first, const int *count, const float *x, const int *rows, const float *weights, int P,
+                   float *out, int nthreads) {
+    int ff = G->rows, kg = blk_kind(G->type), ku = blk_kind(U->type), kd = blk_kind(D->type);
+    if (P < 1 || nu < 1 || !kg || !ku || !kd || !experts_ok(G, H, ff) || !experts_ok(U, H, ff) || !experts_ok(D, ff, H))
+        return -1;
+    float *gu = malloc((size_t)P * 2 * ff * sizeof(float)), *mid = malloc((size_t)P * ff * sizeof(float));
+    void *ag = malloc(blk_scratch_bytes(P, H)), *au = ku != kg ? malloc(blk_scratch_bytes(P, H)) : ag,
+         *ad = malloc(blk_scratch_bytes(P, ff));
+    int ok = gu && mid && ag && au && ad;
+    if (ok) {
+        #pragma omp parallel num_threads(nthreads)
+        {
+            blk_prepare_rows(kg, x, P, H, H, rows, ag);
+            if (ku != kg) blk_prepare_rows(ku, x, P, H, H, rows, au);
+            for (int u = 0; u < nu; u++) {
+                float *g = gu + (size_t)first[u] * 2 * ff;
+                expert_tiles(G, uniq[u], H, NULL, ag, P, first[u], count[u], g, 2 * ff);
+                expert_tiles(U, uniq[u], H, NULL, au, P, first[u], count[u], g + ff, 2 * ff);
+            }
+            #pragma omp barrier
+            #pragma omp for schedule(static)
+            for (int i = 0; i < P; i++) swiglu_rows(gu + (size_t)i * 2 * ff, mid + (size_t)i * ff, 1, ff);
+            blk_prepare_rows(kd, mid, P, ff, ff, NULL, ad);
+            for (int u = 0; u < nu; u++)
+                expert_tiles(D, uniq[u], ff, NULL, ad, P, first[u], count[u], out + (size_t)first[u] * H, H);
+            #pragma omp barrier
+            #pragma omp for schedule(static)
+            for (int i = 0; i < P; i++)
+                for (int j = 0; j < H; j++) out[(size_t)i * H + j] *= weights[i];
+        }
+    }
+    free(gu); free(mid); free(ag); free(ad);
+    if (au != ag) free(au);
+    return ok ? 0 : -1;
 }
 
 /* B sequences, one token each (B <= 8: the products read every weight once for all of them).
@@ -611,7 +653,6 @@ int ds_decode_tokens(const model_t *m, int B, float *x, float *const *const *sta
     for (int kind = 1; kind < NKIND; kind++) ok = ok && (scratch[kind] = malloc(scratch_bytes(kind, B, (int)kmax)));
     moe_buf_t mb = {0};
     if (ok && emax) {
-        mb.group_bytes = (blk_scratch_bytes(B, (int)ffmax) + 63) / 64 * 64;
         mb.logits = malloc((size_t)B * (emax + 1) * sizeof(float));
         mb.gu = malloc(umax * B * 2 * ffmax * sizeof(float));
         mb.mid = malloc(umax * B * ffmax * sizeof(float));
@@ -621,7 +662,7 @@ int ds_decode_tokens(const model_t *m, int B, float *x, float *const *const *sta
         mb.sel = malloc((size_t)B * DS_MAX_USED * sizeof(int));
         mb.slot = malloc((size_t)B * DS_MAX_USED * sizeof(int));
         mb.uniq = malloc(umax * sizeof(int));
-        mb.scratch = malloc(umax * mb.group_bytes);
+        mb.scratch = malloc(blk_scratch_bytes((int)(umax * B), (int)ffmax));
         ok = mb.logits && mb.gu && mb.mid && mb.out && mb.shared && mb.w && mb.sel && mb.slot && mb.uniq && mb.scratch;
     }
     if (ok) {
