@@ -20,6 +20,7 @@ import numpy as np
 import openai
 import pytest
 import torch
+import torch.nn.functional as F
 
 import deltaserve
 from deltaserve.engine import layers as L
@@ -455,3 +456,24 @@ def test_inspect_shows_the_experts_and_the_weights_a_token_reads(capsys):
     read, total = (float(v) for v in re.search(r"weights read per token: ([\d.]+) MiB of the ([\d.]+) MiB", out).groups())
     assert 0.3 * total < read < 0.6 * total  # 4 of 16 experts, plus everything that is not an expert
     assert "capacity plan for 4096 positions: fits" in out
+
+
+@pytest.mark.parametrize("weights", ["exact", "tables"])
+def test_the_gathered_experts_a_device_decodes_with_compute_the_moe_block(weights):
+    """A device's decode step gathers each (row, expert) pair's weights by index (no host synchronisation, so that a
+    CUDA graph records it: layers.moe_gathered). Checked here on the CPU with what a device holds (dense weights, or
+    int8 tables) against the routed experts written out in float64 from the same weights."""
+    m = deltaserve.load(fx.gguf_path(NAME, "q8_0"), weights=weights, cache=False)
+    lw = m.host.weights.layers[2]
+    x = torch.randn(3, m.config.hidden_size, generator=torch.Generator().manual_seed(8))
+    weights_, experts = L.route(x, lw.moe.router, lw.moe.top_k)
+
+    def swiglu(gate_up, down, v):
+        gate, up = gate_up.dense().double().split(gate_up.sizes)
+        return down.dense().double() @ (F.silu(gate @ v) * (up @ v))
+
+    shared = L.mlp(x, lw.gate_up, lw.down).double()  # the shared expert: the MLP's own products
+    want = torch.stack([sum(w * swiglu(*lw.moe.expert(int(e)), x[t].double()) for w, e in zip(weights_[t], experts[t]))
+                        + torch.sigmoid(x[t].double() @ lw.moe.shared_gate.double()) * shared[t] for t in range(3)])
+    got = L.moe_gathered(x, lw.moe, lw.gate_up, lw.down).double()
+    assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()

@@ -74,10 +74,30 @@ def experts_native(x: torch.Tensor, mw, counts: list[int], rows: torch.Tensor, w
                               x.contiguous(), rows, weights, out)
 
 
+GATHER_PAIRS = 64  # on a device, up to this many (row, expert) pairs gather their experts' weights (moe_gathered)
+
+
+def moe_gathered(x: torch.Tensor, mw, shared_gate_up, shared_down) -> torch.Tensor:
+    """The MoE block for a few rows on a device (a decode step): each (row, expert) pair's expert weights gathered by
+    index and multiplied in one batched product per projection, with no host synchronisation (the experts' loop in
+    `moe` reads the counts on the host), so that a CUDA graph records the step. The same math as `moe`."""
+    shape = x.shape
+    x = x.reshape(-1, shape[-1]).float()
+    weights, experts = route(x, mw.router, mw.top_k)
+    pairs = experts.reshape(-1)
+    xs = x.repeat_interleave(mw.top_k, dim=0)
+    mid = F.silu(mw.gate.gathered(pairs, xs)) * mw.up.gathered(pairs, xs)
+    out = (mw.down.gathered(pairs, mid) * weights.reshape(-1, 1)).reshape(x.shape[0], mw.top_k, -1).sum(dim=1)
+    gate = torch.sigmoid(x @ mw.shared_gate)
+    return out.add_(mlp(x, shared_gate_up, shared_down) * gate[:, None]).reshape(shape)
+
+
 def moe(x: torch.Tensor, mw, shared_gate_up, shared_down) -> torch.Tensor:
     """The MoE block over rows x [..., hidden]: the rows are grouped by the experts they go to, and each expert
     used runs one product over its rows (its own rows of the layer's tensors, read once); each row sums its
     experts' outputs times their weights, plus the shared expert times sigmoid(its gate)."""
+    if x.device.type != "cpu" and x.numel() // x.shape[-1] * mw.top_k <= GATHER_PAIRS:
+        return moe_gathered(x, mw, shared_gate_up, shared_down)
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     weights, experts = route(x, mw.router, mw.top_k)

@@ -90,6 +90,22 @@ class ExpertTensor:
     def to(self, device) -> "ExpertTensor":
         return ExpertTensor(self.linear.to(device), self.rows, self.stride, self.offset)
 
+    def gathered(self, experts: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """[P, rows]: row p is x[p] times the rows of expert experts[p], those experts' weights gathered by index (no
+        host synchronisation: a CUDA graph records it). For a few rows on a device; a DenseLinear or an Int8Linear
+        (what a device holds)."""
+        lin, count = self.linear, self.linear.out_features // self.stride
+        window = slice(self.offset, self.offset + self.rows)
+        if isinstance(lin, DenseLinear):
+            w = lin.weight.view(count, self.stride, -1)[:, window][experts]
+            return torch.bmm(w, x.to(w.dtype)[:, :, None])[:, :, 0].float()
+        if isinstance(lin, Int8Linear):
+            q = lin.q.view(count, self.stride, -1)[:, window][experts]
+            scale = lin.scale.view(count, self.stride)[:, window][experts]
+            dtype = torch.float32 if x.device.type == "cpu" else torch.bfloat16
+            return torch.bmm(q.to(dtype), x.to(dtype)[:, :, None])[:, :, 0].float() * scale
+        raise TypeError(f"no gathered product of a {type(lin).__name__}")
+
     def native(self, count: int):
         """native.h's experts_t for these experts (the file's blocks of one type, or F32 rows: type 0), or None where
         the linear is neither (an int8 table, a device's copy)."""
