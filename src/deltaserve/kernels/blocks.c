@@ -900,80 +900,94 @@ static inline __attribute__((always_inline)) void gemm_tile(const int mode, cons
     }
 }
 
-/* One block of a row as unsigned values u [32 or 256] and, per sub-block, s (and m): see the section's comment. */
-static void unpack_block(int type, const uint8_t *b, uint8_t *u, float *s, float *m) {
+/* Row `row`'s values as unsigned bytes u [K] into `u` (see the section's comment: Q8_0's w + 128, Q4_K/Q5_K's q, Q6_K's
+ * q with its two high bits), and its scales (and mins) per sub-block into ps[i * 32 + r] (po[b * 32 + r]). */
+static void unpack_row(int type, int mode, const uint8_t *row, int K, uint8_t *u, float *ps, float *po, int r) {
+    const int per32 = mode == 1 ? 2 : 1;
+    const __m256i lo4 = _mm256_set1_epi8(0x0F);
     switch (type) {
     case T_Q8_0:
-        s[0] = h2f(b);
-        for (int i = 0; i < 32; i++) u[i] = b[2 + i] ^ 0x80;
+        for (int b = 0; b < K / 32; b++) {
+            const uint8_t *blk = row + (size_t)b * 34;
+            ps[(size_t)b * 32 + r] = h2f(blk);
+            _mm256_storeu_si256((__m256i *)(u + 32 * b),
+                                _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 2)), _mm256_set1_epi8((char)0x80)));
+        }
         return;
     case T_Q4_K:
     case T_Q5_K: {
-        const int q5 = type == T_Q5_K;
-        const float d = h2f(b), dmin = h2f(b + 2);
-        uint8_t sc[8], mn[8];
-        k_scales(b + 4, sc, mn);
-        const uint8_t *qh = b + 16, *qs = b + (q5 ? 48 : 16);
-        for (int j = 0; j < 8; j++) {
-            s[j] = d * (float)sc[j], m[j] = dmin * (float)mn[j];  /* deq_row's ds and dm */
-            const uint8_t *g = qs + 32 * (j / 2);
-            for (int l = 0; l < 32; l++) {
-                int q = (j & 1) ? g[l] >> 4 : g[l] & 0xF;
-                if (q5) q |= ((qh[l] >> j) & 1) << 4;
-                u[32 * j + l] = (uint8_t)q;
+        const int q5 = type == T_Q5_K, bytes = q5 ? 176 : 144;
+        for (int jb = 0; jb < K / 256; jb++) {
+            const uint8_t *blk = row + (size_t)jb * bytes, *qs = blk + (q5 ? 48 : 16);
+            const float d = h2f(blk), dmin = h2f(blk + 2);
+            uint8_t sc[8], mn[8];
+            k_scales(blk + 4, sc, mn);
+            __m256i qh = q5 ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++) {
+                const int b = jb * 8 + j;
+                ps[(size_t)b * 32 + r] = d * (float)sc[j];
+                po[(size_t)b * 32 + r] = dmin * (float)mn[j];
+                __m256i g = _mm256_loadu_si256((const __m256i *)(qs + 32 * (j / 2)));
+                __m256i q = (j & 1) ? _mm256_and_si256(_mm256_srli_epi16(g, 4), lo4) : _mm256_and_si256(g, lo4);
+                if (q5) {  /* bit j of qh[l] -> bit 4 */
+                    __m256i bit = _mm256_and_si256(_mm256_srli_epi16(qh, j), _mm256_set1_epi8(1));
+                    q = _mm256_or_si256(q, _mm256_slli_epi16(bit, 4));
+                }
+                _mm256_storeu_si256((__m256i *)(u + 32 * b), q);
             }
         }
         return;
     }
-    case T_Q6_K: {
-        const float d = h2f(b + 208);
-        const int8_t *sc = (const int8_t *)(b + 192);
-        for (int j = 0; j < 16; j++) s[j] = d * (float)sc[j];
-        for (int h = 0; h < 2; h++)
-            for (int g = 0; g < 4; g++) {
-                const uint8_t *lo = b + 64 * h + 32 * (g & 1), *hi = b + 128 + 32 * h;
-                const int sl = g < 2 ? 0 : 4, sh = 2 * g;
-                for (int l = 0; l < 32; l++)
-                    u[128 * h + 32 * g + l] = (uint8_t)(((lo[l] >> sl) & 0xF) | (((hi[l] >> sh) & 3) << 4));
+    case T_Q6_K:
+        for (int jb = 0; jb < K / 256; jb++) {
+            const uint8_t *blk = row + (size_t)jb * 210;
+            const float d = h2f(blk + 208);
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            for (int j = 0; j < 16; j++) ps[(size_t)(jb * 16 + j) * 32 + r] = d * (float)sc[j];
+            for (int h = 0; h < 2; h++) {
+                __m256i hi = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+                for (int g = 0; g < 4; g++) {
+                    __m256i lo = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (g & 1)));
+                    if (g >= 2) lo = _mm256_srli_epi16(lo, 4);
+                    __m256i top = _mm256_and_si256(_mm256_srli_epi16(hi, 2 * g), _mm256_set1_epi8(3));
+                    __m256i q = _mm256_or_si256(_mm256_and_si256(lo, lo4), _mm256_slli_epi16(top, 4));
+                    _mm256_storeu_si256((__m256i *)(u + (size_t)jb * 256 + 128 * h + 32 * g), q);
+                }
             }
+        }
+        (void)per32;
         return;
-    }
     }
 }
 
 /* rows n0 .. n0 + nrows - 1 (nrows <= GP) of a tensor laid out for gemm_tile: pw [nb][8][2][16 rows x 4 bytes],
- * ps [subs][32], po [nb][32] (mode 2); rows past the tensor: u = z (a zero weight), s = m = 0. */
+ * ps [subs][32], po [nb][32] (mode 2); rows past the tensor: u = z (a zero weight), s = m = 0. Each row unpacked to
+ * bytes (unpack_row) into `ubuf` [GP][K], then each sub-block's 16 rows x 8 words gathered into the 8 vectors of
+ * 16 rows' 4 bytes each (a transpose by vpgatherdd). */
 static void pack_panel(int type, int mode, const uint8_t *blocks, size_t row_bytes, int n0, int nrows, int K,
-                       uint8_t *pw, float *ps, float *po) {
+                       uint8_t *pw, float *ps, float *po, uint8_t *ubuf) {
     const int nb = K / 32, per32 = mode == 1 ? 2 : 1;
-    int vals, bytes;
-    block_info(type, &vals, &bytes);
     const uint8_t zero = mode == 0 ? 0x80 : mode == 1 ? 32 : 0;
-    uint8_t u[256];
-    float s[16], m[8];
     for (int r = 0; r < GP; r++) {
-        const int g = r / 16, lane = r % 16;
-        if (r >= nrows) {
-            for (int b = 0; b < nb; b++) {
-                for (int h = 0; h < per32; h++) ps[((size_t)b * per32 + h) * 32 + r] = 0.0f;
-                if (mode == 2) po[(size_t)b * 32 + r] = 0.0f;
-                for (int k = 0; k < 8; k++) memset(pw + (size_t)b * 1024 + k * 128 + g * 64 + lane * 4, zero, 4);
-            }
+        if (r < nrows) {
+            unpack_row(type, mode, blocks + (size_t)(n0 + r) * row_bytes, K, ubuf + (size_t)r * K, ps, po, r);
             continue;
         }
-        const uint8_t *row = blocks + (size_t)(n0 + r) * row_bytes;
-        for (int v0 = 0; v0 < K;) {
-            unpack_block(type, row + (size_t)(v0 / vals) * bytes, u, s, m);
-            for (int i = 0; i < vals / 32; i++) {
-                const int b = v0 / 32 + i;
-                for (int h = 0; h < per32; h++) ps[((size_t)b * per32 + h) * 32 + r] = s[i * per32 + h];
-                if (mode == 2) po[(size_t)b * 32 + r] = m[i];
-                uint8_t *dst = pw + (size_t)b * 1024 + g * 64 + lane * 4;
-                for (int k = 0; k < 8; k++) memcpy(dst + k * 128, u + 32 * i + 4 * k, 4);
-            }
-            v0 += vals;
+        memset(ubuf + (size_t)r * K, zero, K);
+        for (int b = 0; b < nb; b++) {
+            for (int h = 0; h < per32; h++) ps[((size_t)b * per32 + h) * 32 + r] = 0.0f;
+            if (mode == 2) po[(size_t)b * 32 + r] = 0.0f;
         }
     }
+    const __m512i lanes = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                             _mm512_set1_epi32(K));
+    for (int b = 0; b < nb; b++)
+        for (int g = 0; g < 2; g++) {
+            const uint8_t *base = ubuf + (size_t)(16 * g) * K + 32 * b;
+            uint8_t *dst = pw + (size_t)b * 1024 + g * 64;
+            for (int k = 0; k < 8; k++)
+                _mm512_store_si512(dst + k * 128, _mm512_i32gather_epi32(lanes, base + 4 * k, 1));
+        }
 }
 
 /* y[m, n] = sum_k v(n, k) x[m, k] for a tensor [N, K] of Q8_0, Q4_K, Q5_K or Q6_K blocks (rows after each other),
@@ -999,9 +1013,9 @@ int ds_gemm_blocks(int type, const float *x, int M, int K, long ldx, const uint8
     #pragma omp parallel num_threads(nthreads)
     {
         int32_t *c = aligned_alloc(64, cb);
-        uint8_t *pw = aligned_alloc(64, pb);
+        uint8_t *pw = aligned_alloc(64, pb), *ubuf = aligned_alloc(64, ALIGN64((size_t)GP * K));
         float *tail = aligned_alloc(64, (size_t)GT * GP * sizeof(float));
-        if (!c || !pw || !tail) {
+        if (!c || !pw || !tail || !ubuf) {
             #pragma omp atomic write
             failed = 1;
         }
@@ -1030,7 +1044,7 @@ int ds_gemm_blocks(int type, const float *x, int M, int K, long ldx, const uint8
             #pragma omp for schedule(dynamic, 1)
             for (int p = 0; p < panels; p++) {
                 int n0 = p * GP, nrows = N - n0 < GP ? N - n0 : GP;
-                pack_panel(type, mode, blocks, row_bytes, n0, nrows, K, pw, ps, po);
+                pack_panel(type, mode, blocks, row_bytes, n0, nrows, K, pw, ps, po, ubuf);
                 for (int m0 = 0; m0 < Mp; m0 += GT) {
                     const size_t at = (size_t)m0;
                     float *out = m0 + GT <= M ? y + at * ldy + n0 : tail;
@@ -1047,7 +1061,7 @@ int ds_gemm_blocks(int type, const float *x, int M, int K, long ldx, const uint8
                 }
             }
         }
-        free(c), free(pw), free(tail);
+        free(c), free(pw), free(tail), free(ubuf);
     }
     free(act);
     return failed ? -1 : 0;

@@ -32,4 +32,11 @@ void blk_tiles(int type, const uint8_t *blocks, int N, int K, void *scratch, int
 void blk_tiles_rows(int type, const uint8_t *blocks, int N, int K, void *scratch, int Mall, int m_first, int M, float *y,
                     long ldy);
 
+/* blocks.c's GEMM on Q8_0 and K-quant blocks (AVX512-VNNI builds): its own OpenMP team, any M (see blocks.c) */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define BLK_GEMM 1
+int ds_gemm_blocks(int type, const float *x, int M, int K, long ldx, const uint8_t *blocks, int N, float *y, long ldy,
+                   int nthreads);
+#endif
+
 #endif

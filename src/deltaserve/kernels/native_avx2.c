@@ -15,6 +15,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "native.h"
 #include "blocks.h"
@@ -473,6 +474,18 @@ static void moe_route(const float *logits, int E, int k, int *sel, float *w) {
     for (int j = 0; j < k; j++) w[j] /= sum;
 }
 
+#define MOE_GEMM_ROWS 12  /* pairs from which an expert's product runs on blocks.c's GEMM (ds_moe_experts) */
+
+/* expert e's first row of an experts_t of inner size K (blocks) */
+static const uint8_t *expert_rows(const experts_t *X, int e, int K) {
+    return (const uint8_t *)X->data + (size_t)e * X->stride * blk_row_bytes(X->type, K);
+}
+
+#ifdef BLK_GEMM
+/* the block types blocks.c's GEMM takes (Q8_0 and the K-quants) */
+static int gemm_type(int type) { return type == 8 || type == 12 || type == 13 || type == 14; }
+#endif
+
 /* One expert's rows of an experts_t times M activation rows: rows m_first .. m_first + M of a scratch prepared for
  * Mall rows (blocks), or the f32 rows x (F32): an orphaned worksharing loop, no barrier. */
 static void expert_tiles(const experts_t *X, int e, int K, const float *x, void *scratch, int Mall, int m_first, int M,
@@ -481,8 +494,7 @@ static void expert_tiles(const experts_t *X, int e, int K, const float *x, void 
         f32_tiles((const float *)X->data + (size_t)e * X->stride * K, X->rows, K, x, M, y, ldy);
         return;
     }
-    const uint8_t *first = (const uint8_t *)X->data + (size_t)e * X->stride * blk_row_bytes(X->type, K);
-    blk_tiles_rows(X->type, first, X->rows, K, scratch, Mall, m_first, M, y, ldy);
+    blk_tiles_rows(X->type, expert_rows(X, e, K), X->rows, K, scratch, Mall, m_first, M, y, ldy);
 }
 
 static int experts_ok(const experts_t *X, int K, int rows) {
@@ -582,30 +594,60 @@ int ds_moe_experts(const experts_t *G, const experts_t *U, const experts_t *D, i
     float *gu = malloc((size_t)P * 2 * ff * sizeof(float)), *mid = malloc((size_t)P * ff * sizeof(float));
     void *ag = malloc(blk_scratch_bytes(P, H)), *au = ku != kg ? malloc(blk_scratch_bytes(P, H)) : ag,
          *ad = malloc(blk_scratch_bytes(P, ff));
-    int ok = gu && mid && ag && au && ad;
+    int ok = gu && mid && ag && au && ad, most = 0;
+    /* an expert with many pairs runs on the GEMM (blocks.c's, where built: its panels of the weights pay off from
+       about MOE_GEMM_ROWS rows), the others on the tiles of up to DS_MAX_ROWS rows a pass */
+    char *gemm = calloc(nu, 1);
+    for (int u = 0; u < nu; u++) most = count[u] > most ? count[u] : most;
+    float *xg = NULL;
+#ifdef BLK_GEMM
+    for (int u = 0; u < nu; u++)
+        gemm[u] = count[u] >= MOE_GEMM_ROWS && gemm_type(G->type) && gemm_type(U->type) && gemm_type(D->type);
+    xg = malloc((size_t)most * H * sizeof(float));
+    ok = ok && xg;
+#endif
+    ok = ok && gemm;
     if (ok) {
         #pragma omp parallel num_threads(nthreads)
         {
             blk_prepare_rows(kg, x, P, H, H, rows, ag);
             if (ku != kg) blk_prepare_rows(ku, x, P, H, H, rows, au);
             for (int u = 0; u < nu; u++) {
+                if (gemm[u]) continue;
                 float *g = gu + (size_t)first[u] * 2 * ff;
                 expert_tiles(G, uniq[u], H, NULL, ag, P, first[u], count[u], g, 2 * ff);
                 expert_tiles(U, uniq[u], H, NULL, au, P, first[u], count[u], g + ff, 2 * ff);
             }
-            #pragma omp barrier
+        }
+#ifdef BLK_GEMM
+        for (int u = 0; u < nu && ok; u++) {
+            if (!gemm[u]) continue;
+            for (int i = 0; i < count[u]; i++)
+                memcpy(xg + (size_t)i * H, x + (size_t)rows[first[u] + i] * H, (size_t)H * sizeof(float));
+            float *g = gu + (size_t)first[u] * 2 * ff;
+            ok = !ds_gemm_blocks(G->type, xg, count[u], H, H, expert_rows(G, uniq[u], H), ff, g, 2 * ff, nthreads)
+                 && !ds_gemm_blocks(U->type, xg, count[u], H, H, expert_rows(U, uniq[u], H), ff, g + ff, 2 * ff, nthreads);
+        }
+#endif
+        #pragma omp parallel num_threads(nthreads)
+        {
             #pragma omp for schedule(static)
             for (int i = 0; i < P; i++) swiglu_rows(gu + (size_t)i * 2 * ff, mid + (size_t)i * ff, 1, ff);
             blk_prepare_rows(kd, mid, P, ff, ff, NULL, ad);
             for (int u = 0; u < nu; u++)
-                expert_tiles(D, uniq[u], ff, NULL, ad, P, first[u], count[u], out + (size_t)first[u] * H, H);
-            #pragma omp barrier
-            #pragma omp for schedule(static)
-            for (int i = 0; i < P; i++)
-                for (int j = 0; j < H; j++) out[(size_t)i * H + j] *= weights[i];
+                if (!gemm[u]) expert_tiles(D, uniq[u], ff, NULL, ad, P, first[u], count[u], out + (size_t)first[u] * H, H);
         }
+#ifdef BLK_GEMM
+        for (int u = 0; u < nu && ok; u++)
+            if (gemm[u])
+                ok = !ds_gemm_blocks(D->type, mid + (size_t)first[u] * ff, count[u], ff, ff, expert_rows(D, uniq[u], ff),
+                                     H, out + (size_t)first[u] * H, H, nthreads);
+#endif
+        #pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int i = 0; i < P; i++)
+            for (int j = 0; j < H; j++) out[(size_t)i * H + j] *= weights[i];
     }
-    free(gu); free(mid); free(ag); free(ad);
+    free(gu); free(mid); free(ag); free(ad); free(gemm); free(xg);
     if (au != ag) free(au);
     return ok ? 0 : -1;
 }
