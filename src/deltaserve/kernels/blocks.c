@@ -960,10 +960,35 @@ static void unpack_row(int type, int mode, const uint8_t *row, int K, uint8_t *u
     }
 }
 
+/* 16 rows of 8 words (32 bytes at base + r stride) as 8 vectors of 16 words, vector k holding word k of every row
+ * (at dst + 128 k): rows r and r + 8 in the two halves of a vector, an 8 x 8 transpose of words in each half (words,
+ * then pairs of words, within 128-bit lanes), and the lanes put in row order by one two-source permute a vector. */
+static inline void transpose16x8(const uint8_t *base, size_t stride, uint8_t *dst) {
+    __m512i z[8], t[8], u[8];
+    for (int i = 0; i < 8; i++)
+        z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(base + i * stride))),
+                                  _mm256_loadu_si256((const __m256i *)(base + (i + 8) * stride)), 1);
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(z[2 * i], z[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(z[2 * i], z[2 * i + 1]);
+    }
+    for (int h = 0; h < 2; h++) {  /* u[4h + c]: word c (lanes 0, 2) and c + 4 (lanes 1, 3) of rows 4h .. 4h + 3 */
+        u[4 * h + 0] = _mm512_unpacklo_epi64(t[4 * h], t[4 * h + 2]);
+        u[4 * h + 1] = _mm512_unpackhi_epi64(t[4 * h], t[4 * h + 2]);
+        u[4 * h + 2] = _mm512_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
+        u[4 * h + 3] = _mm512_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
+    }
+    const __m512i lo = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0), hi = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
+    for (int c = 0; c < 4; c++) {
+        _mm512_store_si512(dst + c * 128, _mm512_permutex2var_epi64(u[c], lo, u[c + 4]));
+        _mm512_store_si512(dst + (c + 4) * 128, _mm512_permutex2var_epi64(u[c], hi, u[c + 4]));
+    }
+}
+
 /* rows n0 .. n0 + nrows - 1 (nrows <= GP) of a tensor laid out for gemm_tile: pw [nb][8][2][16 rows x 4 bytes],
  * ps [subs][32], po [nb][32] (mode 2); rows past the tensor: u = z (a zero weight), s = m = 0. Each row unpacked to
- * bytes (unpack_row) into `ubuf` [GP][K], then each sub-block's 16 rows x 8 words gathered into the 8 vectors of
- * 16 rows' 4 bytes each (a transpose by vpgatherdd). */
+ * bytes (unpack_row) into `ubuf` [GP][K], then each sub-block's 16 rows x 8 words transposed into the 8 vectors of
+ * 16 rows' 4 bytes each (transpose16x8). */
 static void pack_panel(int type, int mode, const uint8_t *blocks, size_t row_bytes, int n0, int nrows, int K,
                        uint8_t *pw, float *ps, float *po, uint8_t *ubuf) {
     const int nb = K / 32, per32 = mode == 1 ? 2 : 1;
@@ -979,89 +1004,129 @@ static void pack_panel(int type, int mode, const uint8_t *blocks, size_t row_byt
             if (mode == 2) po[(size_t)b * 32 + r] = 0.0f;
         }
     }
-    const __m512i lanes = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                             _mm512_set1_epi32(K));
     for (int b = 0; b < nb; b++)
-        for (int g = 0; g < 2; g++) {
-            const uint8_t *base = ubuf + (size_t)(16 * g) * K + 32 * b;
-            uint8_t *dst = pw + (size_t)b * 1024 + g * 64;
-            for (int k = 0; k < 8; k++)
-                _mm512_store_si512(dst + k * 128, _mm512_i32gather_epi32(lanes, base + 4 * k, 1));
+        for (int g = 0; g < 2; g++) transpose16x8(ubuf + (size_t)(16 * g) * K + 32 * b, K, pw + (size_t)b * 1024 + g * 64);
+}
+
+/* ---- the GEMM's pieces, for a caller's team (blocks.h): activations prepared once, panels as work items ----
+ * blk_gemm_prepare: the rows of x (rows[m] where given) quantized as gemm_tile reads them, into `act`
+ * (blk_gemm_act_bytes(M, K)): int8 values [Mp][K], scales [Mp][nb], the sums' terms [Mp][ni] and [Mp][nb], Mp = M
+ * rounded up to GT plus GT rows of zeros (a tile may read past its last row; what it computes there is dropped).
+ * blk_gemm_panel: panel p (rows 32p ..) of a tensor packed, then times rows m_first .. m_first + M of the prepared
+ * activations; `work` of blk_gemm_work_bytes(K), one per thread. */
+typedef struct {
+    int8_t *q;
+    float *d, *f;
+    int32_t *i;
+    int nb, ni;
+} gemm_act_t;
+
+static gemm_act_t gemm_act(int mode, void *act, int M, int K) {
+    const int nb = K / 32, ni = mode == 1 ? 2 * nb : nb, Mp = (M + GT - 1) / GT * GT + GT;
+    uint8_t *at = act;
+    gemm_act_t g = {(int8_t *)at, NULL, NULL, NULL, nb, ni};
+    at += ALIGN64((size_t)Mp * K);
+    g.d = (float *)at;
+    at += ALIGN64((size_t)Mp * nb * sizeof(float));
+    g.f = (float *)at;
+    at += ALIGN64((size_t)Mp * nb * sizeof(float));
+    g.i = (int32_t *)at;
+    return g;
+}
+
+size_t blk_gemm_act_bytes(int M, int K) {
+    const int nb = K / 32, Mp = (M + GT - 1) / GT * GT + GT;
+    return ALIGN64((size_t)Mp * K) + 2 * ALIGN64((size_t)Mp * nb * sizeof(float))
+         + ALIGN64((size_t)Mp * 2 * nb * sizeof(int32_t));
+}
+
+int blk_gemm_type(int type) {
+    int vals, bytes;
+    return gemm_mode(type) >= 0 && !block_info(type, &vals, &bytes);
+}
+
+void blk_gemm_prepare(int type, const float *x, int M, int K, long ldx, const int *rows, void *act) {
+    const int mode = gemm_mode(type), Mp = (M + GT - 1) / GT * GT + GT;
+    gemm_act_t g = gemm_act(mode, act, M, K);
+    const int nb = g.nb, ni = g.ni;
+    int32_t c[K / 4];
+    #pragma omp for schedule(static)
+    for (int t = 0; t < Mp; t++) {
+        int8_t *q = g.q + (size_t)t * K;
+        float *d = g.d + (size_t)t * nb, *fs = g.f + (size_t)t * nb;
+        int32_t *is = g.i + (size_t)t * ni;
+        if (t >= M) {
+            memset(q, 0, K), memset(d, 0, nb * sizeof(float)), memset(fs, 0, nb * sizeof(float));
+            memset(is, 0, ni * sizeof(int32_t));
+            continue;
         }
+        quant_q8_0(x + (size_t)(rows ? rows[t] : t) * ldx, K, q, d, c);
+        const int fours = K / ni / 4, z = mode == 0 ? 128 : mode == 1 ? 32 : 0;
+        for (int i = 0; i < ni; i++) {  /* each sub-block's sum, from quant_q8_0's -128 x (sums of 4) */
+            int32_t sum = 0;
+            for (int l = 0; l < fours; l++) sum += c[i * fours + l];
+            sum /= -128;
+            is[i] = -z * sum;
+            if (mode == 2) fs[i] = d[i] * (float)sum;
+        }
+    }
+}
+
+size_t blk_gemm_work_bytes(int K) {
+    const int nb = K / 32;
+    return ALIGN64((size_t)nb * 1024 + (size_t)2 * nb * GP * sizeof(float) + (size_t)nb * GP * sizeof(float))
+         + ALIGN64((size_t)GP * K) + ALIGN64((size_t)GT * GP * sizeof(float));
+}
+
+void blk_gemm_panel(int type, const uint8_t *blocks, int N, int K, int p, const void *act, int Mall, int m_first,
+                    int M, float *y, long ldy, void *work) {
+    const int mode = gemm_mode(type), nb = K / 32, ni = mode == 1 ? 2 * nb : nb;
+    int vals, bytes;
+    block_info(type, &vals, &bytes);
+    const size_t row_bytes = (size_t)(K / vals) * bytes;
+    gemm_act_t g = gemm_act(mode, (void *)act, Mall, K);
+    uint8_t *pw = work, *ubuf = pw + ALIGN64((size_t)nb * 1024 + (size_t)2 * nb * GP * sizeof(float) + (size_t)nb * GP * sizeof(float));
+    float *ps = (float *)(pw + (size_t)nb * 1024), *po = ps + (size_t)ni * GP, *tail = (float *)(ubuf + ALIGN64((size_t)GP * K));
+    const int n0 = p * GP, nrows = N - n0 < GP ? N - n0 : GP;
+    pack_panel(type, mode, blocks, row_bytes, n0, nrows, K, pw, ps, po, ubuf);
+    for (int m0 = 0; m0 < M; m0 += GT) {
+        const size_t at = (size_t)(m_first + m0);
+        float *out = m0 + GT <= M ? y + (size_t)m0 * ldy + n0 : tail;
+        long ldo = m0 + GT <= M ? ldy : GP;
+        if (mode == 0)
+            gemm_tile(0, pw, ps, po, nb, g.q + at * K, g.d + at * nb, g.i + at * ni, g.f + at * nb, K, out, ldo, nrows);
+        else if (mode == 1)
+            gemm_tile(1, pw, ps, po, nb, g.q + at * K, g.d + at * nb, g.i + at * ni, g.f + at * nb, K, out, ldo, nrows);
+        else
+            gemm_tile(2, pw, ps, po, nb, g.q + at * K, g.d + at * nb, g.i + at * ni, g.f + at * nb, K, out, ldo, nrows);
+        if (out == tail)  /* the last rows: those below M copied out */
+            for (int t = 0; m0 + t < M; t++) memcpy(y + (size_t)(m0 + t) * ldy + n0, tail + t * GP, nrows * sizeof(float));
+    }
 }
 
 /* y[m, n] = sum_k v(n, k) x[m, k] for a tensor [N, K] of Q8_0, Q4_K, Q5_K or Q6_K blocks (rows after each other),
  * any M: see gemm_tile. Returns 0, or -1 when it cannot take the product (type, K, memory). */
 int ds_gemm_blocks(int type, const float *x, int M, int K, long ldx, const uint8_t *blocks, int N, float *y,
                    long ldy, int nthreads) {
-    const int mode = gemm_mode(type);
     int vals, bytes;
-    if (mode < 0 || M <= 0 || N <= 0 || (block_info(type, &vals, &bytes), K % vals)) return -1;
-    const int nb = K / 32, ni = mode == 1 ? 2 * nb : nb, Mp = (M + GT - 1) / GT * GT, panels = (N + GP - 1) / GP;
-    const size_t row_bytes = (size_t)(K / vals) * bytes;
-    /* the activations: int8 values [Mp][K], scales [Mp][nb], the sums' terms xi [Mp][ni] (modes 0, 1) and xf
-       [Mp][nb] (mode 2); rows past M: zeros */
-    size_t qb = ALIGN64((size_t)Mp * K), db = ALIGN64((size_t)Mp * nb * sizeof(float)),
-           ib = ALIGN64((size_t)Mp * ni * sizeof(int32_t)), cb = ALIGN64((size_t)K / 4 * sizeof(int32_t)),
-           pb = (size_t)nb * 1024 + (size_t)ni * GP * sizeof(float) + (size_t)nb * GP * sizeof(float);
-    uint8_t *act = aligned_alloc(64, qb + 2 * db + ib);
+    if (gemm_mode(type) < 0 || M <= 0 || N <= 0 || (block_info(type, &vals, &bytes), K % vals)) return -1;
+    const int panels = (N + GP - 1) / GP;
+    void *act = aligned_alloc(64, blk_gemm_act_bytes(M, K));
     if (!act) return -1;
-    int8_t *xq = (int8_t *)act;
-    float *xd = (float *)(act + qb), *xf = (float *)(act + qb + db);
-    int32_t *xi = (int32_t *)(act + qb + 2 * db);
     int failed = 0;
     #pragma omp parallel num_threads(nthreads)
     {
-        int32_t *c = aligned_alloc(64, cb);
-        uint8_t *pw = aligned_alloc(64, pb), *ubuf = aligned_alloc(64, ALIGN64((size_t)GP * K));
-        float *tail = aligned_alloc(64, (size_t)GT * GP * sizeof(float));
-        if (!c || !pw || !tail || !ubuf) {
+        void *work = aligned_alloc(64, blk_gemm_work_bytes(K));
+        if (!work) {
             #pragma omp atomic write
             failed = 1;
         }
-        #pragma omp for schedule(static)
-        for (int t = 0; t < Mp; t++) {
-            int8_t *q = xq + (size_t)t * K;
-            float *d = xd + (size_t)t * nb, *fs = xf + (size_t)t * nb;
-            int32_t *is = xi + (size_t)t * ni;
-            if (t >= M || !c) {
-                memset(q, 0, K), memset(d, 0, nb * sizeof(float)), memset(fs, 0, nb * sizeof(float));
-                memset(is, 0, ni * sizeof(int32_t));
-                continue;
-            }
-            quant_q8_0(x + (size_t)t * ldx, K, q, d, c);
-            const int fours = K / ni / 4, z = mode == 0 ? 128 : mode == 1 ? 32 : 0;
-            for (int i = 0; i < ni; i++) {  /* each sub-block's sum, from quant_q8_0's -128 x (sums of 4) */
-                int32_t sum = 0;
-                for (int l = 0; l < fours; l++) sum += c[i * fours + l];
-                sum /= -128;
-                is[i] = -z * sum;
-                if (mode == 2) fs[i] = d[i] * (float)sum;
-            }
-        }  /* the barrier: every row quantized before any tile reads it */
+        blk_gemm_prepare(type, x, M, K, ldx, NULL, act);  /* its barrier: every row quantized before any tile */
         if (!failed) {
-            float *ps = (float *)(pw + (size_t)nb * 1024), *po = ps + (size_t)ni * GP;
             #pragma omp for schedule(dynamic, 1)
-            for (int p = 0; p < panels; p++) {
-                int n0 = p * GP, nrows = N - n0 < GP ? N - n0 : GP;
-                pack_panel(type, mode, blocks, row_bytes, n0, nrows, K, pw, ps, po, ubuf);
-                for (int m0 = 0; m0 < Mp; m0 += GT) {
-                    const size_t at = (size_t)m0;
-                    float *out = m0 + GT <= M ? y + at * ldy + n0 : tail;
-                    long ldo = m0 + GT <= M ? ldy : GP;
-                    if (mode == 0)
-                        gemm_tile(0, pw, ps, po, nb, xq + at * K, xd + at * nb, xi + at * ni, xf + at * nb, K, out, ldo, nrows);
-                    else if (mode == 1)
-                        gemm_tile(1, pw, ps, po, nb, xq + at * K, xd + at * nb, xi + at * ni, xf + at * nb, K, out, ldo, nrows);
-                    else
-                        gemm_tile(2, pw, ps, po, nb, xq + at * K, xd + at * nb, xi + at * ni, xf + at * nb, K, out, ldo, nrows);
-                    if (out == tail)  /* the last tokens: their rows below M copied out */
-                        for (int t = 0; m0 + t < M; t++)
-                            memcpy(y + (size_t)(m0 + t) * ldy + n0, tail + t * GP, nrows * sizeof(float));
-                }
-            }
+            for (int p = 0; p < panels; p++) blk_gemm_panel(type, blocks, N, K, p, act, M, 0, M, y, ldy, work);
         }
-        free(c), free(pw), free(tail), free(ubuf);
+        free(work);
     }
     free(act);
     return failed ? -1 : 0;

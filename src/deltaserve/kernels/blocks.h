@@ -37,6 +37,15 @@ void blk_tiles_rows(int type, const uint8_t *blocks, int N, int K, void *scratch
 #define BLK_GEMM 1
 int ds_gemm_blocks(int type, const float *x, int M, int K, long ldx, const uint8_t *blocks, int N, float *y, long ldy,
                    int nthreads);
+/* its pieces for a caller's team: the rows of x (rows[m] where given) prepared once into act (blk_gemm_act_bytes;
+ * a worksharing loop with its barrier), then panel p (rows 32p ..) of a tensor times the prepared rows m_first ..
+ * m_first + M, each panel a work item (work: blk_gemm_work_bytes(K), one per thread) */
+int blk_gemm_type(int type);
+size_t blk_gemm_act_bytes(int M, int K);
+size_t blk_gemm_work_bytes(int K);
+void blk_gemm_prepare(int type, const float *x, int M, int K, long ldx, const int *rows, void *act);
+void blk_gemm_panel(int type, const uint8_t *blocks, int N, int K, int p, const void *act, int Mall, int m_first, int M,
+                    float *y, long ldy, void *work);
 #endif
 
 #endif

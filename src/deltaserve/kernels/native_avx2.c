@@ -474,17 +474,13 @@ static void moe_route(const float *logits, int E, int k, int *sel, float *w) {
     for (int j = 0; j < k; j++) w[j] /= sum;
 }
 
-#define MOE_GEMM_ROWS 12  /* pairs from which an expert's product runs on blocks.c's GEMM (ds_moe_experts) */
+#define MOE_GEMM_ROWS 8  /* pairs from which an expert's product runs on blocks.c's GEMM (ds_moe_experts) */
 
 /* expert e's first row of an experts_t of inner size K (blocks) */
 static const uint8_t *expert_rows(const experts_t *X, int e, int K) {
     return (const uint8_t *)X->data + (size_t)e * X->stride * blk_row_bytes(X->type, K);
 }
 
-#ifdef BLK_GEMM
-/* the block types blocks.c's GEMM takes (Q8_0 and the K-quants) */
-static int gemm_type(int type) { return type == 8 || type == 12 || type == 13 || type == 14; }
-#endif
 
 /* One expert's rows of an experts_t times M activation rows: rows m_first .. m_first + M of a scratch prepared for
  * Mall rows (blocks), or the f32 rows x (F32): an orphaned worksharing loop, no barrier. */
@@ -591,65 +587,104 @@ int ds_moe_experts(const experts_t *G, const experts_t *U, const experts_t *D, i
     int ff = G->rows, kg = blk_kind(G->type), ku = blk_kind(U->type), kd = blk_kind(D->type);
     if (P < 1 || nu < 1 || !kg || !ku || !kd || !experts_ok(G, H, ff) || !experts_ok(U, H, ff) || !experts_ok(D, ff, H))
         return -1;
-    float *gu = malloc((size_t)P * 2 * ff * sizeof(float)), *mid = malloc((size_t)P * ff * sizeof(float));
-    void *ag = malloc(blk_scratch_bytes(P, H)), *au = ku != kg ? malloc(blk_scratch_bytes(P, H)) : ag,
-         *ad = malloc(blk_scratch_bytes(P, ff));
-    int ok = gu && mid && ag && au && ad, most = 0;
-    /* an expert with many pairs runs on the GEMM (blocks.c's, where built: its panels of the weights pay off from
-       about MOE_GEMM_ROWS rows), the others on the tiles of up to DS_MAX_ROWS rows a pass */
-    char *gemm = calloc(nu, 1);
-    for (int u = 0; u < nu; u++) most = count[u] > most ? count[u] : most;
-    float *xg = NULL;
+    /* an expert with MOE_GEMM_ROWS pairs or more runs on blocks.c's GEMM (where built: the panels of its weights pay
+       off from about that many rows), each panel of 32 of its rows a work item of the team; the others on the tiles */
+    int *gl = malloc((size_t)nu * sizeof(int)), ng = 0, tiles = 0;
+    if (!gl) return -1;
 #ifdef BLK_GEMM
-    for (int u = 0; u < nu; u++)
-        gemm[u] = count[u] >= MOE_GEMM_ROWS && gemm_type(G->type) && gemm_type(U->type) && gemm_type(D->type);
-    xg = malloc((size_t)most * H * sizeof(float));
-    ok = ok && xg;
+    const int gemm_all = blk_gemm_type(G->type) && blk_gemm_type(U->type) && blk_gemm_type(D->type);
+#else
+    const int gemm_all = 0;
 #endif
-    ok = ok && gemm;
+    for (int u = 0; u < nu; u++) {
+        if (gemm_all && count[u] >= MOE_GEMM_ROWS) gl[ng++] = u;
+        else tiles = 1;
+    }
+    float *gu = malloc((size_t)P * 2 * ff * sizeof(float)), *mid = malloc((size_t)P * ff * sizeof(float));
+    void *ag = NULL, *au = NULL, *ad = NULL, *xg = NULL, *xu = NULL, *xd = NULL;
+    int ok = gu && mid;
+    if (tiles) {
+        ag = malloc(blk_scratch_bytes(P, H)), au = ku != kg ? malloc(blk_scratch_bytes(P, H)) : ag;
+        ad = malloc(blk_scratch_bytes(P, ff));
+        ok = ok && ag && au && ad;
+    }
+#ifdef BLK_GEMM
+    if (ng) {
+        xg = aligned_alloc(64, blk_gemm_act_bytes(P, H)), xu = U->type != G->type ? aligned_alloc(64, blk_gemm_act_bytes(P, H)) : xg;
+        xd = aligned_alloc(64, blk_gemm_act_bytes(P, ff));
+        ok = ok && xg && xu && xd;
+    }
+#endif
+#ifdef BLK_GEMM
+    const int pg = (ff + 31) / 32, pd = (H + 31) / 32;  /* panels of 32 rows */
+#endif
+    int failed = !ok;
     if (ok) {
         #pragma omp parallel num_threads(nthreads)
         {
-            blk_prepare_rows(kg, x, P, H, H, rows, ag);
-            if (ku != kg) blk_prepare_rows(ku, x, P, H, H, rows, au);
-            for (int u = 0; u < nu; u++) {
-                if (gemm[u]) continue;
+            void *work = NULL;
+#ifdef BLK_GEMM
+            if (ng && !(work = aligned_alloc(64, blk_gemm_work_bytes(H > ff ? H : ff)))) {
+                #pragma omp atomic write
+                failed = 1;
+            }
+            if (ng) {
+                blk_gemm_prepare(G->type, x, P, H, H, rows, xg);
+                if (xu != xg) blk_gemm_prepare(U->type, x, P, H, H, rows, xu);
+            }
+#endif
+            if (tiles) {
+                blk_prepare_rows(kg, x, P, H, H, rows, ag);
+                if (au != ag) blk_prepare_rows(ku, x, P, H, H, rows, au);
+            }
+            for (int u = 0; u < nu && tiles; u++) {
+                if (gemm_all && count[u] >= MOE_GEMM_ROWS) continue;
                 float *g = gu + (size_t)first[u] * 2 * ff;
                 expert_tiles(G, uniq[u], H, NULL, ag, P, first[u], count[u], g, 2 * ff);
                 expert_tiles(U, uniq[u], H, NULL, au, P, first[u], count[u], g + ff, 2 * ff);
             }
-        }
 #ifdef BLK_GEMM
-        for (int u = 0; u < nu && ok; u++) {
-            if (!gemm[u]) continue;
-            for (int i = 0; i < count[u]; i++)
-                memcpy(xg + (size_t)i * H, x + (size_t)rows[first[u] + i] * H, (size_t)H * sizeof(float));
-            float *g = gu + (size_t)first[u] * 2 * ff;
-            ok = !ds_gemm_blocks(G->type, xg, count[u], H, H, expert_rows(G, uniq[u], H), ff, g, 2 * ff, nthreads)
-                 && !ds_gemm_blocks(U->type, xg, count[u], H, H, expert_rows(U, uniq[u], H), ff, g + ff, 2 * ff, nthreads);
-        }
+            #pragma omp for schedule(dynamic, 1)
+            for (int it = 0; it < ng * 2 * pg; it++) {
+                if (failed) continue;
+                const int u = gl[it / (2 * pg)], up = (it / pg) % 2, p = it % pg;
+                const experts_t *X = up ? U : G;
+                blk_gemm_panel(X->type, expert_rows(X, uniq[u], H), ff, H, p, up ? xu : xg, P, first[u], count[u],
+                               gu + (size_t)first[u] * 2 * ff + up * ff, 2 * ff, work);
+            }
+#else
+            #pragma omp barrier
 #endif
-        #pragma omp parallel num_threads(nthreads)
-        {
             #pragma omp for schedule(static)
             for (int i = 0; i < P; i++) swiglu_rows(gu + (size_t)i * 2 * ff, mid + (size_t)i * ff, 1, ff);
-            blk_prepare_rows(kd, mid, P, ff, ff, NULL, ad);
-            for (int u = 0; u < nu; u++)
-                if (!gemm[u]) expert_tiles(D, uniq[u], ff, NULL, ad, P, first[u], count[u], out + (size_t)first[u] * H, H);
-        }
 #ifdef BLK_GEMM
-        for (int u = 0; u < nu && ok; u++)
-            if (gemm[u])
-                ok = !ds_gemm_blocks(D->type, mid + (size_t)first[u] * ff, count[u], ff, ff, expert_rows(D, uniq[u], ff),
-                                     H, out + (size_t)first[u] * H, H, nthreads);
+            if (ng) blk_gemm_prepare(D->type, mid, P, ff, ff, NULL, xd);
 #endif
-        #pragma omp parallel for num_threads(nthreads) schedule(static)
-        for (int i = 0; i < P; i++)
-            for (int j = 0; j < H; j++) out[(size_t)i * H + j] *= weights[i];
+            if (tiles) blk_prepare_rows(kd, mid, P, ff, ff, NULL, ad);
+            for (int u = 0; u < nu && tiles; u++)
+                if (!(gemm_all && count[u] >= MOE_GEMM_ROWS))
+                    expert_tiles(D, uniq[u], ff, NULL, ad, P, first[u], count[u], out + (size_t)first[u] * H, H);
+#ifdef BLK_GEMM
+            #pragma omp for schedule(dynamic, 1)
+            for (int it = 0; it < ng * pd; it++) {
+                if (failed) continue;
+                const int u = gl[it / pd], p = it % pd;
+                blk_gemm_panel(D->type, expert_rows(D, uniq[u], ff), H, ff, p, xd, P, first[u], count[u],
+                               out + (size_t)first[u] * H, H, work);
+            }
+#else
+            #pragma omp barrier
+#endif
+            #pragma omp for schedule(static)
+            for (int i = 0; i < P; i++)
+                for (int j = 0; j < H; j++) out[(size_t)i * H + j] *= weights[i];
+            free(work);
+        }
     }
-    free(gu); free(mid); free(ag); free(ad); free(gemm); free(xg);
+    free(gl); free(gu); free(mid); free(ag); free(ad); free(xg); free(xd);
     if (au != ag) free(au);
-    return ok ? 0 : -1;
+    if (xu != xg) free(xu);
+    return failed ? -1 : 0;
 }
 
 /* B sequences, one token each (B <= 8: the products read every weight once for all of them).
