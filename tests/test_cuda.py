@@ -135,3 +135,28 @@ def test_a_cuda_graph_replays_the_eager_decode_step_for_each_state_and_after_a_r
 
     gc.collect()
     assert len(graphed.graphs.graphs) == 1  # a state's graph goes with it
+
+
+def test_an_moe_model_on_cuda_matches_the_cpu_and_its_graph_decode_its_eager_one(monkeypatch):
+    """qwen35moe on the device: the prefill's experts grouped (layers.moe's loop), a decode step's gathered by index
+    (layers.moe_gathered, what a CUDA graph records), both against the CPU's logits of the same f32 file."""
+    import deltaserve
+    from deltaserve.engine.forward import Forward
+    from tests.fixtures import models as fx
+
+    m = deltaserve.load(fx.gguf_path("moe", "f32"), cache=False)
+    ids = list(range(3, 120))
+    cpu = m.logits(ids)
+    weights = m.host.weights.to("cuda")
+    f = Forward(m.config, weights, "cuda")
+    got = f.prefill(f.new_state(len(ids) + 8), ids, all_logits=True).cpu()
+    assert (got - cpu).abs().max().item() < 2e-3 and torch.equal(got.argmax(-1), cpu.argmax(-1))
+    monkeypatch.setenv("DELTASERVE_CUDA_GRAPH", "on")
+    for graphs in (False, True):
+        g = Forward(m.config, weights, "cuda")
+        if not graphs:
+            g.graphs = None
+        st = g.new_state(len(ids) + 8)
+        steps = torch.stack([g.decode(st, t) for t in ids[:24]]).cpu()
+        assert (steps - cpu[:24]).abs().max().item() < 2e-3, graphs
+        assert (g.graphs is not None and g.graphs.recorded == 1) == graphs

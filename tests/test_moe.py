@@ -299,6 +299,25 @@ def test_llama_quantizes_files_are_no_farther_from_f32_than_llama_cpp_on_the_sam
 
 # -- the native decode --------------------------------------------------------------------------------------------
 
+def test_a_prefill_runs_each_layers_routed_experts_in_one_native_call(monkeypatch):
+    """Every MoE layer's experts of a prefill chunk in one call of blocks.c's grouped products (ds_moe_experts), each
+    pair (token, expert) once."""
+    from deltaserve.kernels import native
+
+    m = deltaserve.load(by_llama_quantize("Q4_K_M"), cache=False)
+    calls, real = [], native.moe_experts
+
+    def spy(experts, hidden, uniq, first, count, x, rows, weights, out):
+        calls.append((int(count.sum()), int(uniq.numel()), x.shape[0]))
+        return real(experts, hidden, uniq, first, count, x, rows, weights, out)
+
+    monkeypatch.setattr(native, "moe_experts", spy)
+    m.logits(prompt(100, seed=6))
+    c = m.config
+    assert calls == [(100 * c.num_experts_per_tok, calls[i][1], 100) for i in range(c.num_layers)]
+    assert all(0 < used <= c.num_experts for _, used, _ in calls)
+
+
 def test_the_one_call_decode_is_the_torch_decode_to_rounding_ties_and_a_batch_is_each_sequence_alone():
     """Both routes run blocks.c's products on the same blocks; they part only where an activation sits within float
     noise of an int8 rounding tie (then the recurrent state carries the step on), as for the dense models
