@@ -19,7 +19,7 @@ from deltaserve.errors import ModelFormatError
 from deltaserve.formats import quant
 from deltaserve.formats.config import HybridConfig
 from deltaserve.formats.layout import TensorSource, check_tensors
-from deltaserve.kernels.linear import GGUF_TYPES, BlockLinear, DenseLinear, Int8Linear, Linear, StackedLinear, row_view
+from deltaserve.kernels.linear import GGUF_TYPES, PRODUCT_TYPES, BlockLinear, DenseLinear, Int8Linear, Linear, StackedLinear, row_view
 from deltaserve.kernels import native
 from deltaserve.kernels.native import BLOCK_TYPES
 
@@ -110,7 +110,8 @@ class ExpertTensor:
         """native.h's experts_t for these experts (the file's blocks of one type, or F32 rows: type 0), or None where
         the linear is neither (an int8 table, a device's copy)."""
         lin = self.linear
-        if isinstance(lin, BlockLinear) and len(lin.segments) == 1 and lin.segments[0][1].device.type == "cpu":
+        if isinstance(lin, BlockLinear) and len(lin.segments) == 1 and lin.segments[0][1].device.type == "cpu" \
+                and lin.segments[0][0] in PRODUCT_TYPES:  # a type blocks.c multiplies
             (kind, data), = lin.segments
             gguf_type = GGUF_TYPES[kind]
         elif isinstance(lin, DenseLinear) and lin.weight.dtype == torch.float32 and lin.weight.device.type == "cpu":
@@ -255,6 +256,32 @@ class Weights:
                 for v in (lw.moe.router, lw.moe.shared_gate, lw.moe.gate.linear, lw.moe.up.linear, lw.moe.down.linear):
                     visit(v)
         return total
+
+    def linears(self):
+        """Every projection of the model (a stack's parts, an MoE layer's router and experts' tensors), once."""
+        def parts(obj):
+            if isinstance(obj, StackedLinear):
+                yield from ([obj.fused] if obj.fused is not None else obj.parts)
+            elif isinstance(obj, Linear):
+                yield obj
+        yield from parts(self.embed.as_linear())
+        if not self.tied:
+            yield from parts(self.lm_head)
+        for lw in self.layers:
+            for v in (lw.gate_up, lw.down, *vars(lw.mixer).values()):
+                yield from parts(v)
+            if lw.moe is not None:
+                yield from parts(lw.moe.router)
+                yield from {id(t.linear): t.linear for t in (lw.moe.gate, lw.moe.up, lw.moe.down)}.values()
+
+    @property
+    def block_types(self) -> dict[str, int]:
+        """The file's block types the weights hold as blocks, and the bytes of each."""
+        out: dict[str, int] = {}
+        for lin in self.linears():
+            for kind, data in getattr(lin, "segments", ()):
+                out[kind] = out.get(kind, 0) + data.numel()
+        return out
 
     @property
     def active_nbytes(self) -> int:

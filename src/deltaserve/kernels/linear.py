@@ -222,7 +222,8 @@ class Int8Linear(Linear):
         return self.dequant(torch.float32)
 
 
-GGUF_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "BF16": 30}
+# every block type a file of these models may hold (formats/quant.py dequantizes each exactly), by GGUF id
+GGUF_TYPES = {t.name: int(t) for t in sorted(quant.SUPPORTED_TYPES, key=int)}
 PRODUCT_TYPES = {"Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16"}  # blocks.c multiplies these as they are
 BLOCK_GEMV_ROWS = 16  # up to this many rows: blocks.c's int8 products; beyond: exact chunks and a GEMM
 BLOCK_ROWS_AMX = 32  # the same where the chunks are bf16 on AMX tiles and blocks.c's products 512-bit (block_rows)
@@ -459,6 +460,12 @@ def dequantize_rows(kind: str, data: torch.Tensor, cols: int, out: torch.Tensor)
     if not native.dequant(GGUF_TYPES[kind], data, cols, out):
         out.copy_(quant.dequantize(data.reshape(-1), kind, (data.shape[0], cols)))
     return out
+
+
+def chunk_only(kinds) -> list[str]:
+    """The block types among `kinds` that blocks.c has no product for: every product of theirs, decode included,
+    dequantizes exact chunks of the weight (formats/quant.py) for torch's GEMM (named in the route line)."""
+    return sorted({k for k in kinds if k not in PRODUCT_TYPES and k != "F32"}, key=lambda k: GGUF_TYPES[k])
 
 
 def blocks_route() -> str:

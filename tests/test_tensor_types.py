@@ -1,0 +1,136 @@
+"""Every tensor type llama.cpp's quantizer writes for these models loads (issue 30): files made by llama-quantize
+itself (each a mix of types, as the downloads are), and a file holding every remaining type (the 1- to 3-bit IQ
+types llama-quantize makes only with an importance matrix, NVFP4) as random blocks; our logits against llama.cpp's on
+the same files and against transformers' f32 model. The dequantization itself is tested bit for bit against
+gguf.quants in tests/test_quant.py."""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFReader
+
+import deltaserve
+from deltaserve.frontends.cli import main as cli
+from deltaserve.kernels.linear import chunk_only
+from tests import llama_oracle as oracle
+from tests.fixtures import models as fx
+from tests.test_moe import by_llama_quantize, decode_all, oracle_model, prompt
+
+oracle.require()
+
+# llama-quantize presets that need no importance matrix, each with the types it must leave in the MoE fixture's file
+PRESETS = {"Q5_1": {"Q5_1"}, "Q3_K_M": {"Q3_K", "Q4_K"}, "IQ4_XS": {"IQ4_XS"}, "IQ3_S": {"IQ3_S"},
+           "MXFP4_MOE": {"MXFP4"}, "Q4_1": {"Q4_1"}, "TQ2_0": {"TQ2_0"}}
+
+
+@functools.lru_cache(maxsize=None)
+def reference(ids: tuple) -> torch.Tensor:
+    with torch.no_grad():
+        return oracle_model()(input_ids=torch.tensor([list(ids)])).logits[0].float()
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_a_llama_quantize_preset_loads_and_is_no_farther_from_f32_than_llama_cpp(preset):
+    path = by_llama_quantize(preset)
+    m = deltaserve.load(path, cache=False)
+    types = Counter(t.type for t in m.host.tensor_summary)
+    assert PRESETS[preset] <= set(types), types
+    route = m.session(quiet=True).notices[-1]
+    for kind in chunk_only(m.host.weights.block_types):
+        assert kind in route and "a slow path" in route, route
+    ids = prompt(48, seed=21)
+    want = reference(tuple(ids))
+    for n_batch, mine in ((256, m.logits(ids)), (1, decode_all(m, ids[:16]))):
+        theirs = torch.from_numpy(oracle.logits(path, ids[:mine.shape[0]], n_ctx=256, n_batch=n_batch))
+        theirs = theirs[:, :mine.shape[1]]
+        w = want[:mine.shape[0]]
+        d_mine, d_theirs = (mine - w).abs().mean().item(), (theirs - w).abs().mean().item()
+        assert d_mine <= 1.1 * d_theirs, (preset, n_batch, d_mine, d_theirs)
+
+
+# every type no preset above leaves in a file: the tensor it takes (the MoE fixture's, rows of 256) and its scale's
+# byte offsets in a block (set to small finite values, so that random blocks make a usable model)
+RETYPED = {"blk.0.attn_qkv.weight": T.IQ2_XXS, "blk.0.ssm_out.weight": T.IQ1_S, "blk.0.attn_gate.weight": T.IQ2_XS,
+           "blk.2.attn_qkv.weight": T.IQ2_S, "blk.3.attn_qkv.weight": T.IQ3_XXS, "blk.2.ssm_out.weight": T.IQ1_M,
+           "blk.3.ssm_out.weight": T.NVFP4, "blk.1.attn_output.weight": T.TQ1_0, "blk.4.attn_output.weight": T.Q2_K,
+           "blk.2.attn_gate.weight": T.Q5_0, "blk.3.attn_gate.weight": T.IQ4_NL}
+
+
+def random_blocks(qtype: T, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
+    small = np.array([0x1C00], dtype=np.uint16).view(np.uint8)  # f16 2^-8
+    if qtype == T.IQ1_M:  # its f16 in the top nibbles of four scale words: 2^-8 = 0x1C00
+        for j, nib in enumerate((0x0, 0x0, 0xC, 0x1)):
+            raw[:, 49 + 2 * j] = (raw[:, 49 + 2 * j] & 0x0F) | (nib << 4)
+    elif qtype == T.NVFP4:  # four e4m3 scales: 2^-3 .. 2^-1 (times the values' 0.5)
+        raw[:, 0:4] = rng.integers(0x20, 0x30, size=(raw.shape[0], 4), dtype=np.uint8)
+    else:
+        at = {T.Q2_K: 80, T.TQ1_0: 52}.get(qtype, 0)
+        raw[:, at:at + 2] = small
+        if qtype == T.Q2_K:
+            raw[:, 82:84] = small
+    return raw.reshape(rows, -1)
+
+
+@functools.lru_cache(maxsize=None)
+def every_remaining_type():
+    src = by_llama_quantize("Q8_0")
+    out = src.with_name("model-every-remaining-type.gguf")
+    if out.exists():
+        return out
+    r = GGUFReader(src)
+    w = gguf.GGUFWriter(str(out), "qwen35moe")
+    for name, field in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        vtype = field.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(name, field.contents(), vtype, sub_type=field.types[-1])
+        else:
+            w.add_key_value(name, field.contents(), vtype)
+    rng = np.random.default_rng(3)
+    for t in r.tensors:
+        shape = tuple(int(s) for s in reversed(t.shape))  # numpy order
+        if t.name in RETYPED:
+            qtype = RETYPED[t.name]
+            data = random_blocks(qtype, int(np.prod(shape[:-1])), shape[-1], rng)
+            w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=qtype)
+        elif t.tensor_type == T.F32:
+            w.add_tensor(t.name, np.array(t.data))
+        else:
+            data = np.array(t.data)
+            w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def test_a_file_with_every_remaining_type_reads_as_llama_cpp_reads_it(capsys):
+    """Our logits and llama.cpp's on the same file stay together where the retyped tensors move both far from the
+    Q8_0 file they came from: a type read wrong would move ours elsewhere."""
+    path, base = every_remaining_type(), by_llama_quantize("Q8_0")
+    m = deltaserve.load(path, cache=False)
+    assert {t.type for t in m.host.tensor_summary} >= {q.name for q in RETYPED.values()}
+    ids = prompt(40, seed=23)
+    mine = m.logits(ids)
+    theirs, before = (torch.from_numpy(oracle.logits(p, ids, n_ctx=256, n_batch=256))[:, :mine.shape[1]]
+                      for p in (path, base))
+    assert torch.isfinite(mine).all()
+    moved, apart = (theirs - before).abs().mean().item(), (mine - theirs).abs().mean().item()
+    assert apart <= 0.1 * moved, (apart, moved)
+    assert cli(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("tensor types: "))
+    for q in RETYPED.values():
+        assert f"{q.name} " in line, line
+    assert "no product of their own" in out
