@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 
 import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from deltaserve.formats.config import HybridConfig
 from deltaserve.engine.weights import AttentionWeights, Weights
@@ -73,7 +74,7 @@ def _table_linear(table: "lin.Int8Linear", keep: list) -> Lin:
 
 
 # GGUF block types the one-call decode reads through blocks.c: id -> (values, bytes) per block
-FILE_BLOCKS = {1: (1, 2), 2: (32, 18), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210), 30: (1, 2)}
+FILE_BLOCKS = {lin.GGUF_TYPES[k]: GGML_QUANT_SIZES[GGMLQuantizationType[k]] for k in lin.PRODUCT_TYPES}
 
 
 def _file_segments(layer, in_features: int, in_stack: bool) -> list[tuple[int, torch.Tensor]]:
@@ -88,8 +89,7 @@ def _file_segments(layer, in_features: int, in_stack: bool) -> list[tuple[int, t
         for kind, data in layer.segments:
             gguf_type = kind if isinstance(kind, int) else getattr(lin, "GGUF_TYPES", {}).get(kind, -1)
             if gguf_type not in FILE_BLOCKS or not native.library().blk_kind(gguf_type):
-                raise NotNative(f"a {kind} part of a {layer.kind} projection (the one-call decode reads "
-                                f"Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, F16, BF16)")
+                raise NotNative(f"a {kind} part of a {layer.kind} projection (blocks.c has no product for it)")
             values, size = FILE_BLOCKS[gguf_type]
             if in_features % values or data.device.type != "cpu" or data.dtype != torch.uint8 \
                     or data.shape[1] != in_features // values * size or not data.is_contiguous():

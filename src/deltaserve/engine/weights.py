@@ -257,32 +257,6 @@ class Weights:
                     visit(v)
         return total
 
-    def linears(self):
-        """Every projection of the model (a stack's parts, an MoE layer's router and experts' tensors), once."""
-        def parts(obj):
-            if isinstance(obj, StackedLinear):
-                yield from ([obj.fused] if obj.fused is not None else obj.parts)
-            elif isinstance(obj, Linear):
-                yield obj
-        yield from parts(self.embed.as_linear())
-        if not self.tied:
-            yield from parts(self.lm_head)
-        for lw in self.layers:
-            for v in (lw.gate_up, lw.down, *vars(lw.mixer).values()):
-                yield from parts(v)
-            if lw.moe is not None:
-                yield from parts(lw.moe.router)
-                yield from {id(t.linear): t.linear for t in (lw.moe.gate, lw.moe.up, lw.moe.down)}.values()
-
-    @property
-    def block_types(self) -> dict[str, int]:
-        """The file's block types the weights hold as blocks, and the bytes of each."""
-        out: dict[str, int] = {}
-        for lin in self.linears():
-            for kind, data in getattr(lin, "segments", ()):
-                out[kind] = out.get(kind, 0) + data.numel()
-        return out
-
     @property
     def active_nbytes(self) -> int:
         """The weight bytes one token's decode reads: all of them, except the routed experts a token does not use

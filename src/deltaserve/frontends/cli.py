@@ -197,7 +197,6 @@ def cmd_inspect(a) -> int:
     from deltaserve.runtime import capacity
     from deltaserve.runtime.capacity import cpu_memory
     from deltaserve.engine.host import load_host
-    from deltaserve.kernels.linear import chunk_only
     from deltaserve.store import saved_state_bytes
 
     host = load_host(resolve_model(a.model))
@@ -229,9 +228,6 @@ def cmd_inspect(a) -> int:
         by_type[t.type] = by_type.get(t.type, 0) + t.nbytes
     print("tensor types: " + ", ".join(f"{k} {v / (1 << 20):.1f} MiB" for k, v in
                                        sorted(by_type.items(), key=lambda kv: -kv[1])))
-    slow = chunk_only(host.weights.block_types) if host.weight_mode in ("fast", "blocks") else []
-    if slow:
-        print(f"  {', '.join(slow)}: no product of their own on the blocks yet (exact dequantized chunks, a slow path)")
     print(f"tensors ({len(host.tensor_summary)}, {sum(t.nbytes for t in host.tensor_summary) / (1 << 20):.1f} MiB stored):")
     for t in host.tensor_summary:
         print(f"  {t.name:40s} {t.type:8s} {str(t.shape):16s} {t.nbytes / 1024:10.1f} KiB")

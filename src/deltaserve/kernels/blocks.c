@@ -44,6 +44,25 @@
 #define T_Q5_K 13
 #define T_Q6_K 14
 #define T_BF16 30
+/* the types read by dequantizing a row (deq_row_more), then multiplied in f32 (kind 4, see blk_kind) */
+#define T_Q4_1 3
+#define T_Q5_0 6
+#define T_Q5_1 7
+#define T_Q2_K 10
+#define T_Q3_K 11
+#define T_IQ2_XXS 16
+#define T_IQ2_XS 17
+#define T_IQ3_XXS 18
+#define T_IQ1_S 19
+#define T_IQ4_NL 20
+#define T_IQ3_S 21
+#define T_IQ2_S 22
+#define T_IQ4_XS 23
+#define T_IQ1_M 29
+#define T_TQ1_0 34
+#define T_TQ2_0 35
+#define T_MXFP4 39
+#define T_NVFP4 40
 #define MG 4  /* activation rows per pass over a weight row */
 #define ALIGN64(n) (((n) + 63) & ~(size_t)63)
 
@@ -58,6 +77,19 @@ static inline float h2f(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
+/* The IQ types' lookup tables, gguf's own (gguf.quants builds its grids from ggml's): kernels/native.py hands
+ * them over once (ds_set_tables); until then those types are not taken. Grids as floats, rows of 8 (IQ2_XXS 256,
+ * IQ2_XS 512, IQ2_S 1024, IQ1_S 2048) or 4 (IQ3_XXS 256, IQ3_S 512) values; ksigns: 128 bytes of sign bits. */
+static const float *g_iq2xxs, *g_iq2xs, *g_iq2s, *g_iq3xxs, *g_iq3s, *g_iq1s;
+static const uint8_t *g_ksigns;
+
+int ds_set_tables(const float *iq2xxs, const float *iq2xs, const float *iq2s, const float *iq3xxs, const float *iq3s,
+                  const float *iq1s, const uint8_t *ksigns) {
+    g_iq2xxs = iq2xxs, g_iq2xs = iq2xs, g_iq2s = iq2s, g_iq3xxs = iq3xxs, g_iq3s = iq3s, g_iq1s = iq1s;
+    g_ksigns = ksigns;
+    return 0;
+}
+
 static int block_info(int type, int *elems, int *bytes) {
     switch (type) {
     case T_F32: *elems = 1; *bytes = 4; return 0;
@@ -68,8 +100,287 @@ static int block_info(int type, int *elems, int *bytes) {
     case T_Q4_K: *elems = 256; *bytes = 144; return 0;
     case T_Q5_K: *elems = 256; *bytes = 176; return 0;
     case T_Q6_K: *elems = 256; *bytes = 210; return 0;
+    case T_Q4_1: *elems = 32; *bytes = 20; return 0;
+    case T_Q5_0: *elems = 32; *bytes = 22; return 0;
+    case T_Q5_1: *elems = 32; *bytes = 24; return 0;
+    case T_IQ4_NL: *elems = 32; *bytes = 18; return 0;
+    case T_MXFP4: *elems = 32; *bytes = 17; return 0;
+    case T_NVFP4: *elems = 64; *bytes = 36; return 0;
+    case T_Q2_K: *elems = 256; *bytes = 84; return 0;
+    case T_Q3_K: *elems = 256; *bytes = 110; return 0;
+    case T_IQ4_XS: *elems = 256; *bytes = 136; return 0;
+    case T_TQ1_0: *elems = 256; *bytes = 54; return 0;
+    case T_TQ2_0: *elems = 256; *bytes = 66; return 0;
+    }
+    if (!g_ksigns) return -1;
+    switch (type) {
+    case T_IQ2_XXS: *elems = 256; *bytes = 66; return 0;
+    case T_IQ2_XS: *elems = 256; *bytes = 74; return 0;
+    case T_IQ2_S: *elems = 256; *bytes = 82; return 0;
+    case T_IQ3_XXS: *elems = 256; *bytes = 98; return 0;
+    case T_IQ3_S: *elems = 256; *bytes = 110; return 0;
+    case T_IQ1_S: *elems = 256; *bytes = 50; return 0;
+    case T_IQ1_M: *elems = 256; *bytes = 56; return 0;
     default: return -1;
     }
+}
+
+static inline uint16_t u16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+static inline uint32_t u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+
+static const int8_t KV_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+static const int8_t KV_E2M1[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* e8m0 as ggml's ggml_e8m0_to_fp32_half: 2^(x - 128), subnormal for x < 2 */
+static inline float e8m0_half(uint8_t x) {
+    uint32_t bits = x < 2 ? 0x00200000u << x : (uint32_t)(x - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* unsigned e4m3 (bias 7) times 0.5, as gguf's NVFP4.ue4m3_to_fp32 (every value exact in f32) */
+static inline float ue4m3_half(uint8_t x) {
+    if (x == 0 || x == 0x7F) return 0.0f;
+    int e = (x >> 3) & 0xF, m = x & 7;
+    float v = e == 0 ? (float)m * 0x1p-9f : (1.0f + (float)m / 8.0f) * ldexpf(1.0f, e - 7);
+    return v * 0.5f;
+}
+
+/* (db g) s for 8 values of a grid row, s from sign bits (bit set: -1) */
+static inline void grid8(float *o, float db, const float *g, uint8_t signs) {
+    for (int j = 0; j < 8; j++) {
+        float v = db * g[j];
+        o[j] = (signs >> j) & 1 ? -v : v;
+    }
+}
+
+/* Rows of the types below read as gguf.quants' dequantize_blocks reads them, each value's f32 operations in its
+ * order (this file is compiled without contraction): bit for bit its values. Returns -1 for another type. */
+static int deq_row_more(int type, const uint8_t *b, int K, float *o) {
+    switch (type) {
+    case T_Q4_1:
+    case T_Q5_1: {
+        const int q5 = type == T_Q5_1, bytes = q5 ? 24 : 20;
+        for (int j = 0; j < K / 32; j++, b += bytes, o += 32) {
+            float d = h2f(b), m = h2f(b + 2);
+            uint32_t qh = q5 ? u32(b + 4) : 0;
+            const uint8_t *qs = b + (q5 ? 8 : 4);
+            for (int i = 0; i < 16; i++) {
+                int lo = qs[i] & 0xF, hi = qs[i] >> 4;
+                if (q5) lo |= ((qh >> i) & 1) << 4, hi |= ((qh >> (i + 16)) & 1) << 4;
+                o[i] = d * (float)lo + m;
+                o[i + 16] = d * (float)hi + m;
+            }
+        }
+        return 0;
+    }
+    case T_Q5_0:
+        for (int j = 0; j < K / 32; j++, b += 22, o += 32) {
+            float d = h2f(b);
+            uint32_t qh = u32(b + 2);
+            for (int i = 0; i < 16; i++) {
+                int lo = (b[6 + i] & 0xF) | (((qh >> i) & 1) << 4), hi = (b[6 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
+                o[i] = d * (float)(lo - 16);
+                o[i + 16] = d * (float)(hi - 16);
+            }
+        }
+        return 0;
+    case T_IQ4_NL:
+        for (int j = 0; j < K / 32; j++, b += 18, o += 32) {
+            float d = h2f(b);
+            for (int i = 0; i < 16; i++) {
+                o[i] = d * (float)KV_IQ4NL[b[2 + i] & 0xF];
+                o[i + 16] = d * (float)KV_IQ4NL[b[2 + i] >> 4];
+            }
+        }
+        return 0;
+    case T_MXFP4:
+        for (int j = 0; j < K / 32; j++, b += 17, o += 32) {
+            float d = e8m0_half(b[0]);
+            for (int i = 0; i < 16; i++) {
+                o[i] = d * (float)KV_E2M1[b[1 + i] & 0xF];
+                o[i + 16] = d * (float)KV_E2M1[b[1 + i] >> 4];
+            }
+        }
+        return 0;
+    case T_NVFP4:
+        for (int j = 0; j < K / 64; j++, b += 36, o += 64)
+            for (int s = 0; s < 4; s++) {
+                float d = ue4m3_half(b[s]);
+                const uint8_t *q = b + 4 + 8 * s;
+                for (int i = 0; i < 8; i++) {
+                    o[16 * s + i] = d * (float)KV_E2M1[q[i] & 0xF];
+                    o[16 * s + 8 + i] = d * (float)KV_E2M1[q[i] >> 4];
+                }
+            }
+        return 0;
+    case T_Q2_K:
+        for (int j = 0; j < K / 256; j++, b += 84, o += 256) {
+            float d = h2f(b + 80), dmin = h2f(b + 82);
+            for (int g = 0; g < 16; g++) {  /* 16 values of one scale: byte g of the scales */
+                float dl = d * (float)(b[g] & 0xF), ml = dmin * (float)(b[g] >> 4);
+                const uint8_t *q = b + 16 + 32 * (g / 8) + 16 * (g % 2);
+                int shift = 2 * ((g / 2) % 4);
+                for (int l = 0; l < 16; l++) o[16 * g + l] = dl * (float)((q[l] >> shift) & 3) - ml;
+            }
+        }
+        return 0;
+    case T_Q3_K:
+        for (int j = 0; j < K / 256; j++, b += 110, o += 256) {
+            float d = h2f(b + 108);
+            const uint8_t *hm = b, *qs = b + 32, *sc = b + 96;
+            for (int g = 0; g < 16; g++) {
+                int lo = (sc[g % 8] >> (4 * (g / 8))) & 0xF, hi = (sc[8 + g % 4] >> (2 * (g / 4))) & 3;
+                float dl = d * (float)((lo | (hi << 4)) - 32);
+                const uint8_t *q = qs + 32 * (g / 8) + 16 * (g % 2), *h = hm + 16 * (g % 2);
+                int shift = 2 * ((g / 2) % 4), bit = g / 2;
+                for (int l = 0; l < 16; l++) {
+                    int v = ((q[l] >> shift) & 3) - (((h[l] >> bit) & 1) ^ 1) * 4;
+                    o[16 * g + l] = dl * (float)v;
+                }
+            }
+        }
+        return 0;
+    case T_IQ4_XS:
+        for (int j = 0; j < K / 256; j++, b += 136, o += 256) {
+            float d = h2f(b);
+            uint16_t sh = u16(b + 2);
+            for (int s = 0; s < 8; s++) {
+                int ls = ((b[4 + s / 2] >> (4 * (s % 2))) & 0xF) | (((sh >> (2 * s)) & 3) << 4);
+                float dl = d * (float)(ls - 32);
+                const uint8_t *q = b + 8 + 16 * s;
+                for (int i = 0; i < 16; i++) {
+                    o[32 * s + i] = dl * (float)KV_IQ4NL[q[i] & 0xF];
+                    o[32 * s + 16 + i] = dl * (float)KV_IQ4NL[q[i] >> 4];
+                }
+            }
+        }
+        return 0;
+    case T_TQ1_0:
+        for (int j = 0; j < K / 256; j++, b += 54, o += 256) {
+            float d = h2f(b + 52);
+            static const uint8_t pow3[5] = {1, 3, 9, 27, 81};
+            int at = 0;
+            for (int p = 0; p < 5; p++)  /* the first 32 bytes: 5 digits each, value p * 32 + l */
+                for (int l = 0; l < 32; l++) o[at++] = d * (float)((((uint8_t)(b[l] * pow3[p]) * 3) >> 8) - 1);
+            for (int p = 0; p < 5; p++)
+                for (int l = 0; l < 16; l++) o[at++] = d * (float)((((uint8_t)(b[32 + l] * pow3[p]) * 3) >> 8) - 1);
+            for (int p = 0; p < 4; p++)
+                for (int l = 0; l < 4; l++) o[at++] = d * (float)((((uint8_t)(b[48 + l] * pow3[p]) * 3) >> 8) - 1);
+        }
+        return 0;
+    case T_TQ2_0:
+        for (int j = 0; j < K / 256; j++, b += 66, o += 256) {
+            float d = h2f(b + 64);
+            for (int h = 0; h < 2; h++)
+                for (int p = 0; p < 4; p++)
+                    for (int l = 0; l < 32; l++) o[128 * h + 32 * p + l] = d * (float)(((b[32 * h + l] >> (2 * p)) & 3) - 1);
+        }
+        return 0;
+    }
+    if (!g_ksigns) return -1;
+    switch (type) {
+    case T_IQ2_XXS:
+        for (int j = 0; j < K / 256; j++, b += 66, o += 256) {
+            float d = h2f(b);
+            for (int s = 0; s < 8; s++) {
+                const uint8_t *aux0 = b + 2 + 8 * s;
+                uint32_t aux1 = u32(b + 2 + 8 * s + 4);
+                float db = d * (0.5f + (float)(aux1 >> 28)) * 0.25f;
+                for (int l = 0; l < 4; l++)
+                    grid8(o + 32 * s + 8 * l, db, g_iq2xxs + 8 * aux0[l], g_ksigns[(aux1 >> (7 * l)) & 0x7F]);
+            }
+        }
+        return 0;
+    case T_IQ2_XS:
+        for (int j = 0; j < K / 256; j++, b += 74, o += 256) {
+            float d = h2f(b);
+            for (int s = 0; s < 16; s++) {
+                float db = d * (0.5f + (float)((b[66 + s / 2] >> (4 * (s % 2))) & 0xF)) * 0.25f;
+                for (int l = 0; l < 2; l++) {
+                    uint16_t q = u16(b + 2 + 2 * (2 * s + l));
+                    grid8(o + 16 * s + 8 * l, db, g_iq2xs + 8 * (q & 511), g_ksigns[q >> 9]);
+                }
+            }
+        }
+        return 0;
+    case T_IQ2_S:
+        for (int j = 0; j < K / 256; j++, b += 82, o += 256) {
+            float d = h2f(b);
+            for (int s = 0; s < 16; s++) {
+                float db = d * (0.5f + (float)((b[74 + s / 2] >> (4 * (s % 2))) & 0xF)) * 0.25f;
+                for (int l = 0; l < 2; l++) {
+                    int i = 2 * s + l, idx = b[2 + i] | (((b[66 + i / 4] >> (2 * (i % 4))) & 3) << 8);
+                    grid8(o + 8 * i, db, g_iq2s + 8 * idx, b[34 + i]);
+                }
+            }
+        }
+        return 0;
+    case T_IQ3_XXS:
+        for (int j = 0; j < K / 256; j++, b += 98, o += 256) {
+            float d = h2f(b);
+            for (int s = 0; s < 8; s++) {
+                uint32_t aux = u32(b + 66 + 4 * s);
+                float db = d * (0.5f + (float)(aux >> 28)) * 0.5f;
+                for (int l = 0; l < 4; l++) {
+                    uint8_t signs = g_ksigns[(aux >> (7 * l)) & 0x7F];
+                    const float *g0 = g_iq3xxs + 4 * b[2 + 8 * s + 2 * l], *g1 = g_iq3xxs + 4 * b[2 + 8 * s + 2 * l + 1];
+                    float g[8] = {g0[0], g0[1], g0[2], g0[3], g1[0], g1[1], g1[2], g1[3]};
+                    grid8(o + 32 * s + 8 * l, db, g, signs);
+                }
+            }
+        }
+        return 0;
+    case T_IQ3_S:
+        for (int j = 0; j < K / 256; j++, b += 110, o += 256) {
+            float d = h2f(b);
+            for (int s = 0; s < 8; s++) {
+                float db = d * (float)(1 + 2 * ((b[106 + s / 2] >> (4 * (s % 2))) & 0xF));
+                for (int l = 0; l < 4; l++) {
+                    int i0 = 8 * s + 2 * l, i1 = i0 + 1;
+                    int x0 = b[2 + i0] | (((b[66 + i0 / 8] >> (i0 % 8)) & 1) << 8);
+                    int x1 = b[2 + i1] | (((b[66 + i1 / 8] >> (i1 % 8)) & 1) << 8);
+                    const float *g0 = g_iq3s + 4 * x0, *g1 = g_iq3s + 4 * x1;
+                    float g[8] = {g0[0], g0[1], g0[2], g0[3], g1[0], g1[1], g1[2], g1[3]};
+                    grid8(o + 32 * s + 8 * l, db, g, b[74 + 4 * s + l]);
+                }
+            }
+        }
+        return 0;
+    case T_IQ1_S:
+        for (int j = 0; j < K / 256; j++, b += 50, o += 256) {
+            float d = h2f(b);
+            for (int s = 0; s < 8; s++) {
+                uint16_t qh = u16(b + 34 + 2 * s);
+                float dl = d * (float)(2 * ((qh >> 12) & 7) + 1), delta = qh & 0x8000 ? -0.125f : 0.125f;
+                for (int l = 0; l < 4; l++) {
+                    const float *g = g_iq1s + 8 * (b[2 + 4 * s + l] | (((qh >> (3 * l)) & 7) << 8));
+                    for (int i = 0; i < 8; i++) o[32 * s + 8 * l + i] = dl * (g[i] + delta);
+                }
+            }
+        }
+        return 0;
+    case T_IQ1_M:
+        for (int j = 0; j < K / 256; j++, b += 56, o += 256) {
+            uint16_t sc[4] = {u16(b + 48), u16(b + 50), u16(b + 52), u16(b + 54)};
+            uint16_t dbits = (uint16_t)((sc[0] >> 12) | ((sc[1] >> 8) & 0xF0) | ((sc[2] >> 4) & 0xF00) | (sc[3] & 0xF000));
+            float d = h2f((const uint8_t *)&dbits);
+            for (int s = 0; s < 8; s++)
+                for (int h = 0; h < 2; h++) {
+                    int k = 2 * s + h;  /* the 16 three-bit scales: word k / 4, bits 3 (k % 4) */
+                    float dl = d * (float)(2 * ((sc[k / 4] >> (3 * (k % 4))) & 7) + 1);
+                    for (int g = 0; g < 2; g++) {
+                        int i = 4 * s + 2 * h + g, nib = (b[32 + i / 2] >> (4 * (i % 2))) & 0xF;
+                        const float *gr = g_iq1s + 8 * (b[i] | ((nib & 7) << 8));
+                        float delta = nib & 8 ? -0.125f : 0.125f;
+                        for (int v = 0; v < 8; v++) o[8 * i + v] = dl * (gr[v] + delta);
+                    }
+                }
+        }
+        return 0;
+    }
+    return -1;
 }
 
 /* The 8 six-bit scales and mins of a Q4_K/Q5_K block (its bytes 4..15). */
@@ -154,6 +465,8 @@ static void deq_row(int type, const uint8_t *b, int K, float *o) {
                 }
         }
         return;
+    default:
+        deq_row_more(type, b, K, o);
     }
 }
 
@@ -1139,7 +1452,10 @@ int ds_gemm_blocks(int type, const float *x, int M, int K, long ldx, const uint8
 int blk_kind(int type) {
     int elems, bytes;
     if (block_info(type, &elems, &bytes) || type == T_F32) return 0;
-    return elems == 256 ? 2 : elems == 32 ? 1 : 3;
+    if (type == T_F16 || type == T_BF16) return 3;
+    if (type == T_Q8_0 || type == T_Q4_0) return 1;
+    if (type == T_Q4_K || type == T_Q5_K || type == T_Q6_K) return 2;
+    return 4;  /* read by dequantizing each row (deq_row_more), times the f32 activations */
 }
 
 int blk_values(int type) {
@@ -1185,7 +1501,7 @@ size_t blk_scratch_bytes(int M, int K) {
 
 static act_t act_row(int kind, void *scratch, int M, int K, int m) {
     act_t a = {NULL, NULL, NULL, NULL, NULL, NULL};
-    if (kind == 3) {  /* the f32 rows themselves, copied where the int8 ones would be */
+    if (kind >= 3) {  /* the f32 rows themselves, copied where the int8 ones would be */
         a.x = (const float *)scratch + (size_t)m * K;
         return a;
     }
@@ -1207,7 +1523,7 @@ void blk_prepare_rows(int kind, const float *x, int M, int K, long ldx, const in
     for (int m = 0; m < M; m++) {
         act_t a = act_row(kind, scratch, M, K, m);
         const float *row = x + (size_t)(rows ? rows[m] : m) * ldx;
-        if (kind == 3) memcpy((float *)a.x, row, (size_t)K * sizeof(float));
+        if (kind >= 3) memcpy((float *)a.x, row, (size_t)K * sizeof(float));
         else if (kind == 2) quant_q8_k(row, K, (int8_t *)a.q, (float *)a.d, (int16_t *)a.bs, (int8_t *)a.qp);
         else quant_q8_0(row, K, (int8_t *)a.q, (float *)a.d, (int32_t *)a.c);
     }
@@ -1223,6 +1539,26 @@ void blk_tiles_rows(int type, const uint8_t *blocks, int N, int K, void *scratch
     block_info(type, &elems, &bytes);
     size_t row_bytes = (size_t)(K / elems) * bytes;
     act_t a[DS_MAX_ROWS > MG ? DS_MAX_ROWS : MG];
+    if (kind == 4) {  /* each row dequantized once (exactly), then times every activation row in f32 */
+        float w[K];
+        #pragma omp for schedule(static) nowait
+        for (int n = 0; n < N; n++) {
+            deq_row_more(type, blocks + (size_t)n * row_bytes, K, w);
+            for (int m = 0; m < M; m++) {
+                const float *x = act_row(kind, scratch, Mall, K, m_first + m).x;
+                __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+                int k = 0;
+                for (; k + 16 <= K; k += 16) {
+                    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), acc0);
+                    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8), _mm256_loadu_ps(x + k + 8), acc1);
+                }
+                float sum = blk_hsum8(_mm256_add_ps(acc0, acc1));
+                for (; k < K; k++) sum += w[k] * x[k];
+                y[(size_t)m * ldy + n] = sum;
+            }
+        }
+        return;
+    }
 #ifdef BLK_VNNI
     if (kind != 3) {  /* 512-bit products, four rows at a time, the activation rows two at a time (the tile's rows
                          stay in L1 between the pairs; each row's sum is accumulated the same way whatever M is) */

@@ -224,7 +224,9 @@ class Int8Linear(Linear):
 
 # every block type a file of these models may hold (formats/quant.py dequantizes each exactly), by GGUF id
 GGUF_TYPES = {t.name: int(t) for t in sorted(quant.SUPPORTED_TYPES, key=int)}
-PRODUCT_TYPES = {"Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16"}  # blocks.c multiplies these as they are
+# the types blocks.c multiplies as they are: Q8_0, Q4_0 and the K-quants on int8 activations (as llama.cpp's), F16 and
+# BF16 in f32; every other block type by dequantizing each row exactly and multiplying it in f32 (its kind 4)
+PRODUCT_TYPES = {k for k in GGUF_TYPES if k != "F32"}
 BLOCK_GEMV_ROWS = 16  # up to this many rows: blocks.c's int8 products; beyond: exact chunks and a GEMM
 BLOCK_ROWS_AMX = 32  # the same where the chunks are bf16 on AMX tiles and blocks.c's products 512-bit (block_rows)
 CHUNK_ELEMENTS = 1 << 20  # an f32 chunk of 4 MiB: cache-sized, and each product's only transient of weights
@@ -460,12 +462,6 @@ def dequantize_rows(kind: str, data: torch.Tensor, cols: int, out: torch.Tensor)
     if not native.dequant(GGUF_TYPES[kind], data, cols, out):
         out.copy_(quant.dequantize(data.reshape(-1), kind, (data.shape[0], cols)))
     return out
-
-
-def chunk_only(kinds) -> list[str]:
-    """The block types among `kinds` that blocks.c has no product for: every product of theirs, decode included,
-    dequantizes exact chunks of the weight (formats/quant.py) for torch's GEMM (named in the route line)."""
-    return sorted({k for k in kinds if k not in PRODUCT_TYPES and k != "F32"}, key=lambda k: GGUF_TYPES[k])
 
 
 def blocks_route() -> str:

@@ -128,6 +128,7 @@ SIGNATURES = {
     "ds_linear_blocks": [_I, _P, _I, _I, _L, _P, _I, _P, _L, _I],
     "ds_gemm_blocks": [_I, _P, _I, _I, _L, _P, _I, _P, _L, _I],
     "ds_moe_experts": [_P, _P, _P, _I, _I, _P, _P, _P, _P, _P, _P, _I, _P, _I],
+    "ds_set_tables": [_P] * 7,
 }
 
 
@@ -151,7 +152,26 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         if hasattr(lib, name):
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, ctypes.c_int
+    lib.ds_set_tables(*(t.ctypes.data for t in _iq_tables()))
     return lib, "built"
+
+
+_TABLES: list = []
+
+
+def _iq_tables() -> list:
+    """The IQ types' grids (gguf's: float32, rows of 8 or 4 values) and the sign bytes, for blocks.c's dequantization
+    (ds_set_tables); kept alive here for the library's lifetime."""
+    if not _TABLES:
+        import numpy as np
+        from gguf import quants as gq
+
+        for name in ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S"):
+            cls = getattr(gq, name)
+            cls.init_grid()
+            _TABLES.append(np.ascontiguousarray(cls.grid.reshape(cls.grid_shape), dtype=np.float32))
+        _TABLES.append(np.frombuffer(gq.IQ2_XXS.ksigns, dtype=np.uint8).copy())
+    return _TABLES
 
 
 def has(name: str) -> bool:

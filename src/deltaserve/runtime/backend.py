@@ -16,7 +16,7 @@ from deltaserve.runtime import capacity as cap
 from deltaserve.runtime.capacity import Memory, cpu_memory
 from deltaserve.engine.host import HostModel
 from deltaserve.engine.forward import Forward
-from deltaserve.kernels.linear import chunk_only, BlockLinear, Int8Linear, blocks_route, int8_route
+from deltaserve.kernels.linear import BlockLinear, Int8Linear, blocks_route, int8_route
 from deltaserve.engine.state import Checkpoint, DecodeState
 from deltaserve.kernels.cpu import plural
 
@@ -109,11 +109,7 @@ class Backend:
         if isinstance(head, Int8Linear):
             route = f"; {int8_route()}; {self.forward.token_program()[1]}"
         elif isinstance(head, BlockLinear):
-            slow = chunk_only(self.host.weights.block_types)
-            route = f"; {blocks_route()}" + (f"; {', '.join(slow)} blocks have no product of their own yet: every "
-                                              f"product of theirs, decode included, dequantizes exact chunks of the "
-                                              f"weight for torch's GEMM (a slow path)" if slow else "") + \
-                f"; {self.forward.token_program()[1]}"
+            route = f"; {blocks_route()}; {self.forward.token_program()[1]}"
         else:
             route = ""
         why = f": {self.threads_why}" if self.threads_why else ""
