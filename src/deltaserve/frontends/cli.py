@@ -376,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks against llama.cpp and transformers",
                        description="Run the benchmarks and write results under benchmarks/.")
     b.add_argument("what", nargs="?", default="all", choices=["all", "session", "speed", "chat", "threads", "conversations", "replicas",
-                                                      "sizes", "moe", "grammar"],
+                                                      "sizes", "moe", "quants", "grammar"],
                    help="which benchmark (default all)")
     b.add_argument("--out", default="benchmarks", help="where results go (default benchmarks/)")
     b.add_argument("--kind", default="bf16", help="weight format of the session benchmark's model (default bf16)")
