@@ -131,7 +131,7 @@ def test_a_turn_replayed_on_the_cpu_reports_the_cpus_figures_and_saves_its_check
     s = hybrid_model.session(backend=backend, quiet=True)
     ids = hybrid_model.render([{"role": "user", "content": "Tell me about the sea."}], False)[0]
     first = s.generate(ids, max_tokens=4)  # the accelerator fails after the checkpoint cut, mid-prompt
-    assert first.backend == "cpu" and first.start == "reset"
+    assert first.backend == "cpu" and first.start == "replay" and first.replayed == len(ids)
     assert (first.reused, first.prefilled) == (0, len(ids))  # the CPU prefilled all of it
     assert s.checkpoint_length == max(i for i, t in enumerate(ids) if t == hybrid_model.tokenizer.im_start_id)
     again = s.generate(ids, max_tokens=4)
@@ -156,7 +156,8 @@ def _grow_under(hybrid_model, free_for):
         return cap.plan(hybrid_model.config, 8192, cap.Memory(1 << 40, 1 << 40, "t"), overhead=backend.overhead,
                         plans=(plan,)).total - DecodeState.bytes_for(hybrid_model.config, 4096)
 
-    s._plan_memory = cap.Memory(free_for(need), 1 << 40, "faulty: test")
+    # the device's memory: what the test asks to be free with the 4096-position state held, and that state
+    backend.memory_bytes = free_for(need) + s.state.nbytes
     turn = s.generate(long, max_tokens=3)
     want = hybrid_model.session(device="cpu", quiet=True).generate(long, max_tokens=3)
     assert turn.tokens == want.tokens
@@ -170,6 +171,25 @@ def test_a_state_that_cannot_grow_on_the_device_with_batched_prefill_prefills_on
     assert s.on_accelerator and turn.backend != "cpu" and s.capacity == 8192
     assert any("prefilling one token at a time" in n for n in s.notices), s.notices
     assert s.batched_prefills == 1  # the first turn's only
+
+
+def test_prefilling_one_token_at_a_time_is_decided_per_prefill_and_its_notice_names_each_refused_plan(hybrid_model):
+    """The one-token fallback is not sticky (issue 37): once the device's memory is free again, the next prefill is
+    batched, and says so; the fallback's notice names what each refused batched plan needed."""
+    from deltaserve.runtime import capacity as cap
+
+    s, _ = _grow_under(hybrid_model, lambda need: (need(cap.PrefillPlan(1, 1)) + need(cap.PREFILL_PLANS[-1])) // 2)
+    notice = next(n for n in s.notices if "prefilling one token at a time" in n)
+    for p in cap.PREFILL_PLANS:
+        assert f"{p.label} needs " in notice, notice
+    assert s.batched_prefills == 1
+    s.backend.memory_bytes = 1 << 40  # the device's memory free again
+    rng = __import__("random").Random(5)
+    follow = [rng.randrange(10, 600) for _ in range(40)]
+    turn = s.generate(follow, max_tokens=2)
+    assert s.on_accelerator and s.batched_prefills == 2, s.notices
+    assert any("a batched prefill fits 8192 positions" in n and "again" in n for n in s.notices), s.notices
+    assert turn.tokens == hybrid_model.session(device="cpu", quiet=True).generate(follow, max_tokens=2).tokens
 
 
 def test_a_resident_state_that_cannot_grow_on_the_device_at_all_moves_the_session_to_the_cpu_loudly(hybrid_model):

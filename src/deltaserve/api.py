@@ -16,7 +16,7 @@ from deltaserve.errors import DeltaserveError
 from deltaserve.kernels.cpu import plan_threads, serial_here
 from deltaserve.runtime.backend import Backend, select_backend
 from deltaserve.runtime.compute import ComputeThread
-from deltaserve.runtime.guard import ParityGuard
+from deltaserve.runtime.guard import MAX_AGE, ParityGuard
 from deltaserve.engine.state import DecodeState
 from deltaserve.runtime.capacity import cpu_memory
 from deltaserve.session import Session, Turn
@@ -99,30 +99,34 @@ class Model:
 
     def session(self, context: int | None = None, device: str | None = None, backend: Backend | None = None,
                 guard=None, quiet: bool = False, one_call: bool = False, plan_memory=None,
-                plan_positions: int | None = None, revalidate: bool = False, store: StateStore | None = None) -> Session:
+                plan_positions: int | None = None, revalidate: bool = False, store: StateStore | None = None,
+                guard_max_age: float = MAX_AGE) -> Session:
         """A resident session: its state starts at 4096 positions and grows by doubling. On an accelerator it
         is guarded (`revalidate`: a new parity verdict even if one is cached)."""
         notice = None
         if backend is None:
             backend, notice = self.backend(device)
         if guard is None and backend.accelerator:
-            guard = ParityGuard(revalidate=revalidate)
+            guard = ParityGuard(revalidate=revalidate, max_age=guard_max_age)
         s = Session(self.host, backend, context=context, one_call=one_call, guard=guard, quiet=quiet,
                     plan_memory=plan_memory, plan_positions=plan_positions, thinking_default=self.thinking_default,
                     notice=notice, store=store)
         return s
 
     def slots(self, n: int, context: int | None = None, device: str | None = None, revalidate: bool = False,
-              quiet: bool = False, store: StateStore | None = None) -> list[Session]:
+              quiet: bool = False, store: StateStore | None = None, log_prefills: bool = False,
+              guard_max_age: float = MAX_AGE) -> list[Session]:
         """`n` resident sessions on one backend (weights shared), their decode steps batched into one forward
         when there are several, one parity guard for all (`revalidate` forces a new verdict), one state store
-        (`store`) under them all."""
+        (`store`) under them all. Each slot says its own route decisions, named "slot i" where there are several;
+        `log_prefills` prints each batched prefill's stats line too."""
         backend, notice = self.backend(device)
-        guard = ParityGuard(revalidate=revalidate) if backend.accelerator else None
+        guard = ParityGuard(revalidate=revalidate, max_age=guard_max_age) if backend.accelerator else None
         if n > 1:
             backend.enable_batching()
-        return [Session(self.host, backend, context=context, guard=guard, quiet=quiet or i > 0,
-                        thinking_default=self.thinking_default, notice=notice, store=store) for i in range(n)]
+        return [Session(self.host, backend, context=context, guard=guard, quiet=quiet,
+                        thinking_default=self.thinking_default, notice=notice, store=store,
+                        label=f"slot {i}" if n > 1 else None, log_prefills=log_prefills) for i in range(n)]
 
     def state_store(self, ram: int | None = None, directory: str | os.PathLike | None = None,
                     disk: int | None = None, slots: int = 1, context: int | None = None, say=None) -> StateStore:

@@ -63,8 +63,9 @@ class Turn:
     finish_reason: str            # "stop" | "length" | "cancelled" | "tool_calls" (a chat turn that called tools)
     context_capped: bool
     backend: str
-    start: str                    # "extend" | "checkpoint" | "store" | "reset"
+    start: str                    # "extend" | "checkpoint" | "store" | "reset" | "replay" (after a fallback)
     timings: Timings = field(default_factory=Timings)
+    replayed: int = 0             # tokens run again on the CPU after a fallback in this turn (prompt and answer)
     reasoning: str | None = None  # what a chat turn reasoned before its answer (None: the prompt opened no reasoning)
     tool_calls: list[ToolCall] = field(default_factory=list)  # the calls a chat turn with tools made (text: the rest)
 
@@ -114,8 +115,12 @@ class Session:
     def __init__(self, host, backend: Backend | None = None, *, context: int | None = None,
                  one_call: bool = False, guard=None, quiet: bool = False, plan_memory=None,
                  plan_positions: int | None = None, thinking_default: bool | None = None, notice: str | None = None,
-                 store=None):
+                 store=None, label: str | None = None, log_prefills: bool = False):
         self.host = host
+        # a name for this session's lines (a server's "slot 1"), and whether each batched prefill's stats line is
+        # printed (a server's log) or only kept (prefill_lines)
+        self.label = label
+        self.log_prefills = log_prefills
         # the conversation state store (deltaserve.store.StateStore) this session saves its checkpoints to and
         # restores from, shared with the other slots; None: the session keeps only its own
         self.store = store
@@ -148,6 +153,11 @@ class Session:
         self._guard = guard
         self._plan_memory = plan_memory  # tests inject a Memory; None measures the backend
         self.per_token = os.environ.get(PREFILL_ENV, "").strip().lower() == "per-token"
+        # no batched prefill plan fitted the device's free memory when the state was last sized: each prefill asks
+        # again whether one fits now (it is decided per prefill, never for good)
+        self._one_token = False
+        self._replayed = 0  # tokens replayed on the CPU in the current turn
+        self.replays = 0  # fallbacks that replayed a turn's tokens, since the session started
         self.batched_prefills = 0
         self.prefill_lines: deque[str] = deque(maxlen=16)  # the last batched prefills, one stats line each
         self.turns = 0
@@ -161,10 +171,17 @@ class Session:
 
     # -- notices ----------------------------------------------------------------------------------
     def say(self, line: str) -> None:
-        """Print a route decision once to stderr and keep it, in order."""
+        """Print a route decision once to stderr (named by the session's label) and keep it, in order. A fallback
+        is printed even by a quiet session: it is never silent."""
         self.notices.append(line)
-        if not self.quiet:
-            print(line, file=sys.stderr, flush=True)
+        if not self.quiet or line.startswith(FALLBACK_PREFIX):
+            self._print(line)
+
+    def _print(self, line: str) -> None:
+        if self.label:
+            line = line.replace("[deltaserve] ", f"[deltaserve] [{self.label}] ", 1) if line.startswith("[deltaserve] ") \
+                else f"[{self.label}] {line}"
+        print(line, file=sys.stderr, flush=True)
 
     def _start(self, backend: Backend, plan_positions: int | None) -> Backend:
         try:
@@ -218,11 +235,12 @@ class Session:
         except CapacityError as e:
             if not self.backend.accelerator:
                 raise
-            p = self._plan_one_token(capacity)  # the state fits, no batched prefill does: one token at a time
+            p = self._plan_one_token(capacity, getattr(e, "refused", []))  # the state fits, no batched prefill
             if p is None:  # a resident session that must grow and has no room on the device goes on on the CPU
                 self._move_to_cpu(f"the state cannot grow to {capacity} positions on the device: {e}",
                                   allocate=False)
                 p = self._plan(capacity)
+        self._one_token = p.prefill.rows == 1 and not self.per_token
         self.held = []
         self._drop_checkpoint()
         self.state = None
@@ -236,9 +254,9 @@ class Session:
         self.allocations += 1
         return True
 
-    def _plan_one_token(self, capacity: int) -> cap.Plan | None:
-        """The plan of a state whose prefills go one token at a time (the smallest workspace), with a notice;
-        None when even that does not fit."""
+    def _plan_one_token(self, capacity: int, refused: list[str]) -> cap.Plan | None:
+        """The plan of a state whose prefills go one token at a time (the smallest workspace), with a notice naming
+        what each refused batched plan needed; None when even that does not fit."""
         memory = self._memory()
         if self.state is not None:
             memory = type(memory)(memory.free + self.state.nbytes, memory.total, memory.source)
@@ -248,10 +266,26 @@ class Session:
         except CapacityError:
             return None
         if not self.per_token:
-            self.per_token = True
-            self.say(f"[deltaserve] no batched prefill plan fits {capacity} positions on {self.backend.name}: "
-                     f"prefilling one token at a time there ({p.arithmetic()})")
+            self.say(f"[deltaserve] no batched prefill plan fits {capacity} positions on {self.backend.name} "
+                     f"({'; '.join(refused)}): prefilling one token at a time there, asking again at each "
+                     f"prefill ({p.arithmetic()})")
         return p
+
+    def _batched_fits_again(self) -> bool:
+        """Whether a batched prefill plan fits the state's capacity in the memory free now (a state sized for one
+        token at a time asks at each prefill): if so the state takes that plan's rows, and it is said."""
+        memory = self._memory()
+        memory = type(memory)(memory.free + self.state.nbytes, memory.total, memory.source)
+        try:
+            p = cap.plan(self.host.config, self.capacity, memory, weights=0, overhead=self.backend.overhead,
+                         resident=self.host.weights.nbytes)
+        except CapacityError:
+            return False
+        self.state.prefill_rows, self.state.query_rows = p.prefill.rows, p.prefill.query_rows
+        self._one_token = False
+        self.say(f"[deltaserve] a batched prefill fits {self.capacity} positions on {self.backend.name} again: "
+                 f"{p.prefill.label} ({p.arithmetic()})")
+        return True
 
     def _drop_checkpoint(self) -> None:
         self._checkpoint = None
@@ -262,7 +296,7 @@ class Session:
         self._say_fallback(reason)
         if self.backend.accelerator:
             self._plan_memory = None  # an injected memory stood for the device's: the CPU's is measured
-            self.per_token = os.environ.get(PREFILL_ENV, "").strip().lower() == "per-token"
+            self._one_token = False
         self.backend = self.backend.fallback()
         self.backend.start()
         self.say(f"Backend: {self.backend.describe()} [after the fallback]")
@@ -362,6 +396,9 @@ class Session:
                 return logits, start
             except AcceleratorFailure as e:
                 self._move_to_cpu(str(e))
+                self._replayed += len(seq)  # all of it runs again on the CPU
+                self.replays += 1
+                self.say(f"[deltaserve] replaying {len(seq)} tokens on the CPU after the fallback")
                 start = 0
             except DeltaserveError:
                 self._forget()
@@ -394,7 +431,7 @@ class Session:
         return self._span(seq[cut if cut is not None else start:])
 
     def _span(self, tokens: list[int]) -> torch.Tensor:
-        if len(tokens) > 1 and not self.per_token:
+        if len(tokens) > 1 and not self.per_token and (not self._one_token or self._batched_fits_again()):
             state, start, t0 = self.state, self.state.length, time.perf_counter()
             logits = self.backend.prefill(state, tokens)
             ms = (time.perf_counter() - t0) * 1000
@@ -402,6 +439,8 @@ class Session:
             self.prefill_lines.append(
                 f"batched prefill: {len(tokens)} tokens in {ms:.0f} ms ({len(tokens) / max(ms, 1e-6) * 1000:.1f} tok/s, "
                 f"chunk {state.prefill_rows} rows, attention {state.query_rows} query rows, from position {start})")
+            if self.log_prefills:
+                self._print(f"[deltaserve] {self.prefill_lines[-1]}")
             return logits
         logits = None
         for t in tokens:
@@ -498,6 +537,7 @@ class Session:
               grammar: CompiledFormat | None = None) -> Turn:
         t0 = time.perf_counter()
         n = len(prompt)
+        self._replayed = 0
         check_prompt(prompt, self.host.config.vocab_size, self.context)
         if max_tokens < 1:
             raise DeltaserveError(f"max_tokens must be at least 1, got {max_tokens}")
@@ -541,11 +581,17 @@ class Session:
         self.turns += 1
         if n - start >= TRIM_AFTER:  # a long prefill's transients back to the OS (kept, they pile up per length)
             trim_heap()
+        if self._replayed:  # what ran: the prompt from its start (on the CPU after the fallback), nothing reused
+            start, start_kind = 0, "replay"
+        capped = finish == "length" and limited
+        if capped:
+            self.say(f"[deltaserve] the context of {self.context} positions cut the answer at {len(tokens)} tokens "
+                     f"(max_tokens {max_tokens}, prompt {n})")
         return Turn(
             tokens=tokens, text=text, reused=start, prefilled=n - start, prompt_tokens=n,
-            finish_reason=finish, context_capped=finish == "length" and limited,
+            finish_reason=finish, context_capped=capped,
             backend=self.backend.name, start=start_kind,
-            timings=Timings(prefill_s=prefill_s, ttft_s=ttft, decode_s=decode_s))
+            timings=Timings(prefill_s=prefill_s, ttft_s=ttft, decode_s=decode_s), replayed=self._replayed)
 
     def _decode(self, prompt, logits, budget, params, stop_ids, stop_texts, on_token, t0, grammar=None):
         """Sample, hand out, feed back; until a stop token or string, the budget, or a cancel. With a grammar, each

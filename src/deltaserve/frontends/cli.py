@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from deltaserve.runtime.guard import MAX_AGE as GUARD_MAX_AGE
 from deltaserve.version import __version__
 from deltaserve.kernels.cpu import plural
 from deltaserve.errors import DeltaserveError
@@ -56,6 +57,8 @@ def _add_runtime(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ctx", type=positive_int, default=None,
                    help="context positions to allow (default and most: the model's declared context)")
     p.add_argument("--revalidate", action="store_true", help="run the accelerator parity guard even if a verdict is cached")
+    p.add_argument("--guard-max-age", type=float, default=GUARD_MAX_AGE, metavar="SECONDS",
+                   help="trust a cached parity verdict this long (default a day); an older one is decided again")
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
@@ -143,7 +146,7 @@ def cmd_run(a) -> int:
     context = min(a.ctx or model.config.context_length, model.config.context_length)
     positions = len(ids) + min(a.max_tokens, max(context - len(ids), 0))
     session = model.session(context=a.ctx, device=a.device, one_call=True, plan_positions=positions,
-                            revalidate=a.revalidate)
+                            revalidate=a.revalidate, guard_max_age=a.guard_max_age)
     splitter = ReasoningSplitter(reasoning_open)
     turn = session.generate(ids, max_tokens=a.max_tokens, on_token=lambda t, piece: _show(*splitter.push(piece)),
                             response_format=response_format, **sampling_kwargs(a))
@@ -161,7 +164,7 @@ def cmd_run(a) -> int:
 def _run_turns(a, model, prompts: list[str], load_s: float, response_format: dict | None = None) -> int:
     """Several -p: the user turns of one conversation on one resident session, each reply streamed,
     each turn's reuse said on stderr (a later turn prefills only what the history added)."""
-    session = model.session(context=a.ctx, device=a.device, revalidate=a.revalidate)
+    session = model.session(context=a.ctx, device=a.device, revalidate=a.revalidate, guard_max_age=a.guard_max_age)
     messages = [{"role": "system", "content": a.system}] if a.system else []
     for k, text in enumerate(prompts, 1):
         messages.append({"role": "user", "content": text})
@@ -173,7 +176,8 @@ def _run_turns(a, model, prompts: list[str], load_s: float, response_format: dic
         for line in session.prefill_lines:
             print(line, file=sys.stderr)
         session.prefill_lines.clear()
-        print(f"[stats] turn {k}: prompt {plural(turn.prompt_tokens, 'token')}, reused {turn.reused}, prefilled {turn.prefilled}, "
+        replay = f", replayed {turn.replayed} on the CPU after a fallback" if turn.replayed else ""
+        print(f"[stats] turn {k}: prompt {plural(turn.prompt_tokens, 'token')}, reused {turn.reused}, prefilled {turn.prefilled}{replay}, "
               f"TTFT {turn.timings.ttft_s * 1000:.0f} ms, decode {turn.decode_tok_s:.1f} tok/s ({plural(turn.generated, 'token')}, "
               f"{turn.finish_reason})" + (f", load {load_s:.2f} s" if k == 1 else "") + f", backend {turn.backend}",
               file=sys.stderr)
@@ -339,6 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--state-ram", type=size_arg, default=None, metavar="SIZE",
                    help="RAM for saved conversation states beyond the slots, e.g. 2G (default: a quarter of the "
                         "memory left after the slots' plan; 0: none)")
+    s.add_argument("--prefill-log", choices=["on", "off"], default="on",
+                   help="log each batched prefill's stats line, named by its slot (default on; the counts are in "
+                        "/metrics and /health either way)")
     s.add_argument("--state-dir", default=None, metavar="DIR",
                    help="keep saved conversation states on disk here too, across restarts")
     s.add_argument("--state-disk", type=size_arg, default=None, metavar="SIZE",

@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from deltaserve.runtime.guard import MAX_AGE as GUARD_MAX_AGE
 from deltaserve.cachedir import cache_root
 from deltaserve.errors import DeltaserveError
 from deltaserve.frontends.common import load_model, sampling_kwargs
@@ -202,7 +203,8 @@ class ChatREPL:
         self.out.write("\n")
         self.messages.append({"role": "assistant", "content": turn.text})
         capped = ", cut by the context" if turn.context_capped else ""
-        self.out.write(f"[reused {turn.reused} | prefilled {turn.prefilled} | TTFT {turn.timings.ttft_s * 1000:.0f} ms | "
+        replay = f" | replayed {turn.replayed} on the CPU" if turn.replayed else ""
+        self.out.write(f"[reused {turn.reused} | prefilled {turn.prefilled}{replay} | TTFT {turn.timings.ttft_s * 1000:.0f} ms | "
                        f"{turn.decode_tok_s:.1f} tok/s | {plural(turn.generated, 'token')}, {turn.finish_reason}{capped} | "
                        f"{turn.start}]\n")
         self.out.flush()
@@ -369,7 +371,8 @@ def main(a) -> int:
         saved.prepare()
     model = load_model(a)
     data, said = resume(a, model, saved) if saved is not None else (None, [])
-    session = model.session(context=a.ctx, device=a.device, revalidate=a.revalidate)
+    session = model.session(context=a.ctx, device=a.device, revalidate=a.revalidate,
+                            guard_max_age=getattr(a, "guard_max_age", GUARD_MAX_AGE))
     c = model.config
     print(f"[deltaserve] {model.path.name}: {c.num_layers} layers, context {session.context}, loaded in "
           f"{model.load_seconds:.2f} s", file=sys.stderr)

@@ -7,6 +7,7 @@ failure of its own as `AcceleratorFailure`, which the session answers by moving 
 from __future__ import annotations
 
 import os
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -196,6 +197,17 @@ class CUDABackend(Backend):
     def device_name(self) -> str:
         return torch.cuda.get_device_properties(self.index).name
 
+    @property
+    def device_identity(self) -> str:
+        """What a cached parity verdict depends on besides the model: this GPU (its UUID where torch reports it),
+        the driver's and the CUDA runtime's versions."""
+        props = torch.cuda.get_device_properties(self.index)
+        try:
+            driver = str(torch._C._cuda_getDriverVersion())
+        except Exception:  # noqa: BLE001 - an older torch: the runtime's version still keys the verdict
+            driver = "?"
+        return f"{props.name} uuid {getattr(props, 'uuid', '?')} driver {driver} cuda {torch.version.cuda}"
+
     def _guarded(self, what: str, fn, *args):
         try:
             return fn(*args)
@@ -235,6 +247,10 @@ class FaultyBackend(Backend):
     def __init__(self, host: HostModel, stage: str | None = None, after: int = 0,
                  device_name: str = "faulty-test-device", accelerator: bool = True):
         super().__init__(host)
+        # a device memory of this many bytes, from which the states it holds are taken (memory() then says what is
+        # free); None: the CPU's memory
+        self.memory_bytes: int | None = None
+        self._states = weakref.WeakSet()
         self.accelerator = accelerator  # False: a CPU whose forward breaks (no fallback, the turn fails)
         if stage is not None and stage not in self.STAGES:
             raise ValueError(f"unknown fault stage {stage!r}; expected one of {self.STAGES}")
@@ -264,7 +280,15 @@ class FaultyBackend(Backend):
 
     def new_state(self, capacity, plan=None):
         self._hit("alloc")
-        return super().new_state(capacity, plan)
+        state = super().new_state(capacity, plan)
+        self._states.add(state)
+        return state
+
+    def memory(self) -> Memory:
+        if self.memory_bytes is None:
+            return super().memory()
+        held = sum(st.nbytes for st in list(self._states))
+        return Memory(max(self.memory_bytes - held, 0), self.memory_bytes, "faulty: test device memory")
 
     def restore(self, state, ck, valid_prefix):
         self._hit("restore")

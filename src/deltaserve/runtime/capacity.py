@@ -156,4 +156,6 @@ def plan(c: HybridConfig, positions: int, memory: Memory, weights: int = 0, over
         passed.append(f"{p.label} needs {mib(candidate.total)} MiB")
         last = candidate
     assert last is not None
-    raise CapacityError(f"the plan for {positions} positions does not fit: {last.arithmetic()}")
+    err = CapacityError(f"the plan for {positions} positions does not fit: {last.arithmetic()}")
+    err.refused = passed  # what each prefill plan tried needed
+    raise err

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from deltaserve.runtime.guard import MAX_AGE as GUARD_MAX_AGE
 from deltaserve.version import __version__
 from deltaserve.frontends.common import load_model
 from deltaserve.errors import ContextError, DeltaserveError
@@ -126,7 +127,8 @@ class Server:
                  think_default: bool | None = None, context: int | None = None, quiet: bool = False,
                  revalidate: bool = False, state_ram: int | None = None, state_dir: str | None = None,
                  state_disk: int | None = None, hosts: HostPolicy | None = None,
-                 request_timeout: float = connections.DEFAULT_REQUEST_TIMEOUT):
+                 request_timeout: float = connections.DEFAULT_REQUEST_TIMEOUT, log_prefills: bool = True,
+                 guard_max_age: float = GUARD_MAX_AGE):
         self.model = model
         self.limits = limits or Limits()
         self.api_key = api_key
@@ -149,7 +151,7 @@ class Server:
         self.store = model.state_store(ram=state_ram, directory=state_dir, disk=state_disk, slots=slots,
                                        context=context, say=store_say)
         sessions = model.slots(slots, context=context, device=device, revalidate=revalidate, quiet=quiet,
-                               store=self.store)
+                               store=self.store, log_prefills=log_prefills and not quiet, guard_max_age=guard_max_age)
         self.pool = SlotPool(sessions, queue)
         self.context = sessions[0].context
         self.executor = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="deltaserve-slot",
@@ -268,14 +270,15 @@ class Server:
         except DeltaserveError as e:
             raise bad(str(e), param) from None
 
-    def budget(self, req: GenerationRequest, n: int) -> int:
-        room = self.context - n
-        return min(req.max_tokens, room) if req.max_tokens else min(self.limits.max_tokens, room)
+    def budget(self, req: GenerationRequest) -> int:
+        """The tokens a request asks for (or the server's limit): the session ends the answer where the context does
+        and says so (context_capped), which it could not if the budget were cut to the context here."""
+        return req.max_tokens or self.limits.max_tokens
 
     # -- one generation ----------------------------------------------------------------------------
     async def generate(self, endpoint: str, req: GenerationRequest, ids: list[int], thinking: bool, t0: float,
                        request: Request | None = None):
-        max_tokens = self.budget(req, len(ids))
+        max_tokens = self.budget(req)
         grammar = None
         if req.response_format is not None:  # compiled (cached per schema) before the request takes a slot
             stops = frozenset(self.model.tokenizer.stop_ids) | frozenset(self.model.config.eos_token_ids)
@@ -372,19 +375,23 @@ class Server:
             else:
                 choice = {"index": 0, "text": turn.text, "finish_reason": turn.finish_reason, "logprobs": None}
                 obj = "text_completion"
+            if turn.context_capped:  # "length" because the context ended the answer, not max_tokens
+                choice["context_capped"] = True
             return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model_name,
                                  "choices": [choice], "usage": self.usage(len(ids), turn),
                                  "system_fingerprint": f"deltaserve-{__version__}"})
 
         obj = "chat.completion.chunk" if endpoint == "chat" else "text_completion"
 
-        def chunk(delta: dict | None = None, finish=None, text=None, usage=None, empty=False) -> str:
+        def chunk(delta: dict | None = None, finish=None, text=None, usage=None, empty=False, capped=False) -> str:
             if empty:
                 choices = []
             elif endpoint == "chat":
                 choices = [{"index": 0, "delta": delta or {}, "finish_reason": finish, "logprobs": None}]
             else:
                 choices = [{"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}]
+            if capped:
+                choices[0]["context_capped"] = True
             body = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choices}
             if usage is not None:
                 body["usage"] = usage
@@ -440,9 +447,9 @@ class Server:
                     finish = turn.finish_reason
                     if parser is not None and parser.calls and finish == "stop":
                         finish = "tool_calls"
-                    yield chunk({}, finish=finish)
+                    yield chunk({}, finish=finish, capped=turn.context_capped)
                 else:
-                    yield chunk(text="", finish=turn.finish_reason)
+                    yield chunk(text="", finish=turn.finish_reason, capped=turn.context_capped)
                 if req.include_usage:
                     yield chunk(usage=self.usage(len(ids), turn), empty=True)
                 yield "data: [DONE]\n\n"
@@ -463,7 +470,8 @@ class Server:
             "declared_context": self.model.config.context_length, "context": self.context,
             "slots": [{"index": s.index, "busy": s.busy, "held_tokens": len(s.session.held),
                        "capacity": s.session.capacity, "checkpoint": s.session.checkpoint_length,
-                       "batched_prefills": s.session.batched_prefills,
+                       "batched_prefills": s.session.batched_prefills, "replays": s.session.replays,
+                       "notices": list(s.session.notices),
                        "last_prefill": s.session.prefill_lines[-1] if s.session.prefill_lines else None,
                        "backend": s.session.backend.name, "requests": s.requests} for s in self.pool.slots],
             "queue": {"waiting": self.pool.waiting, "limit": self.pool.queue_size},
@@ -572,6 +580,7 @@ def create_app(server: Server) -> FastAPI:
     @app.get("/metrics")
     async def metrics(request: Request):
         server.check_auth(request)
+        server.metrics.slot_counts([(s.index, s.session) for s in server.pool.slots])
         return PlainTextResponse(server.metrics.render(server.pool.waiting, server.pool.busy, len(server.pool.slots),
                                                        server.store.snapshot()),
                                  media_type=server.metrics.CONTENT_TYPE)
@@ -621,7 +630,8 @@ def main(a) -> int:
                     limits=Limits(max_tokens=a.max_tokens_limit, max_messages=a.max_messages, max_body=a.max_body),
                     device=a.device, think_default=think, context=a.ctx, revalidate=a.revalidate,
                     state_ram=a.state_ram, state_dir=a.state_dir, state_disk=a.state_disk, hosts=hosts,
-                    request_timeout=request_timeout)
+                    request_timeout=request_timeout, log_prefills=getattr(a, "prefill_log", "on") == "on",
+                    guard_max_age=getattr(a, "guard_max_age", GUARD_MAX_AGE))
     c = model.config
     s0 = server.pool.slots[0].session
     template = "from the model file" if model.tokenizer.chat_template else "built-in ChatML"

@@ -43,9 +43,24 @@ class Metrics:
         self.store_events = Gauge("deltaserve_state_store_events", "State store events since start: hits, misses, "
                                   "restores_ram, restores_disk, evictions_ram, evictions_disk, refused_files, "
                                   "writes, write_errors.", ["event"], registry=reg)
+        self.slot_prefills = Gauge("deltaserve_slot_batched_prefills", "Batched prefills a slot ran since start.",
+                                   ["slot"], registry=reg)
+        self.slot_replays = Gauge("deltaserve_slot_replays", "Turns a slot replayed on the CPU after a fallback.",
+                                  ["slot"], registry=reg)
+        self.slot_accelerator = Gauge("deltaserve_slot_on_accelerator", "1 while a slot runs on an accelerator.",
+                                      ["slot"], registry=reg)
         self.store_saved_tokens = Gauge("deltaserve_state_store_tokens_not_prefilled",
                                         "Prompt tokens restored from the state store instead of prefilled.",
                                         registry=reg)
+
+    def slot_counts(self, slots) -> None:
+        """Each slot's counts since start, set at a scrape: its batched prefills, its replays after a fallback,
+        whether it is on an accelerator. `slots`: (index, session) pairs."""
+        with self._render_lock:
+            for i, session in slots:
+                self.slot_prefills.labels(slot=str(i)).set(session.batched_prefills)
+                self.slot_replays.labels(slot=str(i)).set(session.replays)
+                self.slot_accelerator.labels(slot=str(i)).set(int(session.on_accelerator))
 
     def request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
