@@ -11,9 +11,10 @@ from gguf import GGUFReader, GGUFValueType
 
 def rewrite(src: Path, dst: Path, arch: str | None = None, drop: str | None = None,
             reshape: tuple[str, int] | None = None, meta: dict | None = None,
-            fill: tuple[str, float] | None = None) -> Path:
+            fill: tuple[str, float] | None = None, replace: dict | None = None) -> Path:
     """Copy `src` to `dst`: `arch` renames the architecture (and its key prefix), `drop` leaves a tensor out,
-    `reshape=(name, rows)` keeps only the first `rows` rows of a 2-D f32 tensor, `meta` overrides values, `fill=(name, value)` sets every value of an f32 tensor."""
+    `reshape=(name, rows)` keeps only the first `rows` rows of a 2-D f32 tensor, `meta` overrides values, `fill=(name, value)` sets every value of an f32 tensor,
+    `replace={name: (type, raw bytes [rows, row bytes])}` stores a tensor as other blocks of the same logical shape."""
     r = GGUFReader(src)
     old_arch = r.fields["general.architecture"].contents()
     new_arch = arch or old_arch
@@ -32,6 +33,10 @@ def rewrite(src: Path, dst: Path, arch: str | None = None, drop: str | None = No
             w.add_key_value(key, value, vtype)
     for t in r.tensors:
         if t.name == drop:
+            continue
+        if replace and t.name in replace:
+            qtype, raw = replace[t.name]
+            w.add_tensor(t.name, raw, raw_shape=raw.shape, raw_dtype=qtype)
             continue
         data = np.array(t.data)
         if reshape and t.name == reshape[0]:

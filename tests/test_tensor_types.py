@@ -19,6 +19,7 @@ from gguf import GGUFReader
 import deltaserve
 from deltaserve.frontends.cli import main as cli
 from tests import llama_oracle as oracle
+from tests.gguf_edit import rewrite
 from tests.fixtures import models as fx
 from tests.test_moe import by_llama_quantize, decode_all, oracle_model, prompt
 
@@ -81,34 +82,12 @@ def random_blocks(qtype: T, rows: int, cols: int, rng: np.random.Generator) -> n
 def every_remaining_type():
     src = by_llama_quantize("Q8_0")
     out = src.with_name("model-every-remaining-type.gguf")
-    if out.exists():
-        return out
-    r = GGUFReader(src)
-    w = gguf.GGUFWriter(str(out), "qwen35moe")
-    for name, field in r.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        vtype = field.types[0]
-        if vtype == gguf.GGUFValueType.ARRAY:
-            w.add_key_value(name, field.contents(), vtype, sub_type=field.types[-1])
-        else:
-            w.add_key_value(name, field.contents(), vtype)
-    rng = np.random.default_rng(3)
-    for t in r.tensors:
-        shape = tuple(int(s) for s in reversed(t.shape))  # numpy order
-        if t.name in RETYPED:
-            qtype = RETYPED[t.name]
-            data = random_blocks(qtype, int(np.prod(shape[:-1])), shape[-1], rng)
-            w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=qtype)
-        elif t.tensor_type == T.F32:
-            w.add_tensor(t.name, np.array(t.data))
-        else:
-            data = np.array(t.data)
-            w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    if not out.exists():
+        rng = np.random.default_rng(3)
+        shapes = {t.name: tuple(int(s) for s in reversed(t.shape)) for t in GGUFReader(src).tensors}
+        replace = {name: (qtype, random_blocks(qtype, int(np.prod(shapes[name][:-1])), shapes[name][-1], rng))
+                   for name, qtype in RETYPED.items()}
+        rewrite(src, out, replace=replace)
     return out
 
 

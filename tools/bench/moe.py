@@ -14,12 +14,11 @@ file read through before each run.
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
-from tools.bench.peers import _cpu_name, in_fresh_process, median, use_best_llama
-from tools.bench.sizes import PP, warm_page_cache
+from tools.bench.peers import _cpu_name, use_best_llama
+from tools.bench.sizes import PP, side_by_side
 
 SHAPE = "35B-A3B"
 LAYERS = (4, 8)
@@ -60,15 +59,7 @@ def main(a) -> None:
         for layers in LAYERS:
             path = moe_file(kind, layers)
             row = {"kind": kind, "layers": layers, "file_bytes": path.stat().st_size}
-            runs: dict[str, list] = {"llama.cpp": [], "deltaserve": []}
-            for i in range(max(1, a.repeats)):
-                for engine, fn in (("llama.cpp", "llama_sizes"), ("deltaserve", "deltaserve_sizes")):
-                    print(f"[bench] moe {kind} {layers} layers: {engine}, round {i + 1}", file=sys.stderr, flush=True)
-                    warm_page_cache(path)
-                    runs[engine].append(in_fresh_process(fn, path, a.threads, PP, tg, module="tools.bench.sizes"))
-            for engine, rs in runs.items():
-                row[engine] = {k: median([r[k] for r in rs]) for k in ("load_s", "pp", "tg", "peak_rss")}
-                row[engine]["runs"] = rs
+            row.update(side_by_side(path, a.threads, tg, a.repeats, f"moe {kind} {layers} layers"))
             results["rows"].append(row)
             (out / "results.json").write_text(json.dumps(results, indent=1))
     results["full"] = {}

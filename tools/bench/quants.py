@@ -10,14 +10,13 @@ listed as not made: this checkout builds no llama-imatrix yet. Each engine runs 
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from tools.bench.peers import _cpu_name, in_fresh_process, median, use_best_llama
-from tools.bench.sizes import PP, warm_page_cache
+from tools.bench.peers import _cpu_name, in_fresh_process, use_best_llama
+from tools.bench.sizes import PP, side_by_side
 
 PRESETS = ("Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5_1", "Q5_0", "Q4_K_M", "Q4_K_S", "Q4_1", "Q4_0", "IQ4_NL", "IQ4_XS",
            "Q3_K_L", "Q3_K_M", "Q3_K_S", "IQ3_M", "IQ3_S", "Q2_K", "TQ2_0", "TQ1_0")
@@ -94,15 +93,7 @@ def main(a) -> None:
             results["not_made"][preset] = "llama-quantize refused it"
             continue
         row = {"preset": preset, "file_bytes": path.stat().st_size}
-        runs: dict[str, list] = {"llama.cpp": [], "deltaserve": []}
-        for i in range(max(1, a.repeats)):
-            for engine, fn in (("llama.cpp", "llama_sizes"), ("deltaserve", "deltaserve_sizes")):
-                print(f"[bench] quants {preset}: {engine}, round {i + 1}", file=sys.stderr, flush=True)
-                warm_page_cache(path)
-                runs[engine].append(in_fresh_process(fn, path, a.threads, PP, 16, module="tools.bench.sizes"))
-        for engine, rs in runs.items():
-            row[engine] = {k: median([r[k] for r in rs]) for k in ("load_s", "pp", "tg", "peak_rss")}
-            row[engine]["runs"] = rs
+        row.update(side_by_side(path, a.threads, 16, a.repeats, f"quants {preset}"))
         for engine, fn in (("llama.cpp", "llama_distance"), ("deltaserve", "deltaserve_distance")):
             row[engine].update(in_fresh_process(fn, path, a.threads, str(ref), module="tools.bench.quants"))
         results["rows"].append(row)

@@ -100,6 +100,25 @@ def llama_sizes(path: Path, threads: int, pp: int, tg: int) -> dict:
     return {"load_s": load_s, "pp": pp / pp_s, "tg": tg / tg_s, "peak_rss": _peak_rss()}
 
 
+def side_by_side(path: Path, threads: int, tg: int, repeats: int, label: str, run_rss: bool = False) -> dict:
+    """llama.cpp's and deltaserve's load, pp512, decode and peak RSS on one file, each engine in a fresh process
+    per round (the rounds interleaved, the file read through before each): {engine: medians and the runs}.
+    `run_rss`: also each engine's peak RSS of a short chat as a user runs it."""
+    runs: dict[str, list] = {"llama.cpp": [], "deltaserve": []}
+    for i in range(max(1, repeats)):
+        for engine, fn in (("llama.cpp", "llama_sizes"), ("deltaserve", "deltaserve_sizes")):
+            print(f"[bench] {label}: {engine}, round {i + 1}", file=sys.stderr, flush=True)
+            warm_page_cache(path)
+            run = in_fresh_process(fn, path, threads, PP, tg, module="tools.bench.sizes")
+            if run_rss:
+                warm_page_cache(path)
+                run.update(in_fresh_process(fn.replace("_sizes", "_run_rss"), path, threads, PP, tg,
+                                            module="tools.bench.sizes"))
+            runs[engine].append(run)
+    keys = ("load_s", "pp", "tg", "peak_rss") + (("run_rss",) if run_rss else ())
+    return {engine: {**{k: median([r[k] for r in rs]) for k in keys}, "runs": rs} for engine, rs in runs.items()}
+
+
 def main(a) -> None:
     from tools.bench.run import model_file
 
@@ -113,19 +132,8 @@ def main(a) -> None:
         for kind in ("q8_0", "Q4_K_M"):
             path = model_file(shape, kind)
             row = {"shape": shape, "kind": kind, "file_bytes": path.stat().st_size}
-            runs: dict[str, list] = {"llama.cpp": [], "deltaserve": []}
-            for i in range(1 if shape == "9B" else max(1, a.repeats)):
-                for engine, fn in (("llama.cpp", "llama_sizes"), ("deltaserve", "deltaserve_sizes")):
-                    print(f"[bench] sizes {shape} {kind}: {engine}, round {i + 1}", file=sys.stderr, flush=True)
-                    warm_page_cache(path)
-                    run = in_fresh_process(fn, path, a.threads, PP, tg, module="tools.bench.sizes")
-                    warm_page_cache(path)
-                    run.update(in_fresh_process(fn.replace("_sizes", "_run_rss"), path, a.threads, PP, tg,
-                                                module="tools.bench.sizes"))
-                    runs[engine].append(run)
-            for engine, rs in runs.items():
-                row[engine] = {k: median([r[k] for r in rs]) for k in ("load_s", "pp", "tg", "peak_rss", "run_rss")}
-                row[engine]["runs"] = rs
+            row.update(side_by_side(path, a.threads, tg, 1 if shape == "9B" else a.repeats, f"sizes {shape} {kind}",
+                                    run_rss=True))
             results["rows"].append(row)
             (out / "results.json").write_text(json.dumps(results, indent=1))
     md = write_report(results, out)
