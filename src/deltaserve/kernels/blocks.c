@@ -82,10 +82,23 @@ static inline float h2f(const uint8_t *p) {
  * IQ2_XS 512, IQ2_S 1024, IQ1_S 2048) or 4 (IQ3_XXS 256, IQ3_S 512) values; ksigns: 128 bytes of sign bits. */
 static const float *g_iq2xxs, *g_iq2xs, *g_iq2s, *g_iq3xxs, *g_iq3s, *g_iq1s;
 static const uint8_t *g_ksigns;
+/* the same grids as int8 (their values are small integers: IQ2 8..43, IQ3 1..62, IQ1 -1..1), for the products */
+static int8_t *i_iq2xxs, *i_iq2xs, *i_iq2s, *i_iq3xxs, *i_iq3s, *i_iq1s;
+
+static int8_t *int8_grid(const float *g, int n) {
+    int8_t *out = malloc((size_t)n);
+    if (out)
+        for (int i = 0; i < n; i++) out[i] = (int8_t)g[i];
+    return out;
+}
 
 int ds_set_tables(const float *iq2xxs, const float *iq2xs, const float *iq2s, const float *iq3xxs, const float *iq3s,
                   const float *iq1s, const uint8_t *ksigns) {
+    if (g_ksigns) return 0;  /* once per process (the tables are gguf's, the same every time) */
     g_iq2xxs = iq2xxs, g_iq2xs = iq2xs, g_iq2s = iq2s, g_iq3xxs = iq3xxs, g_iq3s = iq3s, g_iq1s = iq1s;
+    i_iq2xxs = int8_grid(iq2xxs, 256 * 8), i_iq2xs = int8_grid(iq2xs, 512 * 8), i_iq2s = int8_grid(iq2s, 1024 * 8);
+    i_iq3xxs = int8_grid(iq3xxs, 256 * 4), i_iq3s = int8_grid(iq3s, 512 * 4), i_iq1s = int8_grid(iq1s, 2048 * 8);
+    if (!i_iq2xxs || !i_iq2xs || !i_iq2s || !i_iq3xxs || !i_iq3s || !i_iq1s) return -1;
     g_ksigns = ksigns;
     return 0;
 }
@@ -1447,6 +1460,275 @@ int ds_gemm_blocks(int type, const float *x, int M, int K, long ldx, const uint8
 
 #endif  /* BLK_VNNI */
 
+/* ---- the other types' products: each row expanded to int8 values with a scale (and a min) per 16 -------------
+ * A row of Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, MXFP4, NVFP4, Q2_K, Q3_K, TQ1_0, TQ2_0 or an IQ1/IQ2/IQ3 grid type is
+ * w = sc[i / 16] v[i] + mn[i / 16] with v int8 (|v| <= 127) and f32 sc, mn: each the type's values exactly (its
+ * scale times a small integer; IQ1's grid + delta as (dl / 8) (8 g +- 1)). The row is expanded once per product (into
+ * L1), then multiplied as llama.cpp multiplies these types: the activations int8 per block of 32 (Q8_0's), each block
+ * of 16's integer sum exact, scaled by sc d_a, plus mn d_a times the activations' sum. */
+
+static const int8_t KV_IQ4NL8[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+/* 16 bytes of nibbles as 32 values (the low nibbles, then the high ones) looked up in a 16-entry table */
+static inline __m256i nib_lookup(const uint8_t *q, __m128i table) {
+    __m128i x = _mm_loadu_si128((const __m128i *)q), m = _mm_set1_epi8(0x0F);
+    __m128i lo = _mm_and_si128(x, m), hi = _mm_and_si128(_mm_srli_epi16(x, 4), m);
+    return _mm256_set_m128i(_mm_shuffle_epi8(table, hi), _mm_shuffle_epi8(table, lo));
+}
+
+/* the 32 bits of a little-endian uint32 as bytes 0 or 0x10 (bit i -> byte i) */
+static inline __m256i bits_x16(uint32_t qh) {
+    __m256i v = _mm256_set1_epi32((int)qh);
+    v = _mm256_shuffle_epi8(v, _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL,
+                                                 0x0101010101010101LL, 0x0000000000000000LL));
+    __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+/* 32 values of a 2-bit field: (q[l] >> shift) & 3, l < 32 */
+static inline __m256i two_bits(const uint8_t *q, int shift) {
+    __m256i x = _mm256_loadu_si256((const __m256i *)q);
+    return _mm256_and_si256(_mm256_srl_epi16(x, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(3));
+}
+
+static inline void set2(float *p, float a) { p[0] = p[1] = a; }
+
+/* 8 grid values (int8) with sign bits applied: v[j] = bit j set ? -g[j] : g[j] */
+static inline void grid8i(int8_t *v, const int8_t *g, uint8_t signs) {
+    for (int j = 0; j < 8; j++) v[j] = (signs >> j) & 1 ? (int8_t)-g[j] : g[j];
+}
+
+/* Expand one row: v [K], sc [K / 16], mn [K / 16] (left unwritten, and 0 returned, for the types without a min). */
+static int expand_row(int type, const uint8_t *b, int K, int8_t *v, float *sc, float *mn) {
+    const __m128i iq4 = _mm_loadu_si128((const __m128i *)KV_IQ4NL8), e2m1 = _mm_loadu_si128((const __m128i *)KV_E2M1);
+    switch (type) {
+    case T_Q4_1:
+    case T_Q5_1:
+    case T_Q5_0: {
+        const int q5 = type != T_Q4_1, min = type != T_Q5_0, bytes = type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22 : 24;
+        const int at = type == T_Q4_1 ? 4 : type == T_Q5_0 ? 6 : 8;
+        const __m128i ident = _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        for (int j = 0; j < K / 32; j++, b += bytes) {
+            __m256i q = nib_lookup(b + at, ident);
+            if (q5) q = _mm256_or_si256(q, bits_x16(u32(b + (min ? 4 : 2))));
+            if (!min) q = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
+            _mm256_storeu_si256((__m256i *)(v + 32 * j), q);
+            set2(sc + 2 * j, h2f(b));
+            if (min) set2(mn + 2 * j, h2f(b + 2));
+        }
+        return min;
+    }
+    case T_IQ4_NL:
+    case T_MXFP4: {
+        const int nl = type == T_IQ4_NL, bytes = nl ? 18 : 17;
+        for (int j = 0; j < K / 32; j++, b += bytes) {
+            _mm256_storeu_si256((__m256i *)(v + 32 * j), nib_lookup(b + (nl ? 2 : 1), nl ? iq4 : e2m1));
+            set2(sc + 2 * j, nl ? h2f(b) : e8m0_half(b[0]));
+        }
+        return 0;
+    }
+    case T_IQ4_XS:
+        for (int jb = 0; jb < K / 256; jb++, b += 136) {
+            float d = h2f(b);
+            uint16_t sh = u16(b + 2);
+            for (int s = 0; s < 8; s++) {
+                int ls = ((b[4 + s / 2] >> (4 * (s % 2))) & 0xF) | (((sh >> (2 * s)) & 3) << 4);
+                _mm256_storeu_si256((__m256i *)(v + 256 * jb + 32 * s), nib_lookup(b + 8 + 16 * s, iq4));
+                set2(sc + 16 * jb + 2 * s, d * (float)(ls - 32));
+            }
+        }
+        return 0;
+    case T_NVFP4:
+        for (int jb = 0; jb < K / 64; jb++, b += 36)
+            for (int s = 0; s < 4; s++) {
+                const uint8_t *q = b + 4 + 8 * s;
+                for (int i = 0; i < 8; i++) {
+                    v[64 * jb + 16 * s + i] = KV_E2M1[q[i] & 0xF];
+                    v[64 * jb + 16 * s + 8 + i] = KV_E2M1[q[i] >> 4];
+                }
+                sc[4 * jb + s] = ue4m3_half(b[s]);
+            }
+        return 0;
+    case T_Q2_K:
+    case T_TQ2_0: {
+        const int q2 = type == T_Q2_K, bytes = q2 ? 84 : 66;
+        for (int jb = 0; jb < K / 256; jb++, b += bytes) {
+            const uint8_t *qs = b + (q2 ? 16 : 0);
+            for (int h = 0; h < 2; h++)
+                for (int p = 0; p < 4; p++) {
+                    __m256i q = two_bits(qs + 32 * h, 2 * p);
+                    if (!q2) q = _mm256_sub_epi8(q, _mm256_set1_epi8(1));
+                    _mm256_storeu_si256((__m256i *)(v + 256 * jb + 128 * h + 32 * p), q);
+                }
+            if (q2) {
+                float d = h2f(b + 80), dmin = h2f(b + 82);
+                for (int g = 0; g < 16; g++) sc[16 * jb + g] = d * (float)(b[g] & 0xF), mn[16 * jb + g] = -(dmin * (float)(b[g] >> 4));
+            } else {
+                float d = h2f(b + 64);
+                for (int g = 0; g < 16; g++) sc[16 * jb + g] = d;
+            }
+        }
+        return q2;
+    }
+    case T_Q3_K:
+        for (int jb = 0; jb < K / 256; jb++, b += 110) {
+            const uint8_t *hm = b, *qs = b + 32, *scs = b + 96;
+            float d = h2f(b + 108);
+            __m256i hmv = _mm256_loadu_si256((const __m256i *)hm);
+            for (int h = 0; h < 2; h++)
+                for (int p = 0; p < 4; p++) {
+                    __m256i q = two_bits(qs + 32 * h, 2 * p);
+                    __m256i hb = _mm256_and_si256(_mm256_srl_epi16(hmv, _mm_cvtsi32_si128(4 * h + p)), _mm256_set1_epi8(1));
+                    q = _mm256_sub_epi8(q, _mm256_slli_epi16(_mm256_xor_si256(hb, _mm256_set1_epi8(1)), 2));
+                    _mm256_storeu_si256((__m256i *)(v + 256 * jb + 128 * h + 32 * p), q);
+                }
+            for (int g = 0; g < 16; g++) {
+                int lo = (scs[g % 8] >> (4 * (g / 8))) & 0xF, hi = (scs[8 + g % 4] >> (2 * (g / 4))) & 3;
+                sc[16 * jb + g] = d * (float)((lo | (hi << 4)) - 32);
+            }
+        }
+        return 0;
+    case T_TQ1_0:
+        for (int jb = 0; jb < K / 256; jb++, b += 54) {
+            static const uint8_t pow3[5] = {1, 3, 9, 27, 81};
+            int8_t *o = v + 256 * jb;
+            for (int p = 0; p < 5; p++)
+                for (int l = 0; l < 32; l++) *o++ = (int8_t)((((uint8_t)(b[l] * pow3[p]) * 3) >> 8) - 1);
+            for (int p = 0; p < 5; p++)
+                for (int l = 0; l < 16; l++) *o++ = (int8_t)((((uint8_t)(b[32 + l] * pow3[p]) * 3) >> 8) - 1);
+            for (int p = 0; p < 4; p++)
+                for (int l = 0; l < 4; l++) *o++ = (int8_t)((((uint8_t)(b[48 + l] * pow3[p]) * 3) >> 8) - 1);
+            float d = h2f(b + 52);
+            for (int g = 0; g < 16; g++) sc[16 * jb + g] = d;
+        }
+        return 0;
+    }
+    if (!g_ksigns) return -1;
+    switch (type) {
+    case T_IQ2_XXS:
+        for (int jb = 0; jb < K / 256; jb++, b += 66) {
+            float d = h2f(b);
+            for (int s = 0; s < 8; s++) {
+                const uint8_t *aux0 = b + 2 + 8 * s;
+                uint32_t aux1 = u32(b + 2 + 8 * s + 4);
+                for (int l = 0; l < 4; l++)
+                    grid8i(v + 256 * jb + 32 * s + 8 * l, i_iq2xxs + 8 * aux0[l], g_ksigns[(aux1 >> (7 * l)) & 0x7F]);
+                set2(sc + 16 * jb + 2 * s, d * (0.5f + (float)(aux1 >> 28)) * 0.25f);
+            }
+        }
+        return 0;
+    case T_IQ2_XS:
+        for (int jb = 0; jb < K / 256; jb++, b += 74) {
+            float d = h2f(b);
+            for (int s = 0; s < 16; s++) {
+                for (int l = 0; l < 2; l++) {
+                    uint16_t q = u16(b + 2 + 2 * (2 * s + l));
+                    grid8i(v + 256 * jb + 16 * s + 8 * l, i_iq2xs + 8 * (q & 511), g_ksigns[q >> 9]);
+                }
+                sc[16 * jb + s] = d * (0.5f + (float)((b[66 + s / 2] >> (4 * (s % 2))) & 0xF)) * 0.25f;
+            }
+        }
+        return 0;
+    case T_IQ2_S:
+        for (int jb = 0; jb < K / 256; jb++, b += 82) {
+            float d = h2f(b);
+            for (int s = 0; s < 16; s++) {
+                for (int l = 0; l < 2; l++) {
+                    int i = 2 * s + l, idx = b[2 + i] | (((b[66 + i / 4] >> (2 * (i % 4))) & 3) << 8);
+                    grid8i(v + 256 * jb + 8 * i, i_iq2s + 8 * idx, b[34 + i]);
+                }
+                sc[16 * jb + s] = d * (0.5f + (float)((b[74 + s / 2] >> (4 * (s % 2))) & 0xF)) * 0.25f;
+            }
+        }
+        return 0;
+    case T_IQ3_XXS:
+        for (int jb = 0; jb < K / 256; jb++, b += 98) {
+            float d = h2f(b);
+            for (int s = 0; s < 8; s++) {
+                uint32_t aux = u32(b + 66 + 4 * s);
+                for (int l = 0; l < 4; l++) {
+                    int8_t g[8];
+                    memcpy(g, i_iq3xxs + 4 * b[2 + 8 * s + 2 * l], 4);
+                    memcpy(g + 4, i_iq3xxs + 4 * b[2 + 8 * s + 2 * l + 1], 4);
+                    grid8i(v + 256 * jb + 32 * s + 8 * l, g, g_ksigns[(aux >> (7 * l)) & 0x7F]);
+                }
+                set2(sc + 16 * jb + 2 * s, d * (0.5f + (float)(aux >> 28)) * 0.5f);
+            }
+        }
+        return 0;
+    case T_IQ3_S:
+        for (int jb = 0; jb < K / 256; jb++, b += 110) {
+            float d = h2f(b);
+            for (int s = 0; s < 8; s++) {
+                for (int l = 0; l < 4; l++) {
+                    int i0 = 8 * s + 2 * l, i1 = i0 + 1;
+                    int8_t g[8];
+                    memcpy(g, i_iq3s + 4 * (b[2 + i0] | (((b[66 + i0 / 8] >> (i0 % 8)) & 1) << 8)), 4);
+                    memcpy(g + 4, i_iq3s + 4 * (b[2 + i1] | (((b[66 + i1 / 8] >> (i1 % 8)) & 1) << 8)), 4);
+                    grid8i(v + 256 * jb + 32 * s + 8 * l, g, b[74 + 4 * s + l]);
+                }
+                set2(sc + 16 * jb + 2 * s, d * (float)(1 + 2 * ((b[106 + s / 2] >> (4 * (s % 2))) & 0xF)));
+            }
+        }
+        return 0;
+    case T_IQ1_S:
+        for (int jb = 0; jb < K / 256; jb++, b += 50) {
+            float d = h2f(b);
+            for (int s = 0; s < 8; s++) {
+                uint16_t qh = u16(b + 34 + 2 * s);
+                int8_t delta = qh & 0x8000 ? -1 : 1;
+                for (int l = 0; l < 4; l++) {
+                    const int8_t *g = i_iq1s + 8 * (b[2 + 4 * s + l] | (((qh >> (3 * l)) & 7) << 8));
+                    for (int i = 0; i < 8; i++) v[256 * jb + 32 * s + 8 * l + i] = (int8_t)(8 * g[i] + delta);
+                }
+                set2(sc + 16 * jb + 2 * s, d * (float)(2 * ((qh >> 12) & 7) + 1) * 0.125f);
+            }
+        }
+        return 0;
+    case T_IQ1_M:
+        for (int jb = 0; jb < K / 256; jb++, b += 56) {
+            uint16_t scw[4] = {u16(b + 48), u16(b + 50), u16(b + 52), u16(b + 54)};
+            uint16_t dbits = (uint16_t)((scw[0] >> 12) | ((scw[1] >> 8) & 0xF0) | ((scw[2] >> 4) & 0xF00) | (scw[3] & 0xF000));
+            float d = h2f((const uint8_t *)&dbits);
+            for (int k = 0; k < 16; k++) {  /* half h of sub-block s: 16 values, its own scale */
+                sc[16 * jb + k] = d * (float)(2 * ((scw[k / 4] >> (3 * (k % 4))) & 7) + 1) * 0.125f;
+                for (int g = 0; g < 2; g++) {
+                    int i = 2 * k + g, nib = (b[32 + i / 2] >> (4 * (i % 2))) & 0xF;
+                    const int8_t *gr = i_iq1s + 8 * (b[i] | ((nib & 7) << 8));
+                    int8_t delta = nib & 8 ? -1 : 1;
+                    for (int x = 0; x < 8; x++) v[256 * jb + 8 * i + x] = (int8_t)(8 * gr[x] + delta);
+                }
+            }
+        }
+        return 0;
+    }
+    return -1;
+}
+
+/* one expanded row against M prepared rows (Q8_0-style activations: a.q, a.d per 32) */
+static void row_expanded(const int8_t *v, const float *sc, const float *mn, int K, const act_t *a, int M, float *out) {
+    for (int m = 0; m < M; m++) {
+        __m256 acc = _mm256_setzero_ps();
+        float macc = 0.0f;
+        for (int j = 0; j < K / 32; j++) {
+            __m256i w = _mm256_loadu_si256((const __m256i *)(v + 32 * j));
+            __m256i s = dot_i8(_mm256_sign_epi8(w, w), w, _mm256_loadu_si256((const __m256i *)(a[m].q + 32 * j)));
+            float da = a[m].d[j];
+            __m256 scale = _mm256_set_m128(_mm_set1_ps(sc[2 * j + 1] * da), _mm_set1_ps(sc[2 * j] * da));
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc);
+            if (mn) {  /* the activations' sums of 16 */
+                __m256i q = _mm256_loadu_si256((const __m256i *)(a[m].q + 32 * j));
+                __m256i s4 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q), _mm256_set1_epi16(1));
+                __m128i lo = _mm256_castsi256_si128(s4), hi = _mm256_extracti128_si256(s4, 1);
+                lo = _mm_add_epi32(lo, _mm_shuffle_epi32(lo, 0x4E)), hi = _mm_add_epi32(hi, _mm_shuffle_epi32(hi, 0x4E));
+                int32_t s0 = _mm_cvtsi128_si32(lo) + _mm_extract_epi32(lo, 1), s1 = _mm_cvtsi128_si32(hi) + _mm_extract_epi32(hi, 1);
+                macc += da * (mn[2 * j] * (float)s0 + mn[2 * j + 1] * (float)s1);
+            }
+        }
+        out[m] = blk_hsum8(acc) + macc;
+    }
+}
+
 /* ---- the team-level pieces (blocks.h), and the product built from them ----------------------------------- */
 
 int blk_kind(int type) {
@@ -1455,7 +1737,12 @@ int blk_kind(int type) {
     if (type == T_F16 || type == T_BF16) return 3;
     if (type == T_Q8_0 || type == T_Q4_0) return 1;
     if (type == T_Q4_K || type == T_Q5_K || type == T_Q6_K) return 2;
-    return 4;  /* read by dequantizing each row (deq_row_more), times the f32 activations */
+    return 1;  /* the other types: expanded row by row (expand_row), times Q8_0-style activations */
+}
+
+/* the types multiplied by expanding each row (expand_row), with kind 1's activations */
+static int expanded(int type) {
+    return type != T_Q8_0 && type != T_Q4_0 && blk_kind(type) == 1;
 }
 
 int blk_values(int type) {
@@ -1539,22 +1826,19 @@ void blk_tiles_rows(int type, const uint8_t *blocks, int N, int K, void *scratch
     block_info(type, &elems, &bytes);
     size_t row_bytes = (size_t)(K / elems) * bytes;
     act_t a[DS_MAX_ROWS > MG ? DS_MAX_ROWS : MG];
-    if (kind == 4) {  /* each row dequantized once (exactly), then times every activation row in f32 */
-        float w[K];
+    if (expanded(type)) {  /* each row expanded once (to int8 values and scales), then times every activation row */
+        int8_t v[K];
+        float sc[K / 16], mn[K / 16];
         #pragma omp for schedule(static) nowait
         for (int n = 0; n < N; n++) {
-            deq_row_more(type, blocks + (size_t)n * row_bytes, K, w);
-            for (int m = 0; m < M; m++) {
-                const float *x = act_row(kind, scratch, Mall, K, m_first + m).x;
-                __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-                int k = 0;
-                for (; k + 16 <= K; k += 16) {
-                    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), acc0);
-                    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8), _mm256_loadu_ps(x + k + 8), acc1);
-                }
-                float sum = blk_hsum8(_mm256_add_ps(acc0, acc1));
-                for (; k < K; k++) sum += w[k] * x[k];
-                y[(size_t)m * ldy + n] = sum;
+            int mins = expand_row(type, blocks + (size_t)n * row_bytes, K, v, sc, mn);
+            float out[DS_MAX_ROWS > MG ? DS_MAX_ROWS : MG];
+            for (int m0 = 0; m0 < M; m0 += DS_MAX_ROWS) {
+                int mm = M - m0 < DS_MAX_ROWS ? M - m0 : DS_MAX_ROWS;
+                act_t am[DS_MAX_ROWS];
+                for (int m = 0; m < mm; m++) am[m] = act_row(kind, scratch, Mall, K, m_first + m0 + m);
+                row_expanded(v, sc, mins > 0 ? mn : NULL, K, am, mm, out);
+                for (int m = 0; m < mm; m++) y[(size_t)(m0 + m) * ldy + n] = out[m];
             }
         }
         return;

@@ -19,9 +19,9 @@ static inline float blk_hsum8(__m256 v) {
     return _mm_cvtss_f32(m);
 }
 
-#define BLK_KINDS 5  /* blk_kind's kinds are 1 .. BLK_KINDS - 1 */
-/* 1: blocks of 32 (Q8_0, Q4_0), 2: blocks of 256 (Q4_K, Q5_K, Q6_K), 3: F16/BF16, 4: the other block types (each row
- * dequantized exactly, then multiplied in f32), 0: none of them */
+#define BLK_KINDS 4  /* blk_kind's kinds are 1 .. BLK_KINDS - 1 */
+/* 1: activations int8 per block of 32 (Q8_0, Q4_0, and every other type but the three below: their rows expanded to
+ * int8 values with a scale per 16), 2: per block of 256 (Q4_K, Q5_K, Q6_K), 3: F16/BF16 (the f32 rows), 0: none */
 int blk_kind(int type);
 int blk_values(int type);  /* values per block (1 for F16/BF16): a product's K is a multiple of it */
 size_t blk_scratch_bytes(int M, int K);
