@@ -1476,13 +1476,36 @@ static inline __m256i nib_lookup(const uint8_t *q, __m128i table) {
     return _mm256_set_m128i(_mm_shuffle_epi8(table, hi), _mm_shuffle_epi8(table, lo));
 }
 
-/* the 32 bits of a little-endian uint32 as bytes 0 or 0x10 (bit i -> byte i) */
-static inline __m256i bits_x16(uint32_t qh) {
-    __m256i v = _mm256_set1_epi32((int)qh);
+/* the 32 bits of a little-endian uint32 as bytes 0xFF (bit set) or 0 (bit i -> byte i) */
+static inline __m256i bit_mask32(uint32_t bits) {
+    __m256i v = _mm256_set1_epi32((int)bits);
     v = _mm256_shuffle_epi8(v, _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL,
                                                  0x0101010101010101LL, 0x0000000000000000LL));
     __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit), _mm256_set1_epi8(0x10));
+    return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+}
+
+static inline __m256i bits_x16(uint32_t qh) { return _mm256_and_si256(bit_mask32(qh), _mm256_set1_epi8(0x10)); }
+
+/* v negated where the sign bit is set (bit i for byte i) */
+static inline __m256i apply_signs(__m256i v, uint32_t signs) {
+    __m256i m = bit_mask32(signs);
+    return _mm256_sub_epi8(_mm256_xor_si256(v, m), m);
+}
+
+/* 32 int8 grid values: four rows of 8 (IQ2/IQ1 grids), rows idx[0..3] */
+static inline __m256i grid_rows8(const int8_t *grid, int i0, int i1, int i2, int i3) {
+    return _mm256_i32gather_epi64((const long long *)grid, _mm_setr_epi32(i0, i1, i2, i3), 8);
+}
+
+/* 32 int8 grid values: eight rows of 4 (IQ3 grids) */
+static inline __m256i grid_rows4(const int8_t *grid, __m256i idx) {
+    return _mm256_i32gather_epi32((const int *)grid, idx, 4);
+}
+
+static inline uint32_t ksigns4(uint32_t aux) {  /* the four 7-bit sign indices of aux as four sign bytes */
+    return (uint32_t)g_ksigns[aux & 0x7F] | (uint32_t)g_ksigns[(aux >> 7) & 0x7F] << 8 |
+           (uint32_t)g_ksigns[(aux >> 14) & 0x7F] << 16 | (uint32_t)g_ksigns[(aux >> 21) & 0x7F] << 24;
 }
 
 /* 32 values of a 2-bit field: (q[l] >> shift) & 3, l < 32 */
@@ -1492,11 +1515,6 @@ static inline __m256i two_bits(const uint8_t *q, int shift) {
 }
 
 static inline void set2(float *p, float a) { p[0] = p[1] = a; }
-
-/* 8 grid values (int8) with sign bits applied: v[j] = bit j set ? -g[j] : g[j] */
-static inline void grid8i(int8_t *v, const int8_t *g, uint8_t signs) {
-    for (int j = 0; j < 8; j++) v[j] = (signs >> j) & 1 ? (int8_t)-g[j] : g[j];
-}
 
 /* Expand one row: v [K], sc [K / 16], mn [K / 16] (left unwritten, and 0 returned, for the types without a min). */
 static int expand_row(int type, const uint8_t *b, int K, int8_t *v, float *sc, float *mn) {
@@ -1611,8 +1629,8 @@ static int expand_row(int type, const uint8_t *b, int K, int8_t *v, float *sc, f
             for (int s = 0; s < 8; s++) {
                 const uint8_t *aux0 = b + 2 + 8 * s;
                 uint32_t aux1 = u32(b + 2 + 8 * s + 4);
-                for (int l = 0; l < 4; l++)
-                    grid8i(v + 256 * jb + 32 * s + 8 * l, i_iq2xxs + 8 * aux0[l], g_ksigns[(aux1 >> (7 * l)) & 0x7F]);
+                __m256i g = grid_rows8(i_iq2xxs, aux0[0], aux0[1], aux0[2], aux0[3]);
+                _mm256_storeu_si256((__m256i *)(v + 256 * jb + 32 * s), apply_signs(g, ksigns4(aux1)));
                 set2(sc + 16 * jb + 2 * s, d * (0.5f + (float)(aux1 >> 28)) * 0.25f);
             }
         }
@@ -1620,24 +1638,27 @@ static int expand_row(int type, const uint8_t *b, int K, int8_t *v, float *sc, f
     case T_IQ2_XS:
         for (int jb = 0; jb < K / 256; jb++, b += 74) {
             float d = h2f(b);
-            for (int s = 0; s < 16; s++) {
-                for (int l = 0; l < 2; l++) {
-                    uint16_t q = u16(b + 2 + 2 * (2 * s + l));
-                    grid8i(v + 256 * jb + 16 * s + 8 * l, i_iq2xs + 8 * (q & 511), g_ksigns[q >> 9]);
-                }
-                sc[16 * jb + s] = d * (0.5f + (float)((b[66 + s / 2] >> (4 * (s % 2))) & 0xF)) * 0.25f;
+            for (int s = 0; s < 8; s++) {  /* 32 values: four codes, two scales */
+                uint16_t q[4] = {u16(b + 2 + 8 * s), u16(b + 4 + 8 * s), u16(b + 6 + 8 * s), u16(b + 8 + 8 * s)};
+                __m256i g = grid_rows8(i_iq2xs, q[0] & 511, q[1] & 511, q[2] & 511, q[3] & 511);
+                uint32_t signs = (uint32_t)g_ksigns[q[0] >> 9] | (uint32_t)g_ksigns[q[1] >> 9] << 8 |
+                                 (uint32_t)g_ksigns[q[2] >> 9] << 16 | (uint32_t)g_ksigns[q[3] >> 9] << 24;
+                _mm256_storeu_si256((__m256i *)(v + 256 * jb + 32 * s), apply_signs(g, signs));
+                for (int h = 0; h < 2; h++)
+                    sc[16 * jb + 2 * s + h] = d * (0.5f + (float)((b[66 + s] >> (4 * h)) & 0xF)) * 0.25f;
             }
         }
         return 0;
     case T_IQ2_S:
         for (int jb = 0; jb < K / 256; jb++, b += 82) {
             float d = h2f(b);
-            for (int s = 0; s < 16; s++) {
-                for (int l = 0; l < 2; l++) {
-                    int i = 2 * s + l, idx = b[2 + i] | (((b[66 + i / 4] >> (2 * (i % 4))) & 3) << 8);
-                    grid8i(v + 256 * jb + 8 * i, i_iq2s + 8 * idx, b[34 + i]);
-                }
-                sc[16 * jb + s] = d * (0.5f + (float)((b[74 + s / 2] >> (4 * (s % 2))) & 0xF)) * 0.25f;
+            for (int s = 0; s < 8; s++) {  /* 32 values: groups i = 4 s .. 4 s + 3, two scales */
+                int idx[4];
+                for (int k = 0; k < 4; k++) idx[k] = b[2 + 4 * s + k] | (((b[66 + s] >> (2 * k)) & 3) << 8);
+                __m256i g = grid_rows8(i_iq2s, idx[0], idx[1], idx[2], idx[3]);
+                _mm256_storeu_si256((__m256i *)(v + 256 * jb + 32 * s), apply_signs(g, u32(b + 34 + 4 * s)));
+                for (int h = 0; h < 2; h++)
+                    sc[16 * jb + 2 * s + h] = d * (0.5f + (float)((b[74 + s] >> (4 * h)) & 0xF)) * 0.25f;
             }
         }
         return 0;
@@ -1646,12 +1667,8 @@ static int expand_row(int type, const uint8_t *b, int K, int8_t *v, float *sc, f
             float d = h2f(b);
             for (int s = 0; s < 8; s++) {
                 uint32_t aux = u32(b + 66 + 4 * s);
-                for (int l = 0; l < 4; l++) {
-                    int8_t g[8];
-                    memcpy(g, i_iq3xxs + 4 * b[2 + 8 * s + 2 * l], 4);
-                    memcpy(g + 4, i_iq3xxs + 4 * b[2 + 8 * s + 2 * l + 1], 4);
-                    grid8i(v + 256 * jb + 32 * s + 8 * l, g, g_ksigns[(aux >> (7 * l)) & 0x7F]);
-                }
+                __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * s)));
+                _mm256_storeu_si256((__m256i *)(v + 256 * jb + 32 * s), apply_signs(grid_rows4(i_iq3xxs, idx), ksigns4(aux)));
                 set2(sc + 16 * jb + 2 * s, d * (0.5f + (float)(aux >> 28)) * 0.5f);
             }
         }
@@ -1660,47 +1677,62 @@ static int expand_row(int type, const uint8_t *b, int K, int8_t *v, float *sc, f
         for (int jb = 0; jb < K / 256; jb++, b += 110) {
             float d = h2f(b);
             for (int s = 0; s < 8; s++) {
-                for (int l = 0; l < 4; l++) {
-                    int i0 = 8 * s + 2 * l, i1 = i0 + 1;
-                    int8_t g[8];
-                    memcpy(g, i_iq3s + 4 * (b[2 + i0] | (((b[66 + i0 / 8] >> (i0 % 8)) & 1) << 8)), 4);
-                    memcpy(g + 4, i_iq3s + 4 * (b[2 + i1] | (((b[66 + i1 / 8] >> (i1 % 8)) & 1) << 8)), 4);
-                    grid8i(v + 256 * jb + 32 * s + 8 * l, g, b[74 + 4 * s + l]);
-                }
+                __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * s)));
+                __m256i high = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(b[66 + s]),
+                                                                  _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+                                                _mm256_set1_epi32(1));
+                idx = _mm256_or_si256(idx, _mm256_slli_epi32(high, 8));
+                _mm256_storeu_si256((__m256i *)(v + 256 * jb + 32 * s), apply_signs(grid_rows4(i_iq3s, idx), u32(b + 74 + 4 * s)));
                 set2(sc + 16 * jb + 2 * s, d * (float)(1 + 2 * ((b[106 + s / 2] >> (4 * (s % 2))) & 0xF)));
             }
         }
         return 0;
     case T_IQ1_S:
-        for (int jb = 0; jb < K / 256; jb++, b += 50) {
-            float d = h2f(b);
-            for (int s = 0; s < 8; s++) {
-                uint16_t qh = u16(b + 34 + 2 * s);
-                int8_t delta = qh & 0x8000 ? -1 : 1;
+    case T_IQ1_M: {
+        const int m = type == T_IQ1_M;
+        for (int jb = 0; jb < K / 256; jb++, b += m ? 56 : 50) {
+            float d;
+            uint16_t scw[4] = {0, 0, 0, 0};
+            if (m) {
+                for (int k = 0; k < 4; k++) scw[k] = u16(b + 48 + 2 * k);
+                uint16_t dbits = (uint16_t)((scw[0] >> 12) | ((scw[1] >> 8) & 0xF0) | ((scw[2] >> 4) & 0xF00) | (scw[3] & 0xF000));
+                d = h2f((const uint8_t *)&dbits);
+            } else {
+                d = h2f(b);
+            }
+            const uint8_t *qs = b + (m ? 0 : 2);
+            for (int s = 0; s < 8; s++) {  /* 32 values: four rows of the grid, 8 g +- 1 (the delta's sign) */
+                int idx[4];
+                long long delta[4];
+                uint16_t qh = m ? 0 : u16(b + 34 + 2 * s);
                 for (int l = 0; l < 4; l++) {
-                    const int8_t *g = i_iq1s + 8 * (b[2 + 4 * s + l] | (((qh >> (3 * l)) & 7) << 8));
-                    for (int i = 0; i < 8; i++) v[256 * jb + 32 * s + 8 * l + i] = (int8_t)(8 * g[i] + delta);
+                    int i = 4 * s + l, high, neg;
+                    if (m) {
+                        int nib = (b[32 + i / 2] >> (4 * (i % 2))) & 0xF;
+                        high = nib & 7, neg = nib & 8;
+                    } else {
+                        high = (qh >> (3 * l)) & 7, neg = qh & 0x8000;
+                    }
+                    idx[l] = qs[i] | (high << 8);
+                    delta[l] = neg ? -1LL : 0x0101010101010101LL;
                 }
-                set2(sc + 16 * jb + 2 * s, d * (float)(2 * ((qh >> 12) & 7) + 1) * 0.125f);
+                __m256i g = grid_rows8(i_iq1s, idx[0], idx[1], idx[2], idx[3]);  /* -1, 0, 1 */
+                __m256i eight = _mm256_shuffle_epi8(_mm256_setr_epi8(-8, 0, 8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                                     -8, 0, 8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0),
+                                                    _mm256_add_epi8(g, _mm256_set1_epi8(1)));
+                __m256i val = _mm256_add_epi8(eight, _mm256_setr_epi64x(delta[0], delta[1], delta[2], delta[3]));
+                _mm256_storeu_si256((__m256i *)(v + 256 * jb + 32 * s), val);
+                if (m)
+                    for (int h = 0; h < 2; h++) {
+                        int k = 2 * s + h;
+                        sc[16 * jb + k] = d * (float)(2 * ((scw[k / 4] >> (3 * (k % 4))) & 7) + 1) * 0.125f;
+                    }
+                else
+                    set2(sc + 16 * jb + 2 * s, d * (float)(2 * ((qh >> 12) & 7) + 1) * 0.125f);
             }
         }
         return 0;
-    case T_IQ1_M:
-        for (int jb = 0; jb < K / 256; jb++, b += 56) {
-            uint16_t scw[4] = {u16(b + 48), u16(b + 50), u16(b + 52), u16(b + 54)};
-            uint16_t dbits = (uint16_t)((scw[0] >> 12) | ((scw[1] >> 8) & 0xF0) | ((scw[2] >> 4) & 0xF00) | (scw[3] & 0xF000));
-            float d = h2f((const uint8_t *)&dbits);
-            for (int k = 0; k < 16; k++) {  /* half h of sub-block s: 16 values, its own scale */
-                sc[16 * jb + k] = d * (float)(2 * ((scw[k / 4] >> (3 * (k % 4))) & 7) + 1) * 0.125f;
-                for (int g = 0; g < 2; g++) {
-                    int i = 2 * k + g, nib = (b[32 + i / 2] >> (4 * (i % 2))) & 0xF;
-                    const int8_t *gr = i_iq1s + 8 * (b[i] | ((nib & 7) << 8));
-                    int8_t delta = nib & 8 ? -1 : 1;
-                    for (int x = 0; x < 8; x++) v[256 * jb + 8 * i + x] = (int8_t)(8 * gr[x] + delta);
-                }
-            }
-        }
-        return 0;
+    }
     }
     return -1;
 }
