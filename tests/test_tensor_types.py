@@ -155,3 +155,24 @@ def test_blocks_c_reads_every_other_type_bit_for_bit_and_multiplies_its_values_a
         assert ((y - exact).norm(dim=1) / exact.norm(dim=1)).max().item() < 0.02, (kind, m)
         for i in range(m):
             assert torch.equal(lin(x[i:i + 1])[0], y[i]), (kind, m, i)
+
+
+@pytest.mark.parametrize("preset", ["Q5_0", "IQ4_NL"])
+def test_a_dense_model_quantized_by_llama_cpp_to_a_preset_is_no_farther_from_f32_than_llama_cpp(preset):
+    """The same on a dense fixture ("deep": rows of 96, so llama-quantize keeps 32-value blocks)."""
+    src = fx.gguf_path("deep", "f32")
+    path = src.with_name(f"model-{preset}-by-llama.cpp.gguf")
+    if not path.exists():
+        tmp = path.with_suffix(".part")
+        assert oracle.quantize(src, tmp, preset) == 0
+        tmp.replace(path)
+    m = deltaserve.load(path, cache=False)
+    assert preset in {t.type for t in m.host.tensor_summary}
+    ids = torch.randint(0, m.tokenizer.vocab_size, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.no_grad():
+        want = fx.load_hf_model("deep")(input_ids=torch.tensor([ids])).logits[0].float()
+    for n_batch, mine in ((256, m.logits(ids)), (1, decode_all(m, ids[:16]))):
+        theirs = torch.from_numpy(oracle.logits(path, ids[:mine.shape[0]], n_ctx=256, n_batch=n_batch))
+        w = want[:mine.shape[0]]
+        d_mine, d_theirs = (mine - w).abs().mean().item(), (theirs[:, :mine.shape[1]] - w).abs().mean().item()
+        assert d_mine <= 1.1 * d_theirs, (preset, n_batch, d_mine, d_theirs)
