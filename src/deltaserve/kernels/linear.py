@@ -238,7 +238,9 @@ _AMX: list[bool] = []
 # coarser than int8 per row, so requantizing adds little (0.8B trained demo, Q4_K_M prefill: 0.98x llama.cpp's error
 # against f32, f32 chunks 0.95x); Q8_0 and 16-bit weights would lose their own precision there (Q8_0: 1.31x, the
 # issue's bound is 1.1x) and stay exact f32 chunks
-INT8_CHUNK_KINDS = ("Q4_0", "Q4_K", "Q5_K", "Q6_K")
+INT8_CHUNK_KINDS = ("Q4_0", "Q4_K", "Q5_K", "Q6_K",  # and every type of at most 5 bits a value the file may hold:
+                    "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS",
+                    "IQ2_XXS", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4")
 
 
 def amx_bf16() -> bool:
