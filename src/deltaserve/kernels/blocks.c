@@ -1737,12 +1737,36 @@ static int expand_row(int type, const uint8_t *b, int K, int8_t *v, float *sc, f
     return -1;
 }
 
-/* one expanded row against M prepared rows (Q8_0-style activations: a.q, a.d per 32) */
+/* one expanded row against M prepared rows (Q8_0-style activations: a.q, a.d per 32; with BLK_VNNI a.c, -128 x the
+ * sums of 4). With AVX512-VNNI 64 values a step: the values made unsigned (v + 128) for vpdpbusd, whose sums start
+ * at a.c (so they end at the exact sum of v a), each group of 16's four lanes scaled by sc d_a; a min adds
+ * mn d_a times the activations' sum, read off the same a.c lanes. */
 static void row_expanded(const int8_t *v, const float *sc, const float *mn, int K, const act_t *a, int M, float *out) {
     for (int m = 0; m < M; m++) {
         __m256 acc = _mm256_setzero_ps();
         float macc = 0.0f;
-        for (int j = 0; j < K / 32; j++) {
+        int j = 0;
+#ifdef BLK_VNNI
+        {
+            const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+            __m512 acc5 = _mm512_setzero_ps(), macc5 = _mm512_setzero_ps();
+            for (; j + 2 <= K / 32; j += 2) {
+                __m512i u = _mm512_xor_si512(_mm512_loadu_si512(v + 32 * j), _mm512_set1_epi8((char)0x80));
+                __m512i c = _mm512_loadu_si512(a[m].c + 8 * j);
+                __m512i s = _mm512_dpbusd_epi32(c, u, _mm512_loadu_si512(a[m].q + 32 * j));
+                __m128 d2 = _mm_setr_ps(a[m].d[j], a[m].d[j], a[m].d[j + 1], a[m].d[j + 1]);
+                __m512 scale = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_mul_ps(_mm_loadu_ps(sc + 2 * j), d2)));
+                acc5 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc5);
+                if (mn) {  /* c = -128 x the sums of 4: mn d_a / -128 on each of its lanes */
+                    __m128 ms = _mm_mul_ps(_mm_mul_ps(_mm_loadu_ps(mn + 2 * j), d2), _mm_set1_ps(-1.0f / 128.0f));
+                    macc5 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(ms)), macc5);
+                }
+            }
+            macc = _mm512_reduce_add_ps(macc5);
+            acc = _mm256_add_ps(_mm512_castps512_ps256(acc5), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc5), 1)));
+        }
+#endif
+        for (; j < K / 32; j++) {
             __m256i w = _mm256_loadu_si256((const __m256i *)(v + 32 * j));
             __m256i s = dot_i8(_mm256_sign_epi8(w, w), w, _mm256_loadu_si256((const __m256i *)(a[m].q + 32 * j)));
             float da = a[m].d[j];
