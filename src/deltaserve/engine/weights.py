@@ -136,7 +136,7 @@ class MoEWeights:
     up: ExpertTensor
     down: ExpertTensor
     top_k: int
-    _experts: dict = field(default_factory=dict, repr=False, compare=False)
+    _made: dict = field(default_factory=dict, repr=False, compare=False)  # each expert's linears, the native structs
 
     @property
     def count(self) -> int:
@@ -144,18 +144,18 @@ class MoEWeights:
 
     def expert(self, e: int) -> tuple[StackedLinear, Linear]:
         """Expert e's (gate_up, down), views of the layer's tensors, made on first use."""
-        if e not in self._experts:
+        if e not in self._made:
             parts = [self.gate.of(e), self.up.of(e)]
-            self._experts[e] = (StackedLinear(parts, fuse=False), self.down.of(e))
-        return self._experts[e]
+            self._made[e] = (StackedLinear(parts, fuse=False), self.down.of(e))
+        return self._made[e]
 
     def native(self) -> tuple | None:
         """The gate, up and down experts as native.h's experts_t (for blocks.c's grouped products), made once; None
         where one of them is not the file's blocks or F32 rows. The structs point into tensors this object holds."""
-        if "native" not in self._experts:
+        if "native" not in self._made:
             structs = tuple(t.native(self.count) for t in (self.gate, self.up, self.down))
-            self._experts["native"] = None if any(s is None for s in structs) else structs
-        return self._experts["native"]
+            self._made["native"] = None if any(s is None for s in structs) else structs
+        return self._made["native"]
 
     def expert_nbytes(self) -> int:
         """The bytes of one expert's three projections (what a token reads per expert it uses)."""
