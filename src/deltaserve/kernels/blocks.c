@@ -29,6 +29,7 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1176,24 +1177,27 @@ static int gemm_mode(int type) {
     return type == T_Q8_0 ? 0 : type == T_Q6_K ? 1 : (type == T_Q4_K || type == T_Q5_K) ? 2 : -1;
 }
 
-static inline __attribute__((always_inline)) void gemm_tile(const int mode, const uint8_t *pw, const float *ps,
-                                                            const float *po, int nb, const int8_t *xq,
-                                                            const float *xd, const int32_t *xi, const float *xf,
-                                                            int K, float *out, long ldo, int nrows) {
+static inline __attribute__((always_inline)) void gemm_tile(const int mode, const int GT_, const uint8_t *pw,
+                                                            const float *ps, const float *po, int nb,
+                                                            const int8_t *xq, const float *xd, const int32_t *xi,
+                                                            const float *xf, int K, float *out, long ldo, int nrows,
+                                                            const uint8_t *pf, int pf_lines) {
     const int subs = mode == 1 ? 2 : 1, groups = 8 / subs, ni = mode == 1 ? 2 * nb : nb;
-    __m512 f[GT][2];
-    for (int t = 0; t < GT; t++) f[t][0] = f[t][1] = _mm512_setzero_ps();
+    __m512 f[GT][2];  /* GT_ <= GT of them used */
+    for (int t = 0; t < GT_; t++) f[t][0] = f[t][1] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const uint8_t *w = pw + (size_t)b * 8 * 128;
+        for (int i = 0; pf && i < pf_lines; i++)  /* the next panel's lines, spread over this tile's blocks */
+            _mm_prefetch((const char *)pf + ((size_t)b * pf_lines + i) * 64, _MM_HINT_T1);
         for (int h = 0; h < subs; h++) {
             __m512i acc[GT][2];
-            for (int t = 0; t < GT; t++)
+            for (int t = 0; t < GT_; t++)
                 acc[t][0] = acc[t][1] = mode == 2 ? _mm512_setzero_si512()
                                                   : _mm512_set1_epi32(xi[(size_t)t * ni + b * subs + h]);
 #pragma GCC unroll 8
             for (int k = h * groups; k < (h + 1) * groups; k++) {
                 __m512i w0 = _mm512_load_si512(w + k * 128), w1 = _mm512_load_si512(w + k * 128 + 64);
-                for (int t = 0; t < GT; t++) {
+                for (int t = 0; t < GT_; t++) {
                     int32_t v;
                     memcpy(&v, xq + (size_t)t * K + 32 * b + 4 * k, 4);
                     __m512i xb = _mm512_set1_epi32(v);
@@ -1203,7 +1207,7 @@ static inline __attribute__((always_inline)) void gemm_tile(const int mode, cons
             }
             const float *sv = ps + ((size_t)b * subs + h) * 32;
             __m512 s0 = _mm512_load_ps(sv), s1 = _mm512_load_ps(sv + 16);
-            for (int t = 0; t < GT; t++) {
+            for (int t = 0; t < GT_; t++) {
                 __m512 d = _mm512_set1_ps(xd[(size_t)t * nb + b]);
                 f[t][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[t][0]), _mm512_mul_ps(s0, d), f[t][0]);
                 f[t][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[t][1]), _mm512_mul_ps(s1, d), f[t][1]);
@@ -1211,7 +1215,7 @@ static inline __attribute__((always_inline)) void gemm_tile(const int mode, cons
         }
         if (mode == 2) {  /* - m (d_a times the sum of the block's int8 activations) */
             __m512 m0 = _mm512_load_ps(po + (size_t)b * 32), m1 = _mm512_load_ps(po + (size_t)b * 32 + 16);
-            for (int t = 0; t < GT; t++) {
+            for (int t = 0; t < GT_; t++) {
                 __m512 a = _mm512_set1_ps(xf[(size_t)t * nb + b]);
                 f[t][0] = _mm512_fnmadd_ps(m0, a, f[t][0]);
                 f[t][1] = _mm512_fnmadd_ps(m1, a, f[t][1]);
@@ -1220,7 +1224,7 @@ static inline __attribute__((always_inline)) void gemm_tile(const int mode, cons
     }
     __mmask16 k0 = nrows >= 16 ? 0xFFFF : (__mmask16)((1u << nrows) - 1),
               k1 = nrows >= GP ? 0xFFFF : nrows <= 16 ? 0 : (__mmask16)((1u << (nrows - 16)) - 1);
-    for (int t = 0; t < GT; t++) {
+    for (int t = 0; t < GT_; t++) {
         _mm512_mask_storeu_ps(out + t * ldo, k0, f[t][0]);
         _mm512_mask_storeu_ps(out + t * ldo + 16, k1, f[t][1]);
     }
@@ -1289,7 +1293,7 @@ static void unpack_row(int type, int mode, const uint8_t *row, int K, uint8_t *u
 /* 16 rows of 8 words (32 bytes at base + r stride) as 8 vectors of 16 words, vector k holding word k of every row
  * (at dst + 128 k): rows r and r + 8 in the two halves of a vector, an 8 x 8 transpose of words in each half (words,
  * then pairs of words, within 128-bit lanes), and the lanes put in row order by one two-source permute a vector. */
-static inline void transpose16x8(const uint8_t *base, size_t stride, uint8_t *dst) {
+static inline __attribute__((always_inline)) void transpose16x8_v(const uint8_t *base, size_t stride, __m512i v[8]) {
     __m512i z[8], t[8], u[8];
     for (int i = 0; i < 8; i++)
         z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(base + i * stride))),
@@ -1306,8 +1310,112 @@ static inline void transpose16x8(const uint8_t *base, size_t stride, uint8_t *ds
     }
     const __m512i lo = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0), hi = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
     for (int c = 0; c < 4; c++) {
-        _mm512_store_si512(dst + c * 128, _mm512_permutex2var_epi64(u[c], lo, u[c + 4]));
-        _mm512_store_si512(dst + (c + 4) * 128, _mm512_permutex2var_epi64(u[c], hi, u[c + 4]));
+        v[c] = _mm512_permutex2var_epi64(u[c], lo, u[c + 4]);
+        v[c + 4] = _mm512_permutex2var_epi64(u[c], hi, u[c + 4]);
+    }
+}
+
+static inline void transpose16x8(const uint8_t *base, size_t stride, uint8_t *dst) {
+    __m512i v[8];
+    transpose16x8_v(base, stride, v);
+    for (int k = 0; k < 8; k++) _mm512_store_si512(dst + k * 128, v[k]);
+}
+
+/* Row r's scales (and mins) per sub-block, as unpack_row writes them, without its values. */
+static void row_scales(int type, const uint8_t *row, int K, float *ps, float *po, int r) {
+    switch (type) {
+    case T_Q8_0:
+        for (int b = 0; b < K / 32; b++) ps[(size_t)b * 32 + r] = h2f(row + (size_t)b * 34);
+        return;
+    case T_Q4_K:
+    case T_Q5_K: {
+        const int bytes = type == T_Q5_K ? 176 : 144;
+        for (int jb = 0; jb < K / 256; jb++) {
+            const uint8_t *blk = row + (size_t)jb * bytes;
+            const float d = h2f(blk), dmin = h2f(blk + 2);
+            uint8_t sc[8], mn[8];
+            k_scales(blk + 4, sc, mn);
+            for (int j = 0; j < 8; j++) {
+                ps[(size_t)(jb * 8 + j) * 32 + r] = d * (float)sc[j];
+                po[(size_t)(jb * 8 + j) * 32 + r] = dmin * (float)mn[j];
+            }
+        }
+        return;
+    }
+    case T_Q6_K:
+        for (int jb = 0; jb < K / 256; jb++) {
+            const uint8_t *blk = row + (size_t)jb * 210;
+            const float d = h2f(blk + 208);
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            for (int j = 0; j < 16; j++) ps[(size_t)(jb * 16 + j) * 32 + r] = d * (float)sc[j];
+        }
+        return;
+    }
+}
+
+/* A full panel (GP rows) packed straight from the file's blocks: each group of 16 rows' 32-byte runs of quants
+ * transposed once (transpose16x8_v) and the values taken out of the transposed words, with no unpacked copy of
+ * the rows in between (the copy and its second pass were a third of a 16-token expert's product). The same
+ * layout as pack_panel's. */
+static void pack_panel_direct(int type, const uint8_t *blocks, size_t row_bytes, int n0, int K, uint8_t *pw,
+                              float *ps, float *po) {
+    for (int r = 0; r < GP; r++) row_scales(type, blocks + (size_t)(n0 + r) * row_bytes, K, ps, po, r);
+    const __m512i lo4 = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(1), three = _mm512_set1_epi8(3);
+    __m512i v[8], w[8];
+    for (int g = 0; g < 2; g++) {
+        const uint8_t *rows = blocks + (size_t)(n0 + 16 * g) * row_bytes;
+        uint8_t *dst = pw + g * 64;
+        switch (type) {
+        case T_Q8_0:
+            for (int b = 0; b < K / 32; b++) {
+                transpose16x8_v(rows + (size_t)b * 34 + 2, row_bytes, v);
+                for (int k = 0; k < 8; k++)
+                    _mm512_store_si512(dst + (size_t)b * 1024 + k * 128, _mm512_xor_si512(v[k], _mm512_set1_epi8((char)0x80)));
+            }
+            break;
+        case T_Q4_K:
+        case T_Q5_K: {
+            const int q5 = type == T_Q5_K, bytes = q5 ? 176 : 144;
+            for (int jb = 0; jb < K / 256; jb++) {
+                const uint8_t *blk = rows + (size_t)jb * bytes, *qs = blk + (q5 ? 48 : 16);
+                if (q5) transpose16x8_v(blk + 16, row_bytes, w);  /* qh: bit j of byte l is value l of sub-block j */
+                for (int p = 0; p < 4; p++) {  /* sub-blocks 2p (low nibbles) and 2p + 1 (high) */
+                    transpose16x8_v(qs + 32 * p, row_bytes, v);
+                    for (int h = 0; h < 2; h++) {
+                        const int j = 2 * p + h;
+                        uint8_t *o = dst + (size_t)(jb * 8 + j) * 1024;
+                        for (int k = 0; k < 8; k++) {
+                            __m512i q = _mm512_and_si512(h ? _mm512_srli_epi16(v[k], 4) : v[k], lo4);
+                            if (q5)
+                                q = _mm512_or_si512(q, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(w[k], j), one), 4));
+                            _mm512_store_si512(o + k * 128, q);
+                        }
+                    }
+                }
+            }
+            break;
+        }
+        case T_Q6_K:
+            for (int jb = 0; jb < K / 256; jb++) {
+                const uint8_t *blk = rows + (size_t)jb * 210;
+                for (int h = 0; h < 2; h++) {
+                    transpose16x8_v(blk + 128 + 32 * h, row_bytes, w);  /* the two high bits of 4 groups */
+                    for (int c = 0; c < 2; c++) {
+                        transpose16x8_v(blk + 64 * h + 32 * c, row_bytes, v);  /* groups c (low) and c + 2 (high) */
+                        for (int s = 0; s < 2; s++) {
+                            const int gq = c + 2 * s;
+                            uint8_t *o = dst + (size_t)(jb * 8 + 4 * h + gq) * 1024;
+                            for (int k = 0; k < 8; k++) {
+                                __m512i low = _mm512_and_si512(s ? _mm512_srli_epi16(v[k], 4) : v[k], lo4);
+                                __m512i top = _mm512_and_si512(_mm512_srli_epi16(w[k], 2 * gq), three);
+                                _mm512_store_si512(o + k * 128, _mm512_or_si512(low, _mm512_slli_epi16(top, 4)));
+                            }
+                        }
+                    }
+                }
+            }
+            break;
+        }
     }
 }
 
@@ -1319,6 +1427,10 @@ static void pack_panel(int type, int mode, const uint8_t *blocks, size_t row_byt
                        uint8_t *pw, float *ps, float *po, uint8_t *ubuf) {
     const int nb = K / 32, per32 = mode == 1 ? 2 : 1;
     const uint8_t zero = mode == 0 ? 0x80 : mode == 1 ? 32 : 0;
+    if (nrows == GP) {
+        pack_panel_direct(type, blocks, row_bytes, n0, K, pw, ps, po);
+        return;
+    }
     for (int r = 0; r < GP; r++) {
         if (r < nrows) {
             unpack_row(type, mode, blocks + (size_t)(n0 + r) * row_bytes, K, ubuf + (size_t)r * K, ps, po, r);
@@ -1401,32 +1513,51 @@ void blk_gemm_prepare(int type, const float *x, int M, int K, long ldx, const in
 size_t blk_gemm_work_bytes(int K) {
     const int nb = K / 32;
     return ALIGN64((size_t)nb * 1024 + (size_t)2 * nb * GP * sizeof(float) + (size_t)nb * GP * sizeof(float))
-         + ALIGN64((size_t)GP * K) + ALIGN64((size_t)GT * GP * sizeof(float));
+         + ALIGN64((size_t)GP * K);
+}
+
+size_t blk_gemm_panel_bytes(int type, int N, int K, int p) {
+    int vals = 1, bytes = 0;
+    block_info(type, &vals, &bytes);
+    const int n0 = p * GP, nrows = N - n0 < GP ? N - n0 : GP;
+    return nrows > 0 ? (size_t)nrows * (K / vals) * bytes : 0;
+}
+
+const uint8_t *blk_gemm_panel_at(int type, const uint8_t *blocks, int K, int p) {
+    int vals = 1, bytes = 0;
+    block_info(type, &vals, &bytes);
+    return blocks + (size_t)p * GP * (K / vals) * bytes;
 }
 
 void blk_gemm_panel(int type, const uint8_t *blocks, int N, int K, int p, const void *act, int Mall, int m_first,
-                    int M, float *y, long ldy, void *work) {
+                    int M, float *y, long ldy, void *work, const uint8_t *next, size_t next_bytes) {
     const int mode = gemm_mode(type), nb = K / 32, ni = mode == 1 ? 2 * nb : nb;
     int vals, bytes;
     block_info(type, &vals, &bytes);
     const size_t row_bytes = (size_t)(K / vals) * bytes;
     gemm_act_t g = gemm_act(mode, (void *)act, Mall, K);
     uint8_t *pw = work, *ubuf = pw + ALIGN64((size_t)nb * 1024 + (size_t)2 * nb * GP * sizeof(float) + (size_t)nb * GP * sizeof(float));
-    float *ps = (float *)(pw + (size_t)nb * 1024), *po = ps + (size_t)ni * GP, *tail = (float *)(ubuf + ALIGN64((size_t)GP * K));
+    float *ps = (float *)(pw + (size_t)nb * 1024), *po = ps + (size_t)ni * GP;
     const int n0 = p * GP, nrows = N - n0 < GP ? N - n0 : GP;
     pack_panel(type, mode, blocks, row_bytes, n0, nrows, K, pw, ps, po, ubuf);
+    const int pf_lines = next ? (int)((next_bytes + 63) / 64 + nb - 1) / nb : 0;  /* lines a block of the first tile */
     for (int m0 = 0; m0 < M; m0 += GT) {
         const size_t at = (size_t)(m_first + m0);
-        float *out = m0 + GT <= M ? y + (size_t)m0 * ldy + n0 : tail;
-        long ldo = m0 + GT <= M ? ldy : GP;
-        if (mode == 0)
-            gemm_tile(0, pw, ps, po, nb, g.q + at * K, g.d + at * nb, g.i + at * ni, g.f + at * nb, K, out, ldo, nrows);
-        else if (mode == 1)
-            gemm_tile(1, pw, ps, po, nb, g.q + at * K, g.d + at * nb, g.i + at * ni, g.f + at * nb, K, out, ldo, nrows);
-        else
-            gemm_tile(2, pw, ps, po, nb, g.q + at * K, g.d + at * nb, g.i + at * ni, g.f + at * nb, K, out, ldo, nrows);
-        if (out == tail)  /* the last rows: those below M copied out */
-            for (int t = 0; m0 + t < M; t++) memcpy(y + (size_t)(m0 + t) * ldy + n0, tail + t * GP, nrows * sizeof(float));
+        const int gt = M - m0 < GT ? M - m0 : GT;  /* the last tile of a few tokens computes only those */
+        float *out = y + (size_t)m0 * ldy + n0;
+        const int8_t *xq = g.q + at * K;
+        const float *xd = g.d + at * nb, *xf = g.f + at * nb;
+        const int32_t *xi = g.i + at * ni;
+        const uint8_t *pf = m0 == 0 ? next : NULL;
+#define GEMM_TILE(MODE, T) gemm_tile(MODE, T, pw, ps, po, nb, xq, xd, xi, xf, K, out, ldy, nrows, pf, pf_lines)
+#define GEMM_TILES(MODE) switch (gt) { \
+        case 1: GEMM_TILE(MODE, 1); break; case 2: GEMM_TILE(MODE, 2); break; case 3: GEMM_TILE(MODE, 3); break; \
+        case 4: GEMM_TILE(MODE, 4); break; case 5: GEMM_TILE(MODE, 5); break; default: GEMM_TILE(MODE, GT); }
+        if (mode == 0) GEMM_TILES(0)
+        else if (mode == 1) GEMM_TILES(1)
+        else GEMM_TILES(2)
+#undef GEMM_TILES
+#undef GEMM_TILE
     }
 }
 
@@ -1449,8 +1580,13 @@ int ds_gemm_blocks(int type, const float *x, int M, int K, long ldx, const uint8
         }
         blk_gemm_prepare(type, x, M, K, ldx, NULL, act);  /* its barrier: every row quantized before any tile */
         if (!failed) {
-            #pragma omp for schedule(dynamic, 1)
-            for (int p = 0; p < panels; p++) blk_gemm_panel(type, blocks, N, K, p, act, M, 0, M, y, ldy, work);
+            /* each thread a run of consecutive panels, the next one fetched while one is multiplied */
+            const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+            const int p0 = (int)((long)panels * t / nt), p1 = (int)((long)panels * (t + 1) / nt);
+            for (int p = p0; p < p1; p++)
+                blk_gemm_panel(type, blocks, N, K, p, act, M, 0, M, y, ldy, work,
+                               p + 1 < p1 ? blk_gemm_panel_at(type, blocks, K, p + 1) : NULL,
+                               p + 1 < p1 ? blk_gemm_panel_bytes(type, N, K, p + 1) : 0);
         }
         free(work);
     }

@@ -47,7 +47,11 @@ size_t blk_gemm_act_bytes(int M, int K);
 size_t blk_gemm_work_bytes(int K);
 void blk_gemm_prepare(int type, const float *x, int M, int K, long ldx, const int *rows, void *act);
 void blk_gemm_panel(int type, const uint8_t *blocks, int N, int K, int p, const void *act, int Mall, int m_first, int M,
-                    float *y, long ldy, void *work);
+                    float *y, long ldy, void *work, const uint8_t *next, size_t next_bytes);
+/* blk_gemm_panel's `next`: the bytes its thread multiplies next (NULL: unknown), fetched into the cache while this
+ * panel's tiles run (the panels' first touch of the mapped file was a third of a Q4_K_M expert's product) */
+size_t blk_gemm_panel_bytes(int type, int N, int K, int p);
+const uint8_t *blk_gemm_panel_at(int type, const uint8_t *blocks, int K, int p);
 #endif
 
 #endif

@@ -13,6 +13,7 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -581,6 +582,27 @@ static int moe_ok(const layer_t *L, int H) {
  * out[i] = weights[i] expert(x[rows[i]]) ([P, H]). Each expert's rows of the three tensors are read once for all its
  * pairs (the activations prepared once, as the types' products want them); one OpenMP team for the whole layer.
  * Blocks only (not F32). Returns 0, or -1 (nothing written) where a type or a shape is not taken or memory ran out. */
+#ifdef BLK_GEMM
+/* This thread's share [lo, hi) of n experts' items (per items of each, expert gl[i]'s count[gl[i]] pairs): runs
+ * of consecutive items of about equal cost, a panel's packing costing about MOE_PACK_PAIRS pairs' products, so that
+ * a thread knows the item it takes next and fetches its bytes ahead. */
+#define MOE_PACK_PAIRS 8
+static void moe_share(int n, int per, const int *gl, const int *count, int *lo, int *hi) {
+    const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+    long total = 0;
+    for (int i = 0; i < n; i++) total += (long)per * (MOE_PACK_PAIRS + count[gl[i]]);
+    const long from = total * t / nt, to = total * (t + 1) / nt;
+    long at = 0;
+    *lo = *hi = n * per;
+    for (int it = 0, first = 1; it < n * per; it++) {
+        if (first && at >= from) *lo = it, first = 0;
+        if (at >= to) { *hi = it; break; }
+        at += MOE_PACK_PAIRS + count[gl[it / per]];
+    }
+    if (*lo > *hi) *lo = *hi;
+}
+#endif
+
 int ds_moe_experts(const experts_t *G, const experts_t *U, const experts_t *D, int H, int nu, const int *uniq,
                    const int *first, const int *count, const float *x, const int *rows, const float *weights, int P,
                    float *out, int nthreads) {
@@ -644,14 +666,25 @@ int ds_moe_experts(const experts_t *G, const experts_t *U, const experts_t *D, i
                 expert_tiles(U, uniq[u], H, NULL, au, P, first[u], count[u], g + ff, 2 * ff);
             }
 #ifdef BLK_GEMM
-            #pragma omp for schedule(dynamic, 1)
-            for (int it = 0; it < ng * 2 * pg; it++) {
-                if (failed) continue;
+            /* the gate and up panels: each thread a run of consecutive ones of about equal cost, the next panel's
+               bytes fetched while one is multiplied */
+            int lo, hi;
+            moe_share(ng, 2 * pg, gl, count, &lo, &hi);
+            for (int it = lo; it < hi && !failed; it++) {
+                const uint8_t *next = NULL;
+                size_t nbytes = 0;
+                if (it + 1 < hi) {
+                    const int u = gl[(it + 1) / (2 * pg)], up = ((it + 1) / pg) % 2, p = (it + 1) % pg;
+                    const experts_t *X = up ? U : G;
+                    next = blk_gemm_panel_at(X->type, expert_rows(X, uniq[u], H), H, p);
+                    nbytes = blk_gemm_panel_bytes(X->type, ff, H, p);
+                }
                 const int u = gl[it / (2 * pg)], up = (it / pg) % 2, p = it % pg;
                 const experts_t *X = up ? U : G;
                 blk_gemm_panel(X->type, expert_rows(X, uniq[u], H), ff, H, p, up ? xu : xg, P, first[u], count[u],
-                               gu + (size_t)first[u] * 2 * ff + up * ff, 2 * ff, work);
+                               gu + (size_t)first[u] * 2 * ff + up * ff, 2 * ff, work, next, nbytes);
             }
+            #pragma omp barrier
 #else
             #pragma omp barrier
 #endif
@@ -665,13 +698,15 @@ int ds_moe_experts(const experts_t *G, const experts_t *U, const experts_t *D, i
                 if (!(gemm_all && count[u] >= MOE_GEMM_ROWS))
                     expert_tiles(D, uniq[u], ff, NULL, ad, P, first[u], count[u], out + (size_t)first[u] * H, H);
 #ifdef BLK_GEMM
-            #pragma omp for schedule(dynamic, 1)
-            for (int it = 0; it < ng * pd; it++) {
-                if (failed) continue;
-                const int u = gl[it / pd], p = it % pd;
+            moe_share(ng, pd, gl, count, &lo, &hi);
+            for (int it = lo; it < hi && !failed; it++) {
+                const int u = gl[it / pd], p = it % pd, nu_ = it + 1 < hi ? gl[(it + 1) / pd] : 0, np = (it + 1) % pd;
                 blk_gemm_panel(D->type, expert_rows(D, uniq[u], ff), H, ff, p, xd, P, first[u], count[u],
-                               out + (size_t)first[u] * H, H, work);
+                               out + (size_t)first[u] * H, H, work,
+                               it + 1 < hi ? blk_gemm_panel_at(D->type, expert_rows(D, uniq[nu_], ff), ff, np) : NULL,
+                               it + 1 < hi ? blk_gemm_panel_bytes(D->type, H, ff, np) : 0);
             }
+            #pragma omp barrier
 #else
             #pragma omp barrier
 #endif
