@@ -128,33 +128,35 @@ def test_blocks_c_reads_every_other_type_bit_for_bit_and_multiplies_its_values_a
 
     if not native.portable()[0]:
         pytest.skip(f"blocks.c does not run here: {native.portable()[1]}")
-    rows, cols = 37, 512
-    raw = random_raw(T[kind], (rows, cols), seed=len(kind))
-    block, size = gguf.GGML_QUANT_SIZES[T[kind]]
-    blocks = raw.reshape(-1, size)
-    if kind == "MXFP4":  # e8m0 scales of 2^-8 .. 2^1 (a random byte reaches 2^126: compared in test_quant.py)
-        blocks[:, 0] = np.random.default_rng(1).integers(120, 130, blocks.shape[0], dtype=np.uint8)
-    elif kind == "NVFP4":
-        blocks[:, 0:4] = np.random.default_rng(1).integers(0x20, 0x48, (blocks.shape[0], 4), dtype=np.uint8)
-    with np.errstate(all="ignore"):
-        want = gguf.quants.dequantize(raw, T[kind]).reshape(rows, cols)
-    out = torch.empty(rows, cols)
-    assert native.dequant(L.GGUF_TYPES[kind], torch.from_numpy(raw), cols, out)
-    assert np.array_equal(out.numpy().view(np.uint32), want.view(np.uint32))
-    lin = L.BlockLinear([(kind, torch.from_numpy(raw))], cols)
-    w = torch.from_numpy(want).double()
-    assert w.isfinite().all()
-    g = torch.Generator().manual_seed(4)
-    for m in (1, 3, 16):
-        x = torch.randn(m, cols, generator=g)
-        assert lin.path(m) == "blocks"
-        y = lin(x)
-        claimed = quantized_activations(x, "Q8_0") @ w.t()
-        assert ((y - claimed).norm(dim=1) / claimed.norm(dim=1)).max().item() < 1e-5, (kind, m)
-        exact = x.double() @ w.t()
-        assert ((y - exact).norm(dim=1) / exact.norm(dim=1)).max().item() < 0.02, (kind, m)
-        for i in range(m):
-            assert torch.equal(lin(x[i:i + 1])[0], y[i]), (kind, m, i)
+    block = gguf.GGML_QUANT_SIZES[T[kind]][0]
+    # rows of 512 (whole groups of 8 blocks) and, for blocks of 32, of 608 (the last 3 blocks past the groups)
+    for rows, cols in ((37, 512), (37, 608)) if block == 32 else ((37, 512),):
+        raw = random_raw(T[kind], (rows, cols), seed=len(kind))
+        block, size = gguf.GGML_QUANT_SIZES[T[kind]]
+        blocks = raw.reshape(-1, size)
+        if kind == "MXFP4":  # e8m0 scales of 2^-8 .. 2^1 (a random byte reaches 2^126: compared in test_quant.py)
+            blocks[:, 0] = np.random.default_rng(1).integers(120, 130, blocks.shape[0], dtype=np.uint8)
+        elif kind == "NVFP4":
+            blocks[:, 0:4] = np.random.default_rng(1).integers(0x20, 0x48, (blocks.shape[0], 4), dtype=np.uint8)
+        with np.errstate(all="ignore"):
+            want = gguf.quants.dequantize(raw, T[kind]).reshape(rows, cols)
+        out = torch.empty(rows, cols)
+        assert native.dequant(L.GGUF_TYPES[kind], torch.from_numpy(raw), cols, out)
+        assert np.array_equal(out.numpy().view(np.uint32), want.view(np.uint32))
+        lin = L.BlockLinear([(kind, torch.from_numpy(raw))], cols)
+        w = torch.from_numpy(want).double()
+        assert w.isfinite().all()
+        g = torch.Generator().manual_seed(4)
+        for m in (1, 3, 16):
+            x = torch.randn(m, cols, generator=g)
+            assert lin.path(m) == "blocks"
+            y = lin(x)
+            claimed = quantized_activations(x, "Q8_0") @ w.t()
+            assert ((y - claimed).norm(dim=1) / claimed.norm(dim=1)).max().item() < 1e-5, (kind, m)
+            exact = x.double() @ w.t()
+            assert ((y - exact).norm(dim=1) / exact.norm(dim=1)).max().item() < 0.02, (kind, m)
+            for i in range(m):
+                assert torch.equal(lin(x[i:i + 1])[0], y[i]), (kind, m, i)
 
 
 @pytest.mark.parametrize("preset", ["Q5_0", "IQ4_NL"])

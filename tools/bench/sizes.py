@@ -44,7 +44,10 @@ def deltaserve_sizes(path: Path, threads: int, pp: int, tg: int) -> dict:
     import deltaserve.api  # noqa: F401 - deltaserve's modules imported before the clock, as llama_cpp's are
     from deltaserve.engine.forward import Forward
 
+    from deltaserve.kernels import native
+
     torch.set_num_threads(threads)
+    native.library()  # built (or found built) before the clock: a first run's compile is in neither load nor prefill
     t0 = time.perf_counter()
     m = deltaserve.load(path, cache=False, threads=threads)
     load_s = time.perf_counter() - t0

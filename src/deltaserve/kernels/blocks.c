@@ -1005,6 +1005,240 @@ static inline __attribute__((always_inline)) void tile_q32(int type, const uint8
     }
 }
 
+/* The other types of blocks of 32 values, fused as Q4_0's product is (no expanded copy of the row): Q4_1, Q5_0,
+ * Q5_1, IQ4_NL, MXFP4, and IQ4_XS (superblocks of 256 with a scale per 32). Each pair of blocks becomes 64 unsigned
+ * bytes u in the activations' order (a block's 16 low nibbles, then its high ones): Q4_1's q; Q5's q with bit 4 from
+ * qh; IQ4_NL's and MXFP4's table values + 128 (one byte shuffle). Each int32 lane starts from the activations' sums
+ * (a.c = -128 x the sum of its 4 values) so that it ends at the exact sum of w a with w the block's integer values:
+ * a.c for u = w + 128, a.c / 16 for Q5_0's u = w + 16; Q4_1 and Q5_1 (w = d q + m) start at 0 and add their min
+ * times the activations' sum (-a.c / 128) times d_a. */
+static const uint8_t KV_IQ4NL_U[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+static const uint8_t KV_E2M1_U[16] = {128, 129, 130, 131, 132, 134, 136, 140, 128, 127, 126, 125, 124, 122, 120, 116};
+static int expand_row(int type, const uint8_t *b, int K, int8_t *v, float *sc, float *mn);
+static void row_expanded(const int8_t *v, const float *sc, const float *mn, int K, const act_t *a, int M, float *out);
+
+static inline int b32_bytes(int type) {
+    return type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22 : type == T_Q5_1 ? 24 : type == T_IQ4_NL ? 18 : type == T_MXFP4 ? 17 : 136;
+}
+
+/* where block j's 16 bytes of nibbles lie, from the row's first block */
+static inline const uint8_t *b32_qs(int type, const uint8_t *row, int j) {
+    if (type == T_IQ4_XS) return row + (size_t)(j / 8) * 136 + 8 + 16 * (j % 8);
+    const int at = type == T_Q4_1 ? 4 : type == T_Q5_0 ? 6 : type == T_Q5_1 ? 8 : type == T_IQ4_NL ? 2 : 1;
+    return row + (size_t)j * b32_bytes(type) + at;
+}
+
+static inline __m512i b32_pair(int type, const uint8_t *row, int j) {
+    const uint8_t *q0 = b32_qs(type, row, j), *q1 = b32_qs(type, row, j + 1);
+    __m256i t = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)q0)),
+                                        _mm_loadu_si128((const __m128i *)q1), 1);
+    __m512i tt = _mm512_shuffle_i64x2(_mm512_castsi256_si512(t), _mm512_castsi256_si512(t), 0x50);  /* j, j, j+1, j+1 */
+    __m512i u = _mm512_and_si512(_mm512_mask_blend_epi64(0xCC, tt, _mm512_srli_epi16(tt, 4)), _mm512_set1_epi8(0x0F));
+    if (type == T_Q5_0 || type == T_Q5_1) {  /* qh bit i: value i's bit 4 */
+        const int at = type == T_Q5_0 ? 2 : 4, bytes = b32_bytes(type);
+        const __mmask64 k = (__mmask64)u32(row + (size_t)j * bytes + at) | (__mmask64)u32(row + (size_t)(j + 1) * bytes + at) << 32;
+        u = _mm512_or_si512(u, _mm512_maskz_set1_epi8(k, 0x10));
+    } else if (type == T_IQ4_NL || type == T_IQ4_XS || type == T_MXFP4) {
+        u = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(type == T_MXFP4 ? KV_E2M1_U : KV_IQ4NL_U))), u);
+    }
+    return u;
+}
+
+/* the scales (min = 1: the mins) of blocks j .. j + 7 as f32, built in registers (eight scalars stored and loaded
+ * as a vector stalled on the store forwarding) */
+static inline __m256 b32_scales8(int type, const uint8_t *row, int j, int min) {
+    if (type == T_IQ4_XS) {  /* one superblock: d (ls - 32), ls = its low 4 bits (scales_l) | 2 high (scales_h) */
+        const uint8_t *b = row + (size_t)(j / 8) * 136;
+        const __m256i lo = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)u32(b + 4)),
+                                                              _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)), _mm256_set1_epi32(0xF));
+        const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)u16(b + 2)),
+                                                              _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)), _mm256_set1_epi32(3));
+        const __m256i ls = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32));
+        return _mm256_mul_ps(_mm256_set1_ps(h2f(b)), _mm256_cvtepi32_ps(ls));
+    }
+    const int bytes = b32_bytes(type);
+    const uint8_t *b = row + (size_t)j * bytes;
+    if (type == T_MXFP4) {  /* e8m0_half: (x - 1) << 23, or 0x00200000 << x for x < 2 */
+        const __m256i x = _mm256_setr_epi32(b[0], b[bytes], b[2 * bytes], b[3 * bytes], b[4 * bytes], b[5 * bytes],
+                                            b[6 * bytes], b[7 * bytes]);
+        const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(x, _mm256_set1_epi32(1)), 23);
+        const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), x);
+        const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), x);
+        return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, sub, small));
+    }
+    const int at = 2 * min;
+    const __m128i h = _mm_setr_epi16((short)u16(b + at), (short)u16(b + bytes + at), (short)u16(b + 2 * bytes + at),
+                                     (short)u16(b + 3 * bytes + at), (short)u16(b + 4 * bytes + at),
+                                     (short)u16(b + 5 * bytes + at), (short)u16(b + 6 * bytes + at),
+                                     (short)u16(b + 7 * bytes + at));
+    return _mm256_cvtph_ps(h);
+}
+
+static inline __attribute__((always_inline)) void tile_b32(const int type, const uint8_t *row0, size_t row_bytes,
+                                                           const int R, int K, const act_t *a, const int M, float *out) {
+    const int nb = K / 32, min = type == T_Q4_1 || type == T_Q5_1;
+    const __m512i second = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);  /* lanes of block j + 1 */
+    __m512 acc[4][2];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps();
+    int j = 0;
+    for (; j + 8 <= nb; j += 8) {
+        __m512 sc[4][2], mc[4][2];  /* d_w d_a (and m_w d_a / -128) of blocks j .. j+7, in the low 8 lanes */
+        for (int r = 0; r < R; r++) {
+            const uint8_t *row = row0 + (size_t)r * row_bytes;
+            prefetch_ahead(b32_qs(type, row, j), 8 * b32_bytes(type) / (type == T_IQ4_XS ? 8 : 1));
+            __m256 dw = b32_scales8(type, row, j, 0), mw = min ? b32_scales8(type, row, j, 1) : dw;
+            for (int m = 0; m < M; m++) {
+                __m256 da = _mm256_loadu_ps(a[m].d + j);
+                sc[r][m] = _mm512_castps256_ps512(_mm256_mul_ps(dw, da));
+                if (min) mc[r][m] = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_mul_ps(mw, da), _mm256_set1_ps(-1.0f / 128.0f)));
+            }
+        }
+        for (int p = 0; p < 4; p++) {
+            const int jj = j + 2 * p;
+            const __m512i spread = _mm512_add_epi32(second, _mm512_set1_epi32(2 * p));
+            __m512i x[2], c[2];
+            __m512 cf[2];
+            for (int m = 0; m < M; m++) {
+                x[m] = _mm512_loadu_si512(a[m].q + 32 * jj);
+                c[m] = _mm512_loadu_si512(a[m].c + 8 * jj);
+                if (min) cf[m] = _mm512_cvtepi32_ps(c[m]), c[m] = _mm512_setzero_si512();
+                else if (type == T_Q5_0) c[m] = _mm512_srai_epi32(c[m], 3);
+            }
+            for (int r = 0; r < R; r++) {
+                __m512i u = b32_pair(type, row0 + (size_t)r * row_bytes, jj);
+                for (int m = 0; m < M; m++) {
+                    acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c[m], u, x[m])),
+                                                _mm512_permutexvar_ps(spread, sc[r][m]), acc[r][m]);
+                    if (min) acc[r][m] = _mm512_fmadd_ps(cf[m], _mm512_permutexvar_ps(spread, mc[r][m]), acc[r][m]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float tail[2] = {0.0f, 0.0f};
+        if (j < nb) {  /* the last blocks of a row (fewer than 8; not IQ4_XS's, whole superblocks) expanded */
+            int8_t v[256];
+            float vs[16], vm[16];
+            act_t at[2];
+            for (int m = 0; m < M; m++) {
+                at[m] = a[m];
+                at[m].q += 32 * j, at[m].d += j, at[m].c += 8 * j;
+            }
+            const int mins = expand_row(type, row0 + (size_t)r * row_bytes + (size_t)j * b32_bytes(type), K - 32 * j, v, vs, vm);
+            row_expanded(v, vs, mins > 0 ? vm : NULL, K - 32 * j, at, M, tail);
+        }
+        for (int m = 0; m < M; m++) out[r * 2 + m] = _mm512_reduce_add_ps(acc[r][m]) + tail[m];
+    }
+}
+
+/* Q2_K, Q3_K and TQ2_0 (superblocks of 256 values of 2 bits, Q3_K's third bit in hmask), fused likewise: each pair
+ * of 32-blocks (values 64p .. 64p + 63 of a superblock: its half n = p / 2, fields j0 = 2 (p % 2) and j0 + 1) is the
+ * 32 bytes of 2-bit fields shifted by 2 j0 and 2 j0 + 2 (u = q, 0..3; Q3_K's + 4 where its hmask bit 4n + j is set,
+ * so u = w + 4 and the sums start at a.c / 32; TQ2_0's u = w + 1, at a.c / 128); each sub-block of 16 (four lanes) is
+ * scaled by its scale times d_a; Q2_K's min adds dmin m d_a times the activations' sum (-a.c / 128 a lane). */
+/* TQ1_0's values 64p .. 64p + 63 of a superblock as u = w + 1 (0..2): trit t of byte x is floor(3 y / 256) with
+ * y = x 3^t mod 256, that is [y >= 86] + [y >= 171]. Values 0..159 are the trits 0..4 of bytes 0..31, 160..239
+ * those of bytes 32..47, 240..255 the trits 0..3 of bytes 48..51. Per byte: x, and 3^t, in 16-bit lanes. */
+static inline __m512i tq1_pair(const uint8_t *b, int p) {
+    __m512i x, k;
+    const __m256i lo = _mm256_loadu_si256((const __m256i *)b);
+    const __m128i mid = _mm_loadu_si128((const __m128i *)(b + 32));
+    switch (p) {
+    case 0: x = _mm512_broadcast_i64x4(lo), k = _mm512_inserti64x4(_mm512_set1_epi16(1), _mm256_set1_epi16(3), 1); break;
+    case 1: x = _mm512_broadcast_i64x4(lo), k = _mm512_inserti64x4(_mm512_set1_epi16(9), _mm256_set1_epi16(27), 1); break;
+    case 2:
+        x = _mm512_inserti64x4(_mm512_castsi256_si512(lo), _mm256_broadcastsi128_si256(mid), 1);
+        k = _mm512_inserti64x4(_mm512_set1_epi16(81), _mm256_set_m128i(_mm_set1_epi16(3), _mm_set1_epi16(1)), 1);
+        break;
+    default:
+        x = _mm512_inserti32x4(_mm512_broadcast_i32x4(mid), _mm_set1_epi32((int)u32(b + 48)), 3);
+        k = _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_set1_epi16(9), _mm_set1_epi16(27), 1), _mm_set1_epi16(81), 2),
+                               _mm_setr_epi16(1, 1, 3, 3, 9, 9, 27, 27), 3);
+    }
+    const __m512i ylo = _mm512_mullo_epi16(x, k), yhi = _mm512_mullo_epi16(_mm512_and_si512(x, _mm512_set1_epi16((short)0xFF00)), k);
+    const __m512i y = _mm512_ternarylogic_epi32(_mm512_set1_epi16(0x00FF), ylo, yhi, 0xCA);  /* m ? ylo : yhi */
+    const __mmask64 k1 = _mm512_cmpge_epu8_mask(y, _mm512_set1_epi8((char)86)), k2 = _mm512_cmpge_epu8_mask(y, _mm512_set1_epi8((char)171));
+    return _mm512_mask_add_epi8(_mm512_maskz_set1_epi8(k1, 1), k2, _mm512_maskz_set1_epi8(k1, 1), _mm512_set1_epi8(1));
+}
+
+static inline __attribute__((always_inline)) void tile_q23k(const int type, const uint8_t *row0, size_t row_bytes,
+                                                            const int R, int K, const act_t *a, const int M, float *out) {
+    const int q2 = type == T_Q2_K, q3 = type == T_Q3_K, tq1 = type == T_TQ1_0;
+    const int bytes = q2 ? 84 : q3 ? 110 : tq1 ? 54 : 66, at_qs = q2 ? 16 : q3 ? 32 : 0;
+    const __m512i sub4 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);   /* lane -> sub-block */
+    const __m512i blk2 = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);   /* sub-block -> block */
+    __m512 acc[4][2];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps();
+    for (int jb = 0; jb < K / 256; jb++) {
+        __m512 S[4][2], Mn[4][2];  /* per sub-block: scale d_a (and Q2_K's dmin m d_a / 128) */
+        for (int r = 0; r < R; r++) {
+            const uint8_t *b = row0 + (size_t)r * row_bytes + (size_t)jb * bytes;
+            prefetch_ahead(b, bytes);
+            __m512 scf, mnf = _mm512_setzero_ps();
+            if (q2) {
+                const __m512i raw = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+                scf = _mm512_mul_ps(_mm512_set1_ps(h2f(b + 80)), _mm512_cvtepi32_ps(_mm512_and_si512(raw, _mm512_set1_epi32(0xF))));
+                mnf = _mm512_mul_ps(_mm512_set1_ps(h2f(b + 82) / 128.0f), _mm512_cvtepi32_ps(_mm512_srli_epi32(raw, 4)));
+            } else if (q3) {  /* sub-block g: (scs[g % 8] >> 4 (g / 8)) & 15 | ((scs[8 + g % 4] >> 2 (g / 4)) & 3) << 4, - 32 */
+                const uint8_t *scs = b + 96;
+                const __m128i lo8 = _mm_loadl_epi64((const __m128i *)scs);
+                const __m512i lo = _mm512_and_si512(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo8, lo8)),
+                                                                      _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4)),
+                                                    _mm512_set1_epi32(0xF));
+                const __m512i hi = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)u32(scs + 8)),
+                                                                      _mm512_setr_epi32(0, 8, 16, 24, 2, 10, 18, 26, 4, 12, 20, 28, 6, 14, 22, 30)),
+                                                    _mm512_set1_epi32(3));
+                const __m512i ls = _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)), _mm512_set1_epi32(32));
+                scf = _mm512_mul_ps(_mm512_set1_ps(h2f(b + 108)), _mm512_cvtepi32_ps(ls));
+            } else {
+                scf = _mm512_set1_ps(h2f(b + (tq1 ? 52 : 64)));
+            }
+            for (int m = 0; m < M; m++) {
+                const __m512 da = _mm512_permutexvar_ps(blk2, _mm512_castps256_ps512(_mm256_loadu_ps(a[m].d + 8 * jb)));
+                S[r][m] = _mm512_mul_ps(scf, da);
+                if (q2) Mn[r][m] = _mm512_mul_ps(mnf, da);
+            }
+        }
+        for (int p = 0; p < 4; p++) {
+            const int n = p / 2, j0 = 2 * (p % 2);
+            const __m512i idx = _mm512_add_epi32(sub4, _mm512_set1_epi32(4 * p));
+            const __m512i shift = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * j0)), _mm256_set1_epi16((short)(2 * j0 + 2)), 1);
+            const __m512i hshift = _mm512_inserti64x4(_mm512_set1_epi16((short)(4 * n + j0)), _mm256_set1_epi16((short)(4 * n + j0 + 1)), 1);
+            __m512i x[2], c[2];
+            __m512 cf[2];
+            for (int m = 0; m < M; m++) {
+                x[m] = _mm512_loadu_si512(a[m].q + 256 * jb + 64 * p);
+                c[m] = _mm512_loadu_si512(a[m].c + 64 * jb + 16 * p);
+                if (q2) cf[m] = _mm512_cvtepi32_ps(c[m]), c[m] = _mm512_setzero_si512();
+                else c[m] = _mm512_srai_epi32(c[m], q3 ? 5 : 7);
+            }
+            for (int r = 0; r < R; r++) {
+                const uint8_t *b = row0 + (size_t)r * row_bytes + (size_t)jb * bytes;
+                __m512i u;
+                if (tq1) {
+                    u = tq1_pair(b, p);
+                } else {
+                    const __m512i qv = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + at_qs + 32 * n)));
+                    u = _mm512_and_si512(_mm512_srlv_epi16(qv, shift), _mm512_set1_epi8(3));
+                }
+                if (q3) {
+                    const __m512i hm = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)b));
+                    u = _mm512_or_si512(u, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(hm, hshift), _mm512_set1_epi8(1)), 2));
+                }
+                for (int m = 0; m < M; m++) {
+                    acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c[m], u, x[m])),
+                                                _mm512_permutexvar_ps(idx, S[r][m]), acc[r][m]);
+                    if (q2) acc[r][m] = _mm512_fmadd_ps(cf[m], _mm512_permutexvar_ps(idx, Mn[r][m]), acc[r][m]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) out[r * 2 + m] = _mm512_reduce_add_ps(acc[r][m]);
+}
+
 /* k_scales_vec for the blocks at b, b + row_bytes, .. of R <= 4 rows at once, row r's in 128-bit lane r. */
 static inline __m512i k_scales_rows(const uint8_t *b, size_t row_bytes, const int R) {
     __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)b));
@@ -1136,9 +1370,21 @@ static inline __attribute__((always_inline)) void tile_q6k(const uint8_t *row0, 
 
 static inline __attribute__((always_inline)) void tile_any(int type, const uint8_t *row0, size_t row_bytes,
                                                            const int R, int K, const act_t *a, const int M, float *out) {
-    if (type == T_Q6_K) tile_q6k(row0, row_bytes, R, K, a, M, out);
-    else if (type == T_Q4_K || type == T_Q5_K) tile_q45k(type, row0, row_bytes, R, K, a, M, out);
-    else tile_q32(type, row0, row_bytes, R, K, a, M, out);
+    switch (type) {
+    case T_Q6_K: tile_q6k(row0, row_bytes, R, K, a, M, out); break;
+    case T_Q4_K: case T_Q5_K: tile_q45k(type, row0, row_bytes, R, K, a, M, out); break;
+    case T_Q4_1: tile_b32(T_Q4_1, row0, row_bytes, R, K, a, M, out); break;
+    case T_Q5_0: tile_b32(T_Q5_0, row0, row_bytes, R, K, a, M, out); break;
+    case T_Q5_1: tile_b32(T_Q5_1, row0, row_bytes, R, K, a, M, out); break;
+    case T_IQ4_NL: tile_b32(T_IQ4_NL, row0, row_bytes, R, K, a, M, out); break;
+    case T_IQ4_XS: tile_b32(T_IQ4_XS, row0, row_bytes, R, K, a, M, out); break;
+    case T_MXFP4: tile_b32(T_MXFP4, row0, row_bytes, R, K, a, M, out); break;
+    case T_Q2_K: tile_q23k(T_Q2_K, row0, row_bytes, R, K, a, M, out); break;
+    case T_Q3_K: tile_q23k(T_Q3_K, row0, row_bytes, R, K, a, M, out); break;
+    case T_TQ2_0: tile_q23k(T_TQ2_0, row0, row_bytes, R, K, a, M, out); break;
+    case T_TQ1_0: tile_q23k(T_TQ1_0, row0, row_bytes, R, K, a, M, out); break;
+    default: tile_q32(type, row0, row_bytes, R, K, a, M, out);
+    }
 }
 
 /* R (4 or 1) rows of a Q8_0, Q4_0, Q4_K, Q5_K or Q6_K tensor against M (1 or 2) prepared rows: out[r * 2 + m]. */
@@ -1652,6 +1898,16 @@ static inline __m256i two_bits(const uint8_t *q, int shift) {
 
 static inline void set2(float *p, float a) { p[0] = p[1] = a; }
 
+/* TQ1_0's trits: ((uint8)(x k) * 3 >> 8) - 1 for each byte x (k a power of 3), in 16-bit lanes */
+static inline __m256i trits32(__m256i x, int k) {
+    const __m256i ff = _mm256_set1_epi16(0xFF), kk = _mm256_set1_epi16((short)k), three = _mm256_set1_epi16(3);
+    __m256i lo = _mm256_and_si256(_mm256_mullo_epi16(_mm256_and_si256(x, ff), kk), ff);
+    __m256i hi = _mm256_and_si256(_mm256_mullo_epi16(_mm256_srli_epi16(x, 8), kk), ff);
+    lo = _mm256_srli_epi16(_mm256_mullo_epi16(lo, three), 8);
+    hi = _mm256_srli_epi16(_mm256_mullo_epi16(hi, three), 8);
+    return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 8)), _mm256_set1_epi8(1));
+}
+
 /* Expand one row: v [K], sc [K / 16], mn [K / 16] (left unwritten, and 0 returned, for the types without a min). */
 static int expand_row(int type, const uint8_t *b, int K, int8_t *v, float *sc, float *mn) {
     const __m128i iq4 = _mm_loadu_si128((const __m128i *)KV_IQ4NL8), e2m1 = _mm_loadu_si128((const __m128i *)KV_E2M1);
@@ -1746,10 +2002,10 @@ static int expand_row(int type, const uint8_t *b, int K, int8_t *v, float *sc, f
         for (int jb = 0; jb < K / 256; jb++, b += 54) {
             static const uint8_t pow3[5] = {1, 3, 9, 27, 81};
             int8_t *o = v + 256 * jb;
-            for (int p = 0; p < 5; p++)
-                for (int l = 0; l < 32; l++) *o++ = (int8_t)((((uint8_t)(b[l] * pow3[p]) * 3) >> 8) - 1);
-            for (int p = 0; p < 5; p++)
-                for (int l = 0; l < 16; l++) *o++ = (int8_t)((((uint8_t)(b[32 + l] * pow3[p]) * 3) >> 8) - 1);
+            const __m256i x = _mm256_loadu_si256((const __m256i *)b);  /* bytes 0..31: values 0..159 */
+            for (int p = 0; p < 5; p++, o += 32) _mm256_storeu_si256((__m256i *)o, trits32(x, pow3[p]));
+            const __m256i y = _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b + 32)));  /* 160..239 */
+            for (int p = 0; p < 5; p++, o += 16) _mm_storeu_si128((__m128i *)o, _mm256_castsi256_si128(trits32(y, pow3[p])));
             for (int p = 0; p < 4; p++)
                 for (int l = 0; l < 4; l++) *o++ = (int8_t)((((uint8_t)(b[48 + l] * pow3[p]) * 3) >> 8) - 1);
             float d = h2f(b + 52);
@@ -1932,6 +2188,17 @@ int blk_kind(int type) {
     return 1;  /* the other types: expanded row by row (expand_row), times Q8_0-style activations */
 }
 
+/* the expanded types the 512-bit tiles multiply straight from their blocks (tile_b32) */
+static int fused_b32(int type) {
+#ifdef BLK_VNNI
+    return type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 || type == T_IQ4_NL || type == T_IQ4_XS || type == T_MXFP4
+        || type == T_Q2_K || type == T_Q3_K || type == T_TQ2_0 || type == T_TQ1_0;
+#else
+    (void)type;
+    return 0;
+#endif
+}
+
 /* the types multiplied by expanding each row (expand_row), with kind 1's activations */
 static int expanded(int type) {
     return type != T_Q8_0 && type != T_Q4_0 && blk_kind(type) == 1;
@@ -2018,7 +2285,8 @@ void blk_tiles_rows(int type, const uint8_t *blocks, int N, int K, void *scratch
     block_info(type, &elems, &bytes);
     size_t row_bytes = (size_t)(K / elems) * bytes;
     act_t a[DS_MAX_ROWS > MG ? DS_MAX_ROWS : MG];
-    if (expanded(type)) {  /* each row expanded once (to int8 values and scales), then times every activation row */
+    if (expanded(type) && !fused_b32(type)) {  /* each row expanded once (to int8 values and scales), then times every
+                                                 activation row */
         int8_t v[K];
         float sc[K / 16], mn[K / 16];
         #pragma omp for schedule(static) nowait
