@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from deltaserve import session as session_mod
+from deltaserve.session import resident as session_mod
 from deltaserve.engine.state import DecodeState
 
 

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import torch
 
 import deltaserve
 from tools.bench.export_hf import export_hf
 from tests.fixtures import models as fx
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_a_gguf_exported_back_to_hf_gives_transformers_our_logits(tmp_path):
@@ -135,3 +140,28 @@ def test_the_conversations_report_counts_full_store_hits_and_gives_the_ratios_ag
     assert "Ratio restarted / re-prefill: **0.20x** (goal <= 0.3). Answers of the restarted server identical to " \
            "the same turn without a restart: 2 of 2" in text
     assert (tmp_path / "conversations.json").exists()
+
+
+def test_a_bench_run_writes_to_a_new_directory_unless_out_names_one(tmp_path, monkeypatch):
+    """`deltaserve bench threads --quick` from a checkout once overwrote the committed benchmarks/threads.md."""
+    from tools.bench.run import out_dir
+
+    monkeypatch.chdir(tmp_path)
+    first, second = out_dir("threads", None, now=0), out_dir("threads", None, now=0)
+    assert first.is_dir() and second.is_dir() and first != second  # the same second: still two directories
+    assert first.name.startswith("bench-threads-") and not (tmp_path / "benchmarks").exists()
+    assert out_dir("threads", str(tmp_path / "named")) == tmp_path / "named"
+
+
+def test_deltaserve_bench_runs_the_bench_as_its_own_program_with_the_flags_given(monkeypatch):
+    """The CLI never imports tools/ (the wheel's modules import nothing above them): it starts the bench's program."""
+    import subprocess
+
+    from deltaserve.frontends.cli import main
+
+    seen = []
+    monkeypatch.setattr(subprocess, "call", lambda argv, env: seen.append((argv, env)) or 0)
+    assert main(["bench", "threads", "--quick", "--out", "x"]) == 0
+    (argv, env), = seen
+    assert argv[1:] == ["-m", "tools.bench.run", "threads", "--quick", "--out", "x"]
+    assert str(ROOT) in env["PYTHONPATH"].split(os.pathsep)

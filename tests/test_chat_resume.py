@@ -15,7 +15,7 @@ import sys
 import pytest
 
 import deltaserve
-from deltaserve.store import read_state, write_state
+from deltaserve.session.store import read_state, write_state
 from deltaserve.text.chat_template import render
 
 STATS = re.compile(r"\[reused (\d+) \| prefilled (\d+) \| TTFT \d+ ms \| [\d.]+ tok/s \| \d+ tokens?, \w+[^|]* \| (\w+)\]")

@@ -8,7 +8,7 @@ import torch
 
 from deltaserve.runtime.backend import CUDABackend
 from deltaserve.runtime.guard import ParityGuard
-from deltaserve.session import FALLBACK_PREFIX
+from deltaserve.session.resident import FALLBACK_PREFIX
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -88,7 +88,7 @@ def test_a_quantized_file_serves_on_cuda_and_recalls_like_the_cpu(name):
 def test_a_cuda_state_saved_in_the_store_resumes_a_conversation_in_another_cuda_session(hybrid_model, tmp_path):
     """The store takes a device checkpoint (copied to the host, written to disk); another session restores it onto
     the device and prefills only the new turn, answering as a session that prefilled everything."""
-    from deltaserve.store import StateStore
+    from deltaserve.session.store import StateStore
 
     store = StateStore(hybrid_model.config, ram_bytes=64 << 20, directory=tmp_path, disk_bytes=64 << 20,
                        model_sha256=hybrid_model.host.sha256())

@@ -14,7 +14,7 @@ from deltaserve.runtime import guard as guard_mod
 from deltaserve.runtime.backend import FaultyBackend
 from deltaserve.runtime.guard import ParityGuard
 from deltaserve.formats import source
-from deltaserve.session import FALLBACK_PREFIX
+from deltaserve.session.resident import FALLBACK_PREFIX
 
 
 def run_conversation(session, model, max_tokens=12):

@@ -1,50 +1,77 @@
-"""The package's imports run one way, from file formats up to the frontends, with no cycle."""
+"""The repository's imports run one way, from file formats up to the frontends and on to the tools, with no cycle.
+
+Every module of src/deltaserve, tools/ and scripts/ is named in exactly one layer (no catch-all: a new module
+fails here until it is placed); a module may import its own layer or a lower one; the graph of the whole
+repository has no cycle (the bench imports the package, never the reverse). The checker is itself checked on
+modules it writes into a temporary directory: an upward import and a real cycle are found.
+"""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "src" / "deltaserve"
+ROOT = Path(__file__).resolve().parents[1]
+TREES = {"deltaserve": ROOT / "src" / "deltaserve", "tools": ROOT / "tools", "scripts": ROOT / "scripts"}
 
-# lowest first: a module may import its own layer or a lower one, never a higher one
+# lowest first. "x.*" names a package and every module in it; a bare name is that one module.
 LAYERS = [
     ("base", ["deltaserve.errors", "deltaserve.cachedir", "deltaserve.cbuild", "deltaserve.version"]),
-    ("text", ["deltaserve.text"]),
-    ("formats", ["deltaserve.formats"]),
-    ("kernels", ["deltaserve.kernels"]),
-    ("engine", ["deltaserve.engine"]),
-    ("runtime", ["deltaserve.runtime"]),
-    ("session", ["deltaserve.session", "deltaserve.sampling", "deltaserve.store", "deltaserve.grammar"]),
+    ("text", ["deltaserve.text.*"]),
+    ("formats", ["deltaserve.formats.*"]),
+    ("kernels", ["deltaserve.kernels.*"]),
+    ("engine", ["deltaserve.engine.*"]),
+    ("runtime", ["deltaserve.runtime.*"]),
+    ("session", ["deltaserve.session.*"]),
     ("api", ["deltaserve.api", "deltaserve.demo"]),
-    ("frontends", ["deltaserve.frontends", "deltaserve.__main__", "deltaserve"]),
+    ("frontends", ["deltaserve.frontends.*", "deltaserve.ray", "deltaserve.__main__", "deltaserve"]),
+    ("tools", ["tools.*", "scripts.*"]),
 ]
 
 
-def layer_of(module: str) -> int:
-    best, rank = -1, None
-    for i, (_, prefixes) in enumerate(LAYERS):
-        for p in prefixes:
-            if (module == p or module.startswith(p + ".")) and len(p) > best:
-                best, rank = len(p), i
-    if rank is None:
-        raise AssertionError(f"{module} is in no layer: add it to LAYERS")
-    return rank
+def matches(entry: str, module: str) -> bool:
+    if entry.endswith(".*"):
+        package = entry[:-2]
+        return module == package or module.startswith(package + ".")
+    return module == entry
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+def layers_of(module: str, layers=LAYERS) -> list[int]:
+    return [i for i, (_, entries) in enumerate(layers) for e in entries if matches(e, module)]
 
 
-def imports(path: Path) -> set[str]:
-    """Every deltaserve module `path` imports, at any depth of the file (function-level imports count)."""
-    name = module_name(path)
+def layer_of(module: str, layers=LAYERS) -> int:
+    found = layers_of(module, layers)
+    if len(found) != 1:
+        raise AssertionError(f"{module} is named in {len(found)} layers, not one: place it in LAYERS")
+    return found[0]
+
+
+def module_name(path: Path, trees: dict[str, Path]) -> str:
+    for top, base in trees.items():
+        if path.is_relative_to(base):
+            parts = [top, *path.relative_to(base).with_suffix("").parts]
+            return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    raise AssertionError(f"{path} is in no tree")
+
+
+def _is_module(name: str, trees: dict[str, Path]) -> bool:
+    top, *rest = name.split(".")
+    base = trees.get(top)
+    if base is None:
+        return False
+    rel = base.joinpath(*rest)
+    return rel.with_suffix(".py").exists() or (rel / "__init__.py").exists()
+
+
+def imports(path: Path, trees: dict[str, Path]) -> set[str]:
+    """Every module of the trees `path` imports, at any depth of the file (function-level imports count)."""
+    name = module_name(path, trees)
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.split(".")[0] == "deltaserve"}
+            found |= {a.name for a in node.names if a.name.split(".")[0] in trees}
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
@@ -52,42 +79,38 @@ def imports(path: Path) -> set[str]:
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            if target.split(".")[0] != "deltaserve":
+            if target.split(".")[0] not in trees:
                 continue
             for a in node.names:  # `from deltaserve.kernels import native` imports a module
                 sub = f"{target}.{a.name}"
-                found.add(sub if _is_module(sub) else target)
+                found.add(sub if _is_module(sub, trees) else target)
     return found
 
 
-def _is_module(name: str) -> bool:
-    rel = Path(*name.split(".")[1:])
-    return (PACKAGE / rel).with_suffix(".py").exists() or (PACKAGE / rel / "__init__.py").exists()
+def graph(trees: dict[str, Path] = TREES) -> dict[str, set[str]]:
+    return {module_name(p, trees): imports(p, trees) for base in trees.values() for p in sorted(base.rglob("*.py"))}
 
 
-def graph() -> dict[str, set[str]]:
-    return {module_name(p): imports(p) for p in PACKAGE.rglob("*.py")}
-
-
-def test_no_module_imports_a_layer_above_its_own():
-    upward = []
-    for mod, targets in sorted(graph().items()):
+def upward(g: dict[str, set[str]], layers=LAYERS) -> list[str]:
+    out = []
+    for mod, targets in sorted(g.items()):
         for t in sorted(targets):
-            if layer_of(t) > layer_of(mod):
-                upward.append(f"{mod} ({LAYERS[layer_of(mod)][0]}) imports {t} ({LAYERS[layer_of(t)][0]})")
-    assert not upward, "imports that run upward:\n" + "\n".join(upward)
+            if t in g and layer_of(t, layers) > layer_of(mod, layers):
+                out.append(f"{mod} ({layers[layer_of(mod, layers)][0]}) imports {t} "
+                           f"({layers[layer_of(t, layers)][0]})")
+    return out
 
 
-def test_the_modules_import_one_another_without_a_cycle():
-    g = graph()
-    cycles, index, low, stack, on, counter = [], {}, {}, [], set(), [0]
+def cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module, or a module importing itself (Tarjan)."""
+    found, index, low, stack, on, counter = [], {}, {}, [], set(), [0]
 
-    def visit(v):  # Tarjan's strongly connected components
+    def visit(v):
         index[v] = low[v] = counter[0]
         counter[0] += 1
         stack.append(v)
         on.add(v)
-        for w in g.get(v, ()):
+        for w in sorted(g.get(v, ())):
             if w not in g:
                 continue
             if w not in index:
@@ -103,24 +126,49 @@ def test_the_modules_import_one_another_without_a_cycle():
                 comp.append(w)
                 if w == v:
                     break
-            if len(comp) > 1:
-                cycles.append(sorted(comp))
+            if len(comp) > 1 or v in g.get(v, ()):
+                found.append(sorted(comp))
 
     for v in sorted(g):
         if v not in index:
             visit(v)
-    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+    return found
 
 
-def test_the_checker_sees_an_upward_import_and_a_cycle(tmp_path):
-    assert layer_of("deltaserve.formats.gguf") < layer_of("deltaserve.engine.forward")
-    assert layer_of("deltaserve.frontends.server.app") == len(LAYERS) - 1
-    fake = PACKAGE / "formats" / "_probe_upward.py"
-    if not fake.parent.exists():
-        return  # before the layout exists there is nothing to probe
-    fake.write_text("from deltaserve.engine import forward\n")
-    try:
-        assert imports(fake) == {"deltaserve.engine.forward"}
-        assert layer_of(module_name(fake)) < layer_of("deltaserve.engine.forward")
-    finally:
-        fake.unlink()
+def test_every_module_of_the_repository_is_named_in_exactly_one_layer():
+    g = graph()
+    assert "deltaserve.session.turns" in g and "tools.bench.run" in g and "deltaserve.frontends.cli" in g
+    misplaced = {m: len(layers_of(m)) for m in g if len(layers_of(m)) != 1}
+    assert not misplaced, f"modules named in no layer or in several (place each in LAYERS once): {misplaced}"
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    found = upward(graph())
+    assert not found, "imports that run upward:\n" + "\n".join(found)
+
+
+def test_the_repository_imports_one_another_without_a_cycle_the_bench_included():
+    found = cycles(graph())
+    assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
+    assert not any(t.startswith("tools.") for t in graph()["deltaserve.frontends.cli"])  # the bench is its own program
+
+
+def test_the_checker_finds_an_upward_import_and_a_real_cycle(tmp_path):
+    pkg = tmp_path / "pkg"
+    for sub in ("low", "high"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "low" / "a.py").write_text("from pkg.high import b\n")          # upward, and half a cycle
+    (pkg / "high" / "b.py").write_text("def f():\n    from pkg.low import a\n")  # a function-level import closes it
+    (pkg / "low" / "c.py").write_text("from . import a\n")                  # a relative import, same layer
+    trees = {"pkg": pkg}
+    layers = [("low", ["pkg.low.*", "pkg"]), ("high", ["pkg.high.*"])]
+    g = graph(trees)
+    assert g["pkg.low.a"] == {"pkg.high.b"} and g["pkg.high.b"] == {"pkg.low.a"} and g["pkg.low.c"] == {"pkg.low.a"}
+    assert upward(g, layers) == ["pkg.low.a (low) imports pkg.high.b (high)"]
+    assert cycles(g) == [["pkg.high.b", "pkg.low.a"]]
+    (pkg / "high" / "b.py").write_text("x = 1\n")  # the cycle broken: none is found
+    assert cycles(graph(trees)) == []
+    assert layers_of("pkg.elsewhere", [("x", ["pkg.low.*"])]) == []  # no catch-all: an unplaced module is unplaced
+    assert len(layers_of("pkg.low.a", [("x", ["pkg.low.*"]), ("y", ["pkg.low.a"])])) == 2

@@ -412,7 +412,7 @@ def test_an_moe_conversation_prefills_only_its_new_turns_and_resumes_from_the_st
     """On the f32 file, whose products are exact whatever rows a call takes, so that a resumed turn's tokens are
     compared with a fresh prefill's exactly (on quantized blocks a suffix of a few rows and a whole prompt take
     different products, tiles and the GEMM, as on the dense models)."""
-    from deltaserve.store import StateStore
+    from deltaserve.session.store import StateStore
 
     model = ours("f32")
 

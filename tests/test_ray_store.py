@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from deltaserve.store import SUFFIX, StateStore, _HOST, file_name, saved_state_bytes
+from deltaserve.session.store import SUFFIX, StateStore, _HOST, file_name, saved_state_bytes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -48,7 +48,7 @@ def test_a_state_another_process_writes_is_found_by_a_store_that_started_before_
         import sys
         sys.path.insert(0, {REPO!r})
         import deltaserve
-        from deltaserve.store import StateStore
+        from deltaserve.session.store import StateStore
         from tests.test_ray_store import state_of
         model = deltaserve.load({str(hybrid_model.path)!r})
         store = StateStore(model.config, ram_bytes=64 << 20, directory={str(tmp_path)!r}, disk_bytes=64 << 20,

@@ -10,7 +10,7 @@ import torch
 
 import deltaserve
 from deltaserve.errors import DeltaserveError
-from deltaserve.sampling import Sampler, SamplingParams
+from deltaserve.session.sampling import Sampler, SamplingParams
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

@@ -16,7 +16,7 @@ import pytest
 
 from deltaserve.runtime.backend import FaultyBackend
 from deltaserve.runtime.guard import ParityGuard
-from deltaserve.session import FALLBACK_PREFIX
+from deltaserve.session.resident import FALLBACK_PREFIX
 from tests.server_proc import ServerProcess
 
 

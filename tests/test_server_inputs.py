@@ -49,8 +49,7 @@ def test_a_lone_surrogate_is_a_400_that_names_it(server, path, body, param):
 
 
 def test_a_template_refusal_says_so_once(server):
-    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"},
-                                                            {"role": "system", "content": "late system"}]})
+    r = post(server, "/v1/chat/completions", {"messages": [{"role": "system", "content": "only a system turn"}]})
     assert r.status_code == 400, r.text
     message = r.json()["error"]["message"]
     assert message.count("the chat template refused the conversation") == 1

@@ -12,7 +12,7 @@ import pytest
 
 import deltaserve
 from deltaserve.demo import default_model_path
-from deltaserve.store import file_name, read_header
+from deltaserve.session.store import file_name, read_header
 from tests.server_proc import ServerProcess
 
 MAX = 12

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deltaserve.store import (StateFileError, StateStore, file_name, parse_size, read_header, read_state,
+from deltaserve.session.store import (StateFileError, StateStore, file_name, parse_size, read_header, read_state,
                               saved_state_bytes, write_state)
 
 MAX = 8

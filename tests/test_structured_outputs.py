@@ -14,8 +14,8 @@ import jsonschema
 import openai
 import pytest
 
-from deltaserve import grammar
-from deltaserve.grammar import GrammarError
+from deltaserve.session import grammar
+from deltaserve.session.grammar import GrammarError
 from tests.server_proc import ServerProcess
 
 PERSON = {

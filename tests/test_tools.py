@@ -214,7 +214,10 @@ BAD = [
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "missing"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
-    ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tool_choice": "auto"}, "tool_choice"),  # a lonely tool_choice is refused by name, as OpenAI does
+    ({"functions": [{"name": "lookup", "parameters": {"type": "object"}}]}, "functions"),
+    ({"function_call": "auto"}, "function_call"),
+    ({"best_of": 2}, "best_of"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"$ref": "#/definitions/missing"}}}}}], "tool_choice": "required"},
      "tools"),

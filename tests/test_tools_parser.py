@@ -171,15 +171,16 @@ def test_streaming_in_any_pieces_gives_what_parsing_the_whole_text_gives():
                 args[e.index] = args.get(e.index, "") + e.text
         assert [s.name for s in starts] == [c.name for c in whole_calls]
         assert [args[s.index] for s in starts] == [c.arguments for c in whole_calls]
-        assert content.strip() == (whole_content or "").strip()
+        assert content == (whole_content or "")  # exactly: whitespace by a call is markup in both
         # no content piece ever shows part of a call's markup
-        assert "<function=" not in content and "<tool" not in content.replace(" tail <tool", "")
+        assert "<function=" not in content and "<tool" not in content.replace("tail <tool", "")
 
 
 def test_text_that_may_begin_a_call_is_held_back_until_it_is_known_not_to():
     p = ToolCallParser(TOOLS)
-    assert [e.text for e in p.push("Hello <tool") if isinstance(e, Content)] == ["Hello "]
-    assert [e.text for e in p.push("box>") if isinstance(e, Content)] == ["<toolbox>"]
+    # (the space too: whitespace waits for what follows it, content or a call)
+    assert [e.text for e in p.push("Hello <tool") if isinstance(e, Content)] == ["Hello"]
+    assert [e.text for e in p.push("box>") if isinstance(e, Content)] == [" <toolbox>"]
     events = p.push("<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n2\n</parameter>")
     assert events == []  # inside a call: nothing until it closes
     events = p.push("\n</function>\n</tool_call>")
@@ -212,3 +213,23 @@ def test_assistant_tool_calls_reach_the_template_with_their_arguments_as_objects
         template_messages([{"role": "assistant", "tool_calls": [{"function": {"name": "add", "arguments": "[1]"}}]}])
     with pytest.raises(ToolError, match="not JSON"):
         template_messages([{"role": "assistant", "tool_calls": [{"function": {"name": "add", "arguments": "{"}}]}])
+
+
+def test_two_streamed_calls_send_no_content_between_them_and_a_cut_call_sends_no_markup():
+    """pydantic-ai's run_stream ended on a "\n" content delta between two calls (and litellm / LangChain rebuilt
+    the content as "\n"); a call cut by max_tokens came back as content '<tool_call>\n<function=get_we'."""
+    text = call("get_weather", city="Lima") + "\n" + call("add", a="4", b="5") + "\n"
+    for size in (1, 2, 3, 5, len(text)):
+        p = ToolCallParser(TOOLS)
+        events = [e for i in range(0, len(text), size) for e in p.push(text[i:i + size])] + p.finish()
+        assert [e for e in events if isinstance(e, Content)] == [], size
+        assert [c.name for c in p.calls] == ["get_weather", "add"]
+        assert p.result()[0] is None
+    cut = "Let me look.\n" + call("get_weather", city="Lima")[:25]
+    p = ToolCallParser(TOOLS)
+    events = p.push(cut) + p.finish(cut=True)
+    assert "".join(e.text for e in events if isinstance(e, Content)) == "Let me look."
+    assert p.cut and p.calls == []
+    assert parse(cut, TOOLS, cut=True) == ("Let me look.", [])
+    # an unclosed block the model ended itself (no cut) stays what it is: text
+    assert parse(cut, TOOLS)[0] == cut

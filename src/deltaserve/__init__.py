@@ -12,7 +12,7 @@ from deltaserve.version import __version__
 
 # oneDNN keeps up to 1024 compiled primitives per process by default, one per shape: a server that sees prompts of
 # many lengths grew from 244 to 1,206 MiB over 300 of them (demo model), most of it this cache and glibc's heap
-# (session.py hands the heap back after long prefills). 256 keeps every shape a decode repeats: 618 MiB, flat.
+# (session/resident.py hands the heap back after long prefills). 256 keeps every shape a decode repeats: 618 MiB, flat.
 _os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "256")
 # and torch's ideep keeps its own cache of computations (LRU_CACHE_CAPACITY, 1024 by default), also one per shape:
 # it was the rest of that growth (on a Xeon, demo model, 1,000 random-length prompts: 479 MiB after 50, 630 after

@@ -9,7 +9,7 @@ from typing import Sequence
 
 import torch
 
-from deltaserve.demo import default_model_path, is_demo
+from deltaserve.demo import default_model_path, thinking_default
 from deltaserve.engine.forward import Forward
 from deltaserve.engine.host import HostModel, cached_host, load_host
 from deltaserve.errors import DeltaserveError
@@ -19,9 +19,10 @@ from deltaserve.runtime.compute import ComputeThread
 from deltaserve.runtime.guard import MAX_AGE, ParityGuard
 from deltaserve.engine.state import DecodeState
 from deltaserve.runtime.capacity import cpu_memory
-from deltaserve.session import Session, Turn
-from deltaserve.store import StateStore
-from deltaserve.text.chat_template import RenderedPrompt, render, render_prompt, render_text
+from deltaserve.session.resident import Session, Turn
+from deltaserve.session.store import StateStore
+from deltaserve.session.turns import ask
+from deltaserve.text.chat_template import RenderedPrompt
 
 
 class Model:
@@ -52,25 +53,27 @@ class Model:
     def thinking_default(self) -> bool | None:
         """enable_thinking when a caller does not say: the embedded demo model was trained with thinking off;
         any other model keeps its template's default (None)."""
-        return False if is_demo(self.host.path) else None
+        return thinking_default(self.host.path)
 
-    def render(self, messages, enable_thinking: bool | None = None) -> tuple[list[int], bool]:
-        """A conversation's prompt ids (generation header added) and whether it leaves the model reasoning."""
-        return render(self.tokenizer, messages, self.thinking_default if enable_thinking is None else enable_thinking)
+    def render(self, messages, enable_thinking: bool | None = None, tools=None,
+               response_format=None) -> tuple[list[int], bool]:
+        """A conversation's prompt ids (generation header added) and whether it leaves the model reasoning, as a
+        chat turn renders them (`session.turns`: a response_format or an enforced tool choice renders thinking
+        off)."""
+        prompt = self.render_prompt(messages, enable_thinking, tools, response_format)
+        return prompt.encode(self.tokenizer), prompt.thinking
 
-    def render_prompt(self, messages, enable_thinking: bool | None = None, tools=None) -> RenderedPrompt:
+    def render_prompt(self, messages, enable_thinking: bool | None = None, tools=None,
+                      response_format=None) -> RenderedPrompt:
         """A conversation rendered (generation header added), not yet tokenized: `.encode(tokenizer)` encodes what
         its messages contain as text, `.display` reads it, `.thinking` says whether it leaves the model reasoning.
         `tools`: the functions offered (OpenAI's list), rendered by the template."""
-        return render_prompt(self.tokenizer, messages,
-                             self.thinking_default if enable_thinking is None else enable_thinking, tools)
+        turn = ask(messages, tools, response_format=response_format, enable_thinking=enable_thinking)
+        return turn.prompt(self.tokenizer, self.thinking_default)
 
     def render_text(self, messages, enable_thinking: bool | None = None, tools=None) -> str:
         """A conversation's prompt text (generation header added), not yet tokenized."""
-        from deltaserve.text.toolcalls import template_messages
-
-        return render_text(self.tokenizer, template_messages(messages),
-                           self.thinking_default if enable_thinking is None else enable_thinking, tools)
+        return self.render_prompt(messages, enable_thinking, tools).display
 
     def _reference_forward(self) -> Forward:
         if self._cpu_forward is None:
@@ -130,7 +133,7 @@ class Model:
 
     def state_store(self, ram: int | None = None, directory: str | os.PathLike | None = None,
                     disk: int | None = None, slots: int = 1, context: int | None = None, say=None) -> StateStore:
-        """The conversation state store for this model's sessions (deltaserve/store.py). `ram` None: a quarter of
+        """The conversation state store for this model's sessions (deltaserve/session/store.py). `ram` None: a quarter of
         the memory left once `slots` states of `context` positions (at most 8192 planned) are set aside;
         `directory`: the disk tier, kept across restarts; `disk` None: half the free space there, at most 64 GiB."""
         c = self.config

@@ -16,6 +16,12 @@ def default_model_path() -> Path:
     return DEMO_FILE
 
 
+def thinking_default(path) -> bool | None:
+    """enable_thinking for a model file when nobody says: the embedded demo model was trained with thinking off;
+    any other model keeps its template's default (None)."""
+    return False if is_demo(path) else None
+
+
 def is_demo(path) -> bool:
     """Whether `path` is the embedded demo model's file."""
     try:

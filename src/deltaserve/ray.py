@@ -15,7 +15,7 @@
   to one with a free slot; one that is down is skipped.
 - **One state store directory** (`--state-dir`) all replicas share: every turn's checkpoint is written through to
   it, and a replica that gets a conversation it never served restores the state another replica wrote
-  (deltaserve/store.py indexes the other processes' files) and prefills only the new suffix.
+  (deltaserve/session/store.py indexes the other processes' files) and prefills only the new suffix.
 
 Failures: a replica killed mid-request fails its in-flight requests cleanly: a request with nothing streamed yet is
 retried once on another replica; a stream that had begun ends with an error event and `[DONE]`. The router marks
@@ -58,7 +58,8 @@ from typing import Sequence
 
 from deltaserve.errors import DeltaserveError
 from deltaserve.kernels.cpu import SPLIT_MIN_BYTES, available_cores, plural
-from deltaserve.store import prefix_hashes
+from deltaserve.session.store import prefix_hashes
+from deltaserve.session.turns import thinking_flag
 
 # what `deltaserve serve` would take by default, for a config file that leaves options out
 DEFAULTS = dict(model=None, replicas=2, slots=2, queue=16, threads=None, ctx=None, device="cpu", think="auto",
@@ -83,7 +84,7 @@ def options(args: dict | argparse.Namespace | None = None, **more) -> dict:
     opts["model"] = str(opts["model"]) if opts["model"] else None
     for key in ("state_ram", "state_disk"):
         if isinstance(opts[key], str):
-            from deltaserve.store import parse_size
+            from deltaserve.session.store import parse_size
 
             opts[key] = parse_size(opts[key])
     if int(opts["replicas"]) < 1 or int(opts["slots"]) < 1:
@@ -251,7 +252,7 @@ class ReplicaServer:
         model = load(path, device=a.device, threads=threads, compute_thread=wants_compute_thread(a))
         model.threads_why = f"replica {index}: {why}"
         self.threads = threads
-        think = {"on": True, "off": False, "auto": None}[a.think]
+        think = thinking_flag(a.think)
         self.server = Server(model, slots=a.slots, queue=a.queue, api_key=a.api_key, model_name=a.model_name,
                              limits=Limits(max_tokens=a.max_tokens_limit, max_messages=a.max_messages,
                                            max_body=a.max_body),
@@ -397,15 +398,15 @@ class Router:
     def __init__(self, opts: dict, *replicas):
         from prometheus_client import CollectorRegistry, Counter, Gauge
 
-        from deltaserve.demo import default_model_path, is_demo
+        from deltaserve.demo import default_model_path, thinking_default
         from deltaserve.formats.source import open_model
 
         self.opts = opts
         self.handles = list(replicas)
         path = opts["model"] or str(default_model_path())
         self.tokenizer = open_model(path).tokenizer  # the tokenizer and chat template only: no weights
-        think = {"on": True, "off": False, "auto": None}[opts["think"]]
-        self.think = think if think is not None else (False if is_demo(path) else None)
+        think = thinking_flag(opts["think"])
+        self.think = think if think is not None else thinking_default(path)
         im_start = getattr(self.tokenizer, "im_start_id", None)
         self.routes = Routes(len(replicas), int(opts["slots"]), im_start, self.tokenizer.encode("assistant"))
         self.info: list[dict | None] = [None] * len(replicas)
@@ -479,7 +480,6 @@ class Router:
         """The ids a generation request's prompt renders to (as the replica will render it), or None (not a
         generation request, or one the replica will refuse: routing does not matter then)."""
         from deltaserve.frontends.server.protocol import Limits, parse_chat, parse_completion
-        from deltaserve.text.chat_template import render_prompt
 
         if path not in ("/v1/chat/completions", "/v1/completions"):
             return None
@@ -488,9 +488,8 @@ class Router:
             limits = Limits(max_body=int(self.opts["max_body"]), max_messages=int(self.opts["max_messages"]),
                             max_tokens=int(self.opts["max_tokens_limit"]))
             if path == "/v1/chat/completions":
-                req = parse_chat(data, limits)
-                think = req.enable_thinking if req.enable_thinking is not None else self.think
-                return render_prompt(self.tokenizer, req.messages, think).encode(self.tokenizer)
+                req = parse_chat(data, limits)  # rendered by the one turn pipeline, tools and all (session.turns)
+                return req.turn.prompt(self.tokenizer, self.think).encode(self.tokenizer)
             req = parse_completion(data, limits)
             if isinstance(req.prompt, list):
                 return [int(t) for t in req.prompt]

@@ -376,7 +376,7 @@ import json, sys, tempfile, time
 from pathlib import Path
 import torch
 import deltaserve
-from deltaserve.store import StateStore, read_state, write_state
+from deltaserve.session.store import StateStore, read_state, write_state
 from tools.bench import conversations as cv
 
 path, threads, history = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -571,7 +571,7 @@ def _llama_version() -> str:
 
 
 def main(a) -> None:
-    from tools.bench.run import CACHE, model_file
+    from tools.bench.models import CACHE, model_file
 
     t0 = time.perf_counter()
     out = Path(a.out) / "conversations"

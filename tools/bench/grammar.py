@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
 
     import deltaserve
-    from deltaserve import grammar
+    from deltaserve.session import grammar
 
     model = deltaserve.load(a.model)
     tok, cfg = model.tokenizer, model.config

@@ -29,7 +29,7 @@ KINDS = ("q8_0", "Q4_K_M")
 def moe_file(kind: str, layers: int) -> Path:
     """The bench file, made once: Q4_K_M by llama.cpp's quantizer from an f16 file that is removed afterwards
     (it is the largest of them, 15 GB at 8 layers)."""
-    from tools.bench.run import CACHE, model_file
+    from tools.bench.models import CACHE, model_file
 
     path = model_file(SHAPE, kind, layers)
     f16 = CACHE / f"qwen35-{SHAPE}-{layers}L-f16.gguf"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from tools.bench.run import CACHE, REPO, model_file
+from tools.bench.models import CACHE, REPO, model_file
 
 PP = 512
 # llama.cpp is never built with GGML_NATIVE: a native build on an Intel Xeon that reports AMX compiles AMX kernels

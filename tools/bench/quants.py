@@ -28,7 +28,7 @@ LOGIT_TOKENS = 128
 def preset_file(preset: str) -> Path | None:
     """The 0.8B shape quantized to `preset` by llama.cpp (made once; None where the quantizer refused)."""
     from tools.bench.randmodel import quantize_with_llama_cpp
-    from tools.bench.run import CACHE, model_file
+    from tools.bench.models import CACHE, model_file
 
     out = CACHE / f"qwen35-0.8B-{preset}.gguf"
     if out.exists():
@@ -78,7 +78,7 @@ def llama_distance(path: Path, threads: int, ref: str) -> dict:
 
 
 def main(a) -> None:
-    from tools.bench.run import CACHE, model_file
+    from tools.bench.models import CACHE, model_file
 
     out = Path(a.out) / "quants"
     out.mkdir(parents=True, exist_ok=True)

@@ -271,7 +271,7 @@ def write_report(r: dict, out: Path) -> Path:
 
 def main(a) -> None:
     from tools.bench.conversations import _cpu
-    from tools.bench.run import CACHE, model_file
+    from tools.bench.models import CACHE, model_file
     from deltaserve.kernels.cpu import available_cores
 
     t0 = time.perf_counter()

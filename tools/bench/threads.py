@@ -97,7 +97,7 @@ def run(out: Path, models: list[tuple[str, str, int]], repeats: int = 5, rounds:
 
 
 def main(a) -> None:
-    from tools.bench.run import model_file
+    from tools.bench.models import model_file
 
     models = [("demo (7.8 MB, F16)", "", 256)]
     if not a.quick:

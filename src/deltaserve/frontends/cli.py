@@ -17,7 +17,6 @@ from deltaserve.version import __version__
 from deltaserve.kernels.cpu import plural
 from deltaserve.errors import DeltaserveError
 from deltaserve.frontends.common import load_model, resolve_model, sampling_kwargs, thinking
-from deltaserve.text.stream import ReasoningSplitter
 
 
 def positive_int(text: str) -> int:
@@ -33,7 +32,7 @@ def positive_int(text: str) -> int:
 
 def size_arg(text: str) -> int:
     """argparse type: a size in bytes, with an optional K/M/G/T suffix (powers of 1024)."""
-    from deltaserve.store import parse_size
+    from deltaserve.session.store import parse_size
 
     try:
         return parse_size(text)
@@ -137,20 +136,22 @@ def cmd_run(a) -> int:
         if sys.stdin.isatty():
             raise DeltaserveError("no prompt: pass -p TEXT (or pipe text on stdin)")
         text = sys.stdin.read()
-    if a.chat:
-        messages = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": text}]
-        # a structured answer is asked for with thinking off: only the answer is constrained
-        ids, reasoning_open = model.render(messages, False if response_format else thinking(a))
+    messages = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": text}]
+    if a.chat:  # the turn pipeline's rendering (session.turns), as the turn below will render it
+        ids, _ = model.render(messages, thinking(a), response_format=response_format)
     else:
-        ids, reasoning_open = model.tokenizer.encode(text), False
+        ids = model.tokenizer.encode(text)
     context = min(a.ctx or model.config.context_length, model.config.context_length)
     positions = len(ids) + min(a.max_tokens, max(context - len(ids), 0))
     session = model.session(context=a.ctx, device=a.device, one_call=True, plan_positions=positions,
                             revalidate=a.revalidate, guard_max_age=a.guard_max_age)
-    splitter = ReasoningSplitter(reasoning_open)
-    turn = session.generate(ids, max_tokens=a.max_tokens, on_token=lambda t, piece: _show(*splitter.push(piece)),
-                            response_format=response_format, **sampling_kwargs(a))
-    _show(*splitter.flush())
+    if a.chat:
+        turn = session.chat(messages, max_tokens=a.max_tokens, enable_thinking=thinking(a), on_token=_stream,
+                            on_reasoning=lambda r: _show(r, ""), response_format=response_format,
+                            **sampling_kwargs(a))
+    else:
+        turn = session.generate(ids, max_tokens=a.max_tokens, on_token=lambda t, piece: _show("", piece),
+                                response_format=response_format, **sampling_kwargs(a))
     print(flush=True)
     capped = " (cut by the context)" if turn.context_capped else ""
     for line in session.prefill_lines:
@@ -201,7 +202,7 @@ def cmd_inspect(a) -> int:
     from deltaserve.runtime import capacity
     from deltaserve.runtime.capacity import cpu_memory
     from deltaserve.engine.host import load_host
-    from deltaserve.store import saved_state_bytes
+    from deltaserve.session.store import saved_state_bytes
 
     host = load_host(resolve_model(a.model))
     c = host.config
@@ -254,17 +255,18 @@ def cmd_inspect(a) -> int:
 
 
 def cmd_bench(a) -> int:
-    """The benchmarks live in the repository's tools/ (outside the wheel): they need a checkout and the test
-    extras, and say so in one line when either is missing."""
+    """The benchmarks live in the repository's tools/ (outside the wheel) and are their own program (`python -m
+    tools.bench.run`, which imports this package, never the reverse): they need a checkout and the test extras,
+    and say so in one line when either is missing. The flags were checked here; the program parses them again."""
+    import subprocess
+
     root = Path(__file__).resolve().parents[3]
     if not (root / "tools" / "bench" / "run.py").exists():
         raise DeltaserveError("deltaserve bench runs from a checkout of the repository (its tools/bench is not part "
                               "of the installed package): clone it and pip install -e '.[test]' there")
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    from tools.bench.run import main as bench_main
-
-    return bench_main(a)
+    argv = a.argv[a.argv.index("bench") + 1:]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    return subprocess.call([sys.executable, "-m", "tools.bench.run", *argv], env=env)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -381,11 +383,12 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(func=cmd_inspect)
 
     b = sub.add_parser("bench", help="benchmarks against llama.cpp and transformers",
-                       description="Run the benchmarks and write results under benchmarks/.")
+                       description="Run the benchmarks and write their results to a new directory (or --out).")
     b.add_argument("what", nargs="?", default="all", choices=["all", "session", "speed", "chat", "threads", "conversations", "replicas",
                                                       "sizes", "moe", "quants", "grammar"],
                    help="which benchmark (default all)")
-    b.add_argument("--out", default="benchmarks", help="where results go (default benchmarks/)")
+    b.add_argument("--out", default=None, help="where results go (default: a new directory bench-WHAT-TIME/ here; "
+                                                "the committed results are benchmarks/, written only when named)")
     b.add_argument("--kind", default="bf16", help="weight format of the session benchmark's model (default bf16)")
     b.add_argument("--layers", type=int, default=None, help="fewer layers than the real shape (default: all)")
     b.add_argument("--turns", type=int, default=20, help="turns of the session benchmark (default 20)")
@@ -400,11 +403,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
+    a.argv = list(sys.argv[1:] if argv is None else argv)
     if not getattr(a, "command", None):
         parser.print_help()
         return 2
+    return run_command(lambda: a.func(a))
+
+
+def run_command(fn) -> int:
+    """A command's exit status; its errors as one line each (never a traceback to a user)."""
     try:
-        return int(a.func(a) or 0)
+        return int(fn() or 0)
     except DeltaserveError as e:
         print(f"deltaserve: error: {e}", file=sys.stderr)
         return 1

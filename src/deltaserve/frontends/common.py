@@ -6,6 +6,7 @@ import sys
 
 from deltaserve.api import Model, load
 from deltaserve.demo import default_model_path
+from deltaserve.session.turns import thinking_flag
 
 
 def resolve_model(path: str | None) -> str:
@@ -29,4 +30,4 @@ def sampling_kwargs(a) -> dict:
 
 def thinking(a) -> bool | None:
     """--think on|off|auto; auto (None) is the model's default (the embedded demo model's is off)."""
-    return {"on": True, "off": False, "auto": None}[a.think]
+    return thinking_flag(a.think)

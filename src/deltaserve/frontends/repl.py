@@ -25,7 +25,8 @@ from deltaserve.cachedir import cache_root
 from deltaserve.errors import DeltaserveError
 from deltaserve.frontends.common import load_model, sampling_kwargs
 from deltaserve.kernels.cpu import plural
-from deltaserve.store import StateFileError, read_header
+from deltaserve.session.store import StateFileError, read_header
+from deltaserve.session.turns import thinking_flag
 from deltaserve.version import __version__
 
 HELP = """commands:
@@ -314,7 +315,7 @@ class ChatREPL:
 
 def _thinking_flag(a) -> bool | None:
     """--think on|off|auto; auto (None) is the model's default, or under --resume the saved conversation's."""
-    return {"on": True, "off": False, "auto": None}[a.think]
+    return thinking_flag(a.think)
 
 
 def resume(a, model, saved: SavedChat) -> tuple[dict | None, list[str]]:

@@ -382,7 +382,11 @@ Event = Content | CallStart | CallArguments
 class ToolCallParser:
     """Reads an answer as it streams (`push`, then `finish`) and says what is content and what is a call.
 
-    `parallel` False: at most one call comes back (a later block stays content)."""
+    `parallel` False: at most one call comes back (a later block stays content). Whitespace next to a call is
+    markup, not content: whitespace is held until text follows it, dropped when a call follows it instead (or
+    ends the answer after calls), and the whitespace that opens the text after a call is dropped; so a streamed
+    answer's content equals the whole answer's. `finish(cut=True)` (the budget ran out) drops a call still open:
+    its markup is never content (`cut` says it happened)."""
 
     tools: Iterable[Tool]
     parallel: bool = True
@@ -394,12 +398,25 @@ class ToolCallParser:
         self._buf = ""          # text not yet handed out
         self._in_call = False   # the buffer holds a block opened by <tool_call>
         self._fences = 0        # code fences in the content so far (odd: inside a fenced block)
+        self._ws = ""           # whitespace held back: content or markup, as what follows it says
+        self._after_call = False
+        self.cut = False
 
     def _emit_content(self, text: str, out: list[Event]) -> None:
-        if text:
-            self._fences += text.count(FENCE)
-            self.content += text
-            out.append(Content(text))
+        if not text:
+            return
+        self._fences += text.count(FENCE)
+        if self._after_call:
+            text = text.lstrip()
+            if not text:
+                return
+            self._after_call = False
+        text = self._ws + text
+        body = text.rstrip()
+        self._ws = text[len(body):]
+        if body:
+            self.content += body
+            out.append(Content(body))
 
     def push(self, text: str) -> list[Event]:
         out: list[Event] = []
@@ -439,29 +456,38 @@ class ToolCallParser:
         call = ToolCall(new_call_id(), name, json.dumps(args, ensure_ascii=False))
         index = len(self.calls)
         self.calls.append(call)
+        self._ws, self._after_call = "", True  # whitespace around a call is markup
         out.append(CallStart(index, call.id, name))
         out.append(CallArguments(index, call.arguments))
 
-    def finish(self) -> list[Event]:
-        """What is left: an unclosed block, or a held-back tail, as content."""
+    def finish(self, cut: bool = False) -> list[Event]:
+        """What is left: a held-back tail as content; an unclosed block as content, or with `cut` (the token
+        budget ended the answer inside it) nothing; held whitespace as content unless calls came."""
         out: list[Event] = []
-        rest, self._buf, self._in_call = self._buf, "", False
+        rest, self._buf = self._buf, ""
+        if self._in_call and cut:
+            self.cut, rest = True, ""
+        self._in_call = False
         self._emit_content(rest, out)
+        if self._ws and not self.calls and not self.cut:
+            self.content += self._ws
+            out.append(Content(self._ws))
+        self._ws = ""
         return out
 
     def result(self) -> tuple[str | None, list[ToolCall]]:
-        """(content, calls) once finished: content None when there are calls and nothing else but whitespace."""
+        """(content, calls) once finished: content None when there are calls and no other text."""
         content = self.content
         if self.calls:
-            content = content.strip() or None
+            content = content or None
         return content, list(self.calls)
 
 
-def parse(text: str, tools: Iterable[Tool], parallel: bool = True) -> tuple[str | None, list[ToolCall]]:
+def parse(text: str, tools: Iterable[Tool], parallel: bool = True, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
     """A whole answer's (content, tool calls), exactly as `ToolCallParser` streams them."""
     p = ToolCallParser(normalize_tools(tuple(tools)), parallel)
     p.push(text)
-    p.finish()
+    p.finish(cut)
     return p.result()
 
 

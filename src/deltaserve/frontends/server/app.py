@@ -29,16 +29,16 @@ from deltaserve.runtime.guard import MAX_AGE as GUARD_MAX_AGE
 from deltaserve.version import __version__
 from deltaserve.frontends.common import load_model
 from deltaserve.errors import ContextError, DeltaserveError
-from deltaserve.grammar import compile_format, compile_tools
-from deltaserve.session import check_prompt
+from deltaserve.session.grammar import compile_format
+from deltaserve.session.resident import check_prompt, overflow_message
+from deltaserve.session.turns import CallArguments, CallStart, Content, Finish, Reasoning, thinking_flag
 from deltaserve.frontends.server import connections
 from deltaserve.frontends.server.metrics import Metrics
 from deltaserve.frontends.server.protocol import APIError, GenerationRequest, Limits, bad, parse_chat, parse_completion
 from deltaserve.frontends.server.slots import QueueFull, SlotPool
 from deltaserve.text.chat_template import RenderedPrompt
-from deltaserve.text.stream import ReasoningSplitter, split_reasoning
-from deltaserve.text.toolcalls import CallArguments, CallStart, Content, ToolCallParser
-from deltaserve.text.toolcalls import parse as parse_tool_calls
+
+FINGERPRINT = f"deltaserve-{__version__}"
 
 def host_name(value: str) -> str:
     """The name in a Host header (or an --allowed-hosts entry), lowercased, without its port or a final dot:
@@ -138,7 +138,7 @@ class Server:
         self.model_name = model_name or model.path.name
         # the names a request's `model` may give: the served id, and the file's name with and without its suffix
         self.model_names = list(dict.fromkeys([self.model_name, model.path.name, model.path.stem]))
-        self.think_default = think_default
+        self.think_default = think_default if think_default is not None else model.thinking_default  # serve gave none: the model's own
         self.metrics = Metrics()
         # the conversation state store under the slots: a conversation whose slot was taken resumes from it
         self.store_notices: list[str] = []
@@ -237,14 +237,12 @@ class Server:
         try:
             if req.prompt is not None:  # raw text: the client writes the whole prompt, markup included
                 prompt, thinking = RenderedPrompt(req.prompt), False
-            else:  # what the messages contain is encoded as text: no forged turns (text/chat_template.py)
-                think = req.enable_thinking if req.enable_thinking is not None else self.think_default
-                prompt = self.model.render_prompt(req.messages, think, req.rendered_tools)
+            else:  # the turn pipeline renders it (session.turns): what the messages contain is encoded as text
+                prompt = req.turn.prompt(self.model.tokenizer, self.think_default)
                 thinking = prompt.thinking
             least = self.model.tokenizer.fewest_tokens(prompt.display)
             if least >= self.context:
-                raise ContextError(f"the prompt has at least {least} tokens and the context holds {self.context}: "
-                                   f"refused whole (nothing is truncated; shorten the conversation)")
+                raise ContextError(overflow_message(self.context, least, at_least=True))
             return prompt.encode(self.model.tokenizer), thinking
         except ContextError as e:
             raise bad(str(e), param, "context_length_exceeded") from None
@@ -279,30 +277,25 @@ class Server:
     async def generate(self, endpoint: str, req: GenerationRequest, ids: list[int], thinking: bool, t0: float,
                        request: Request | None = None):
         max_tokens = self.budget(req)
-        grammar = None
-        if req.response_format is not None:  # compiled (cached per schema) before the request takes a slot
-            stops = frozenset(self.model.tokenizer.stop_ids) | frozenset(self.model.config.eos_token_ids)
-            try:
-                grammar = await asyncio.get_running_loop().run_in_executor(
-                    self.text_pool, compile_format, self.model.tokenizer, req.response_format,
-                    self.model.config.vocab_size, stops)
-            except DeltaserveError as e:
-                raise bad(str(e), "response_format") from None
-        elif req.tools and req.tool_choice.enforced:  # tool_choice required / named, or one call at most
-            stops = frozenset(self.model.tokenizer.stop_ids) | frozenset(self.model.config.eos_token_ids)
-            try:
-                grammar = await asyncio.get_running_loop().run_in_executor(
-                    self.text_pool, compile_tools, self.model.tokenizer, req.tools, req.tool_choice,
-                    self.model.config.vocab_size, stops)
-            except DeltaserveError as e:
-                raise bad(str(e), "tools") from None
+        # what constrains the answer, compiled (cached per schema) before the request takes a slot
+        stops = frozenset(self.model.tokenizer.stop_ids) | frozenset(self.model.config.eos_token_ids)
+        loop = asyncio.get_running_loop()
+        try:
+            if req.turn is not None:
+                grammar = await loop.run_in_executor(self.text_pool, req.turn.grammar, self.model.tokenizer,
+                                                     self.model.config.vocab_size, stops)
+            else:
+                grammar = await loop.run_in_executor(self.text_pool, compile_format, self.model.tokenizer,
+                                                     req.response_format, self.model.config.vocab_size, stops)
+        except DeltaserveError as e:
+            tools = req.turn is not None and req.turn.offers_tools and str(e).startswith("tools")
+            raise bad(str(e), "tools" if tools else "response_format") from None
         try:
             slot = await until_gone(self.pool.acquire(ids), request)  # a client gone while queued leaves the queue
         except QueueFull:
             raise APIError(503, f"all {len(self.pool.slots)} slots are busy and {self.pool.queue_size} requests are "
                            "already waiting; retry shortly", "server_overloaded", None, "server_busy",
                            {"Retry-After": "1"}) from None
-        loop = asyncio.get_running_loop()
         cancel = threading.Event()
         pieces: asyncio.Queue = asyncio.Queue()
         first = {}
@@ -358,19 +351,14 @@ class Server:
                 raise
             except Exception as e:  # noqa: BLE001
                 raise self.turn_error(e) from None
-            if endpoint == "chat":
-                reasoning, content = split_reasoning(turn.text, thinking)
-                message = {"role": "assistant", "content": content}
-                finish = turn.finish_reason
-                if req.rendered_tools:  # the calls the model wrote (offered functions only), the rest content
-                    content, calls = parse_tool_calls(content, req.tools, req.tool_choice.parallel)
-                    message["content"] = content
-                    if calls:
-                        message["tool_calls"] = [c.openai() for c in calls]
-                        finish = "tool_calls" if finish == "stop" else finish
-                if reasoning is not None:
-                    message["reasoning_content"] = reasoning
-                choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
+            if endpoint == "chat":  # the turn pipeline's output half, as the stream reads it (session.turns)
+                done = req.turn.output(thinking).whole(turn.text, turn.finish_reason)
+                message = {"role": "assistant", "content": done.content, "refusal": None}
+                if done.tool_calls:
+                    message["tool_calls"] = [c.openai() for c in done.tool_calls]
+                if done.reasoning is not None:
+                    message["reasoning_content"] = done.reasoning
+                choice = {"index": 0, "message": message, "finish_reason": done.reason, "logprobs": None}
                 obj = "chat.completion"
             else:
                 choice = {"index": 0, "text": turn.text, "finish_reason": turn.finish_reason, "logprobs": None}
@@ -379,7 +367,7 @@ class Server:
                 choice["context_capped"] = True
             return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model_name,
                                  "choices": [choice], "usage": self.usage(len(ids), turn),
-                                 "system_fingerprint": f"deltaserve-{__version__}"})
+                                 "system_fingerprint": FINGERPRINT})
 
         obj = "chat.completion.chunk" if endpoint == "chat" else "text_completion"
 
@@ -392,34 +380,35 @@ class Server:
                 choices = [{"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}]
             if capped:
                 choices[0]["context_capped"] = True
-            body = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choices}
+            body = {"id": rid, "object": obj, "created": created, "model": self.model_name,
+                    "system_fingerprint": FINGERPRINT, "choices": choices}
             if usage is not None:
                 body["usage"] = usage
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
-        parser = ToolCallParser(req.tools, req.tool_choice.parallel) if req.rendered_tools else None
-
-        def content_chunks(content: str, final: bool = False):
-            """The answer's text as deltas: content, or (with tools) a call's name in its first delta and its
-            arguments in the next, as OpenAI streams them; text that may begin a call is held back meanwhile."""
-            if parser is None:
-                return [chunk({"content": content})] if content else []
+        def deltas(events, turn=None) -> list[str]:
+            """The turn pipeline's events as OpenAI's deltas: a call's name in its first delta, its arguments in
+            the next; the finish in the last."""
             out = []
-            for e in parser.push(content) + (parser.finish() if final else []):
-                if isinstance(e, Content) and e.text:
+            for e in events:
+                if isinstance(e, Reasoning):
+                    out.append(chunk({"reasoning_content": e.text}))
+                elif isinstance(e, Content):
                     out.append(chunk({"content": e.text}))
                 elif isinstance(e, CallStart):
                     out.append(chunk({"tool_calls": [{"index": e.index, "id": e.id, "type": "function",
                                                       "function": {"name": e.name, "arguments": ""}}]}))
                 elif isinstance(e, CallArguments):
                     out.append(chunk({"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]}))
+                elif isinstance(e, Finish):
+                    out.append(chunk({}, finish=e.reason, capped=turn.context_capped))
             return out
 
         async def events():
-            splitter = ReasoningSplitter(thinking)
+            output = req.turn.output(thinking) if endpoint == "chat" else None
             try:
                 if endpoint == "chat":
-                    yield chunk({"role": "assistant", "content": ""})
+                    yield chunk({"role": "assistant", "content": "", "refusal": None})
                 while True:
                     text = await pieces.get()
                     if text is None:
@@ -427,10 +416,7 @@ class Server:
                     if endpoint != "chat":
                         yield chunk(text=text)
                         continue
-                    reasoning, content = splitter.push(text)
-                    if reasoning:
-                        yield chunk({"reasoning_content": reasoning})
-                    for c in content_chunks(content):
+                    for c in deltas(output.push(text)):
                         yield c
                 try:
                     turn = await fut
@@ -439,15 +425,8 @@ class Server:
                     yield "data: [DONE]\n\n"
                     return
                 if endpoint == "chat":
-                    reasoning, content = splitter.flush()
-                    if reasoning:
-                        yield chunk({"reasoning_content": reasoning})
-                    for c in content_chunks(content, final=True):
+                    for c in deltas(output.finish(turn.finish_reason), turn):
                         yield c
-                    finish = turn.finish_reason
-                    if parser is not None and parser.calls and finish == "stop":
-                        finish = "tool_calls"
-                    yield chunk({}, finish=finish, capped=turn.context_capped)
                 else:
                     yield chunk(text="", finish=turn.finish_reason, capped=turn.context_capped)
                 if req.include_usage:
@@ -562,11 +541,23 @@ def create_app(server: Server) -> FastAPI:
     async def completions(request: Request):
         return await run(request, "completion")
 
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": int(server.started), "owned_by": "deltaserve",
+                "context_length": server.context}
+
     @app.get("/v1/models")
     async def models(request: Request):
         server.check_auth(request)
-        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": int(server.started),
-                                            "owned_by": "deltaserve", "context_length": server.context}]}
+        return {"object": "list", "data": [model_card(server.model_name)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str):
+        """One model (the openai client's `models.retrieve`): the served one, by its name or one it answers to."""
+        server.check_auth(request)
+        if model_id not in server.model_names:
+            raise APIError(404, f"the model {model_id[:100]!r} is not served here: this server serves "
+                           f"{server.model_name!r}", "invalid_request_error", "model", "model_not_found")
+        return model_card(server.model_name)
 
     @app.get("/health")
     async def health(request: Request):
@@ -625,7 +616,7 @@ def main(a) -> int:
     compute = wants_compute_thread(a)  # the load and every forward on one thread (see runtime/compute.py)
     model = load_model(a, compute_thread=compute)
     load_s = model.load_seconds
-    think = {"on": True, "off": False, "auto": None}[a.think]  # None: the model's default (model.thinking_default)
+    think = thinking_flag(a.think)  # None: the model's default (model.thinking_default)
     server = Server(model, slots=a.slots, queue=a.queue, api_key=a.api_key, model_name=a.model_name,
                     limits=Limits(max_tokens=a.max_tokens_limit, max_messages=a.max_messages, max_body=a.max_body),
                     device=a.device, think_default=think, context=a.ctx, revalidate=a.revalidate,

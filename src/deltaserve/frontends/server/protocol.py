@@ -9,16 +9,17 @@ The per-server limits (`Limits`) travel in the validation context.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, WrapValidator,
                       field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
-from deltaserve.grammar import GrammarError, normalize
-from deltaserve.text.toolcalls import (Tool, ToolChoice, ToolError, normalize_tool_choice, normalize_tools,
-                                       template_messages)
+from deltaserve.errors import DeltaserveError
+from deltaserve.session.grammar import GrammarError, normalize
+from deltaserve.session.turns import TurnRequest, ask
+from deltaserve.text.toolcalls import ToolChoice, ToolError, normalize_tool_choice, normalize_tools
 
 
 class APIError(Exception):
@@ -63,19 +64,9 @@ class GenerationRequest:
     presence_penalty: float
     frequency_penalty: float
     user: str | None
-    messages: list[dict] = field(default_factory=list)
-    prompt: str | list[int] | None = None
-    enable_thinking: bool | None = None
-    response_format: dict | None = None  # deltaserve.grammar.normalize's form; None: text
-    tools: tuple[Tool, ...] = ()          # the functions offered (text.toolcalls)
-    tool_choice: ToolChoice = field(default_factory=lambda: ToolChoice("none"))
-
-    @property
-    def rendered_tools(self) -> list[dict] | None:
-        """The tools as the chat template renders them (None: no tools block; tool_choice "none" renders none)."""
-        if not self.tools or self.tool_choice.mode == "none":
-            return None
-        return [t.openai() for t in self.tools]
+    turn: TurnRequest | None = None      # /v1/chat/completions: the chat turn (session.turns), messages to format
+    prompt: str | list[int] | None = None  # /v1/completions: raw text or token ids
+    response_format: dict | None = None  # deltaserve.session.grammar.normalize's form; None: text
 
     def sampling(self) -> dict:
         return dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
@@ -118,7 +109,7 @@ def _refused_unless(*allowed, message: str | None = None) -> WrapValidator:
 
 
 def _response_format(v, handler):
-    """text (no constraint), json_object or json_schema: the latter two normalised by deltaserve.grammar (the
+    """text (no constraint), json_object or json_schema: the latter two normalised by deltaserve.session.grammar (the
     schema itself is compiled, and a schema the engine cannot compile refused, when the request is served)."""
     try:
         fmt = normalize(v)
@@ -162,6 +153,8 @@ Unit = Annotated[float, Field(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 ROLES = ("system", "user", "assistant", "tool", "developer")
 NO_TOOLS = "tools are served on /v1/chat/completions, not on /v1/completions"
+LEGACY_FUNCTIONS = ("'functions' and 'function_call' are OpenAI's deprecated form of tools: send tools=[{\"type\": "
+                    "\"function\", \"function\": {...}}] and tool_choice instead")
 
 
 class _Strict(BaseModel):
@@ -231,6 +224,8 @@ class _Request(_Strict):
     stop: Annotated[str | list[str] | None, _one_error("must be a string or a list of strings")] = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    best_of: Annotated[int | None, _refused_unless(None, 1, message="'best_of' is not served: one completion per "
+                                                    "request (leave it out or send 1)")] = None
     logprobs: Annotated[bool | None, _refused_unless(None, False)] = None
     echo: Annotated[bool | None, _refused_unless(None, False)] = None
     top_logprobs: Annotated[int | None, _refused_unless(None)] = None
@@ -304,17 +299,18 @@ class ChatCompletionRequest(_Request):
     tools: Annotated[list[dict] | None, WrapValidator(_tools)] = None
     tool_choice: Annotated[str | dict | None, _one_error("must be 'auto', 'none', 'required' or a function object")] = None
     parallel_tool_calls: bool | None = None
+    functions: Annotated[Any, _refused_unless(None, message=LEGACY_FUNCTIONS)] = None
+    function_call: Annotated[Any, _refused_unless(None, message=LEGACY_FUNCTIONS)] = None
     _choice: ToolChoice = PrivateAttr(default_factory=lambda: ToolChoice("none"))
 
     @model_validator(mode="after")
     def _tool_choice_fits(self):
+        if self.tool_choice is not None and not self.tools:
+            raise _problem("'tool_choice' is only allowed when 'tools' are specified", whole=True, param="tool_choice")
         try:
             self._choice = normalize_tool_choice(self.tool_choice, tuple(self.tools or ()), self.parallel_tool_calls)
         except ToolError as e:
             raise _problem(str(e), whole=True, param="tool_choice") from None
-        if self.response_format is not None and self._choice.mode != "none":
-            raise _problem("a response_format and tools cannot both shape one answer: send tool_choice 'none' with "
-                           "a response_format, or no response_format", whole=True, param="response_format")
         return self
 
     @field_validator("messages", mode="before")
@@ -338,15 +334,16 @@ class ChatCompletionRequest(_Request):
             if m.name is not None:
                 entry["name"] = m.name
             messages.append(entry)
-        try:  # the calls' arguments as the template renders them (objects)
-            messages = template_messages(messages)
+        thinking = self.chat_template_kwargs.enable_thinking if self.chat_template_kwargs else None
+        try:  # the one turn policy (session.turns): calls' arguments as objects, system messages merged, ...
+            turn = ask(messages, tuple(self.tools or ()), self.tool_choice, self.parallel_tool_calls,
+                       response_format=self.response_format,
+                       enable_thinking=thinking)
         except ToolError as e:
             raise bad(str(e)[:300], "messages") from None
-        thinking = self.chat_template_kwargs.enable_thinking if self.chat_template_kwargs else None
-        if self.response_format is not None or self._choice.enforced:
-            thinking = False  # only the answer is constrained: a structured answer is asked for with thinking off
-        return GenerationRequest(messages=messages, enable_thinking=thinking, tools=tuple(self.tools or ()),
-                                 tool_choice=self._choice, **self._common())
+        except DeltaserveError as e:
+            raise bad(str(e)[:300], "response_format") from None
+        return GenerationRequest(turn=turn, **self._common())
 
 
 class CompletionRequest(_Request):

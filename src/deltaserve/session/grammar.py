@@ -270,8 +270,9 @@ class GrammarEngine:
         out = CompiledFormat(self, compiled, description)
         return self._remember(key, out)
 
-    def compile_tools(self, tools, choice) -> CompiledFormat:
-        """A tool choice's structural tag compiled (cached): see the module's notes."""
+    def compile_tools(self, tools, choice, answer: Any = None) -> CompiledFormat:
+        """A tool choice's structural tag compiled (cached): see the module's notes. `answer` (a response_format,
+        with tool_choice "auto"): the answer is one or more calls, or JSON in that format, nothing else."""
         from deltaserve.text.toolcalls import normalize_tools
 
         tools = normalize_tools(tools)
@@ -280,8 +281,9 @@ class GrammarEngine:
         offered = [_bounded_text(t.openai()) for t in tools]
         xgr_choice = ({"type": "function", "function": {"name": choice.name}} if choice.name is not None
                       else choice.mode)
-        key = json.dumps({"tools": offered, "choice": xgr_choice, "parallel": choice.parallel}, sort_keys=True,
-                         separators=(",", ":"))
+        answer = normalize(answer) if choice.mode == "auto" and choice.name is None else None
+        key = json.dumps({"tools": offered, "choice": xgr_choice, "parallel": choice.parallel, "answer": answer},
+                         sort_keys=True, separators=(",", ":"))
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
@@ -289,8 +291,8 @@ class GrammarEngine:
                 return hit
         xgr = _xgr()
         try:
-            if choice.mode == "required":
-                from xgrammar.structural_tag import (JSONSchemaFormat, StructuralTag, TagFormat,
+            if choice.mode == "required" or answer is not None:
+                from xgrammar.structural_tag import (JSONSchemaFormat, OrFormat, StructuralTag, TagFormat,
                                                      TagsWithSeparatorFormat)
 
                 # calls and nothing else: xgrammar's own "required" tag lets text run between calls (random
@@ -301,6 +303,10 @@ class GrammarEngine:
                                   end="\n</function>\n</tool_call>") for t in tools]
                 fmt = tags[0] if choice.name is not None else TagsWithSeparatorFormat(
                     tags=tags, separator="\n", at_least_one=True, stop_after_first=not choice.parallel)
+                if answer is not None:  # a call (or several), or the answer as JSON of the format
+                    schema = {"type": "object"} if answer["type"] == "json_object" else answer["schema"]
+                    fmt = OrFormat(elements=[fmt, JSONSchemaFormat(json_schema=_bounded_text(schema), style="json",
+                                                                   max_whitespace_cnt=1)])
                 tag = StructuralTag(format=fmt)
             else:  # auto, one call at most: text, then a call or not, then the end
                 tag = xgr.get_model_structural_tag("qwen_3_5", tools=offered, tool_choice=xgr_choice,
@@ -310,7 +316,8 @@ class GrammarEngine:
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError / its own errors
             msg = re.sub(r"\[[0-9:]+\] \S+:\d+: ", "", " ".join(str(e).split())) or type(e).__name__
             raise GrammarError(f"tools: the functions' parameter schemas cannot be compiled: {msg}"[:400]) from None
-        out = CompiledFormat(self, compiled, f"tools {choice.mode}" + (f" {choice.name}" if choice.name else ""))
+        out = CompiledFormat(self, compiled, f"tools {choice.mode}" + (f" {choice.name}" if choice.name else "")
+                             + (f" or {answer['type']}" if answer is not None else ""))
         return self._remember(key, out)
 
     def _remember(self, key, out: "CompiledFormat") -> "CompiledFormat":
@@ -348,12 +355,15 @@ def engine_for(tokenizer, vocab_size: int | None = None, stop_ids: Iterable[int]
 
 
 def compile_tools(tokenizer, tools, choice, vocab_size: int | None = None,
-                  stop_ids: Iterable[int] | None = None) -> CompiledFormat | None:
+                  stop_ids: Iterable[int] | None = None, answer: Any = None) -> CompiledFormat | None:
     """The grammar that enforces a tool choice (a `text.toolcalls.ToolChoice`): None where nothing is enforced
-    ("none", or "auto" with parallel calls allowed); a schema xgrammar cannot compile raises GrammarError."""
-    if not tools or not choice.enforced:
+    ("none", or "auto" with parallel calls allowed and no `answer`); `answer` (a response_format, with "auto"):
+    calls or JSON of that format. A schema xgrammar cannot compile raises GrammarError."""
+    if not tools or choice.mode == "none":
         return None
-    return engine_for(tokenizer, vocab_size, stop_ids, text=True).compile_tools(tools, choice)
+    if not choice.enforced and (answer is None or normalize(answer) is None):
+        return None
+    return engine_for(tokenizer, vocab_size, stop_ids, text=True).compile_tools(tools, choice, answer)
 
 
 def compile_format(tokenizer, response_format: Any, vocab_size: int | None = None,

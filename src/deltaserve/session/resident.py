@@ -15,7 +15,7 @@ import time
 from collections import deque
 from pathlib import Path
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -24,14 +24,12 @@ from deltaserve.runtime.backend import AcceleratorFailure, Backend, CPUBackend
 from deltaserve.engine.state import Checkpoint, DecodeState
 from deltaserve.engine.weights import trim_heap
 from deltaserve.errors import BackendError, CapacityError, ContextError, DeltaserveError
-from deltaserve.grammar import CompiledFormat, compile_format, compile_tools
-from deltaserve.sampling import Sampler, SamplingParams
-from deltaserve.store import read_state, write_state
-from deltaserve.text.chat_template import render
-from deltaserve.text.stream import ReasoningSplitter, StopCutter, split_reasoning
-from deltaserve.text.toolcalls import (Content, ToolCall, ToolCallParser, normalize_tool_choice, normalize_tools,
-                                       template_messages)
-from deltaserve.text.toolcalls import parse as parse_tool_calls
+from deltaserve.session.grammar import CompiledFormat, compile_format
+from deltaserve.session.sampling import Sampler, SamplingParams
+from deltaserve.session.store import read_state, write_state
+from deltaserve.session.turns import Content, Reasoning, ask
+from deltaserve.text.stream import StopCutter
+from deltaserve.text.toolcalls import ToolCall
 
 MIN_CAPACITY = 4096
 TRIM_AFTER = 64  # prefilled tokens after which a turn hands freed heap memory back (malloc_trim: 3-6 ms)
@@ -92,8 +90,15 @@ def check_prompt(prompt: Sequence[int], vocab_size: int, context: int) -> None:
     if min(prompt) < 0 or max(prompt) >= vocab_size:
         raise DeltaserveError(f"the prompt holds a token id outside 0..{vocab_size - 1}")
     if n >= context:
-        raise ContextError(f"the prompt has {n} tokens and the context holds {context}: refused whole "
-                           f"(nothing is truncated; shorten the conversation)")
+        raise ContextError(overflow_message(context, n))
+
+
+def overflow_message(context: int, tokens: int, at_least: bool = False) -> str:
+    """A prompt the context cannot hold, in the words OpenAI uses and client libraries match ("maximum context
+    length": litellm's context-window fallbacks, LangChain's ContextOverflowError), then what deltaserve did."""
+    return (f"This model's maximum context length is {context} tokens. However, your messages resulted in "
+            f"{'at least ' if at_least else ''}{tokens} tokens. The prompt was refused whole (nothing is truncated; "
+            f"shorten the conversation, or leave room for the answer: the prompt must be shorter than the context)")
 
 
 def grown_capacity(positions: int, current: int, min_capacity: int, context: int) -> int:
@@ -121,7 +126,7 @@ class Session:
         # printed (a server's log) or only kept (prefill_lines)
         self.label = label
         self.log_prefills = log_prefills
-        # the conversation state store (deltaserve.store.StateStore) this session saves its checkpoints to and
+        # the conversation state store (deltaserve.session.store.StateStore) this session saves its checkpoints to and
         # restores from, shared with the other slots; None: the session keeps only its own
         self.store = store
         self.thinking_default = thinking_default  # enable_thinking when a chat turn does not say (None: the template's)
@@ -455,7 +460,7 @@ class Session:
                  on_token: OnToken | None = None, response_format=None) -> Turn:
         """One turn from raw prompt ids. `response_format` (OpenAI's: {"type": "json_object"} or {"type":
         "json_schema", "json_schema": {"schema": {...}}}, or a `grammar.CompiledFormat`) constrains every generated
-        token from the first one to the grammar (deltaserve.grammar); the turn ends ("stop") when it is complete."""
+        token from the first one to the grammar (deltaserve.session.grammar); the turn ends ("stop") when it is complete."""
         params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
                                 frequency_penalty, seed)
         grammar = self.compile_format(response_format)
@@ -470,17 +475,19 @@ class Session:
     def render(self, messages, enable_thinking: bool | None = None, tools=None) -> tuple[list[int], bool]:
         """The prompt ids of a conversation rendered with the model's chat template (generation header added),
         and whether it leaves the model reasoning. `enable_thinking` None: the model's default. `tools`: the
-        functions offered (OpenAI's list), rendered by the template."""
-        return render(self.tokenizer, messages, self.thinking_default if enable_thinking is None else enable_thinking,
-                      tools)
+        functions offered (OpenAI's list), rendered by the template. As `chat` renders them (`turns.ask`)."""
+        prompt = ask(messages, tools, enable_thinking=enable_thinking).prompt(self.tokenizer, self.thinking_default)
+        return prompt.encode(self.tokenizer), prompt.thinking
 
     def chat(self, messages, max_tokens: int = 256, enable_thinking: bool | None = None,
              on_token: OnToken | None = None, on_reasoning: Callable[[str], None] | None = None,
              response_format=None, tools=None, tool_choice=None, parallel_tool_calls: bool = True,
-             **sampling) -> Turn:
-        """Render `messages` with the model's template and run a turn. The Turn's `text` is the answer alone (no
-        template markup); what the model reasoned first is in `reasoning`. `on_token` sees the answer's text,
-        `on_reasoning` the reasoning's, as they stream.
+             on_event: Callable[[Any], None] | None = None, **sampling) -> Turn:
+        """Render `messages` with the model's template and run a turn, through the one turn pipeline every
+        frontend uses (`session.turns`). The Turn's `text` is the answer alone (no template markup); what the
+        model reasoned first is in `reasoning`. `on_token` sees the answer's text, `on_reasoning` the reasoning's,
+        `on_event` every event (`turns.Reasoning`, `Content`, `CallStart`, `CallArguments`, `Finish`), as they
+        stream.
 
         With a `response_format` (see `generate`) the answer is constrained and thinking is off for the turn
         (rendered with enable_thinking=False whatever was asked): only the answer is ever constrained.
@@ -490,47 +497,35 @@ class Session:
         schemas), the rest of the answer in `text`, and `finish_reason` is "tool_calls". `tool_choice`: "auto"
         (default), "none" (the tools are not rendered and nothing is parsed), "required" or {"type": "function",
         "function": {"name": N}} (enforced by a grammar, thinking off); `parallel_tool_calls` False: at most one
-        call (enforced). Assistant messages may carry `tool_calls` (arguments as JSON strings or objects, or the
-        ToolCalls of an earlier turn) and `tool` messages the results."""
-        offered = normalize_tools(tools)
-        choice = normalize_tool_choice(tool_choice, offered, parallel_tool_calls)
-        grammar = self.compile_format(response_format)
-        if grammar is not None and choice.mode != "none":
-            raise DeltaserveError("a response_format and tools cannot both shape one answer: send tool_choice "
-                                  "'none' with a response_format, or no response_format")
-        if grammar is None and choice.mode != "none":
-            grammar = compile_tools(self.tokenizer, offered, choice, self.host.config.vocab_size, self.stop_ids)
-        if grammar is not None:
-            enable_thinking = False
-        messages = template_messages(messages)
-        rendered = [t.openai() for t in offered] if choice.mode != "none" else None
-        ids, thinking = self.render(messages, enable_thinking, rendered)
-        if grammar is not None and thinking:
-            raise DeltaserveError("this model's chat template leaves the model reasoning even with thinking off: "
-                                  "a response_format cannot constrain its answer")
-        splitter = ReasoningSplitter(thinking)
-        parser = ToolCallParser(offered, choice.parallel) if choice.mode != "none" else None
+        call (enforced). A `response_format` with tools on "auto": the answer is calls or JSON of the format. A
+        call the budget cut is dropped (never content). Assistant messages may carry `tool_calls` (arguments as
+        JSON strings or objects, or the ToolCalls of an earlier turn) and `tool` messages the results; several or
+        late system messages are merged, in order, into the leading one."""
+        request = ask(messages, tools, tool_choice, parallel_tool_calls, response_format, enable_thinking)
+        prompt = request.prompt(self.tokenizer, self.thinking_default)
+        grammar = request.grammar(self.tokenizer, self.host.config.vocab_size, self.stop_ids)
+        output = request.output(prompt.thinking)
 
-        def route(tid, piece, final=False):
-            reasoning, content = splitter.flush() if final else splitter.push(piece)
-            if reasoning and on_reasoning is not None:
-                on_reasoning(reasoning)
-            if parser is not None:
-                events = parser.push(content) + (parser.finish() if final else [])
-                content = "".join(e.text for e in events if isinstance(e, Content))
-            if content and on_token is not None:
-                return on_token(tid, content)
-            return None
+        def hand_out(events, tid=None) -> bool | None:
+            go = None
+            for e in events:
+                if on_event is not None:
+                    on_event(e)
+                if isinstance(e, Reasoning) and on_reasoning is not None:
+                    on_reasoning(e.text)
+                elif isinstance(e, Content) and on_token is not None:
+                    go = on_token(tid, e.text) if go is not False else go
+            return go
 
-        turn = self.generate(ids, max_tokens=max_tokens, on_token=route, response_format=grammar, **sampling)
+        turn = self.generate(prompt.encode(self.tokenizer), max_tokens=max_tokens,
+                             on_token=lambda tid, piece: hand_out(output.push(piece), tid), response_format=grammar,
+                             **sampling)
+        events = output.finish(turn.finish_reason)
         if turn.finish_reason != "cancelled":
-            route(None, "", final=True)  # what the splitter held back (a tail that might have begun </think>)
-        turn.reasoning, turn.text = split_reasoning(turn.text, thinking)
-        if parser is not None:  # the whole answer parsed as the stream was (text.toolcalls.parse)
-            content, turn.tool_calls = parse_tool_calls(turn.text, offered, choice.parallel)
-            turn.text = content or ""
-            if turn.tool_calls and turn.finish_reason == "stop":
-                turn.finish_reason = "tool_calls"
+            hand_out(events)  # what was held back (a tail that might have begun </think> or <tool_call>)
+        done = events[-1]
+        turn.reasoning, turn.text, turn.tool_calls = done.reasoning, done.content or "", done.tool_calls
+        turn.finish_reason = done.reason
         return turn
 
     def _turn(self, prompt: list[int], max_tokens: int, params: SamplingParams, stop, on_token,

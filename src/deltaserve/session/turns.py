@@ -1,0 +1,188 @@
+"""One chat turn's policy, written once. Every frontend goes through it (`Session.chat`, the server streamed and
+not, `run`, the REPL through `Session.chat`, the Ray router) and only formats what it hands out.
+
+The input half, `TurnRequest` (made by `ask`): the messages as the template renders them (several or late system
+messages merged, in order, into the one leading system turn the template allows; assistant tool calls with their
+arguments as objects), the functions offered and the tool choice, the response format, the thinking asked for.
+`prompt()` renders it with the model's template; `grammar()` compiles what constrains the answer: the format, the
+enforced tool choice, or (a format with tools on "auto") a call or the schema; a constrained answer is rendered
+with thinking off (only the answer is ever constrained). `output(thinking)` starts the output half.
+
+The output half, `TurnOutput`: the generated text in (`push`), events out: `Reasoning`, `Content`, `CallStart`,
+`CallArguments`, and from `finish(reason)` the rest and a last `Finish` (the finish reason as a client reads it,
+"tool_calls" when calls came and the turn stopped; the whole content, reasoning and calls). A streamed answer and
+a whole one are the same parser's events, so they agree by construction: whitespace next to a call is no content
+in either, and a call cut by the token budget is no content either (its markup is never an answer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from deltaserve.errors import DeltaserveError
+from deltaserve.session.grammar import CompiledFormat, compile_format, compile_tools, normalize
+from deltaserve.text.chat_template import RenderedPrompt, render_prompt
+from deltaserve.text.stream import ReasoningSplitter
+from deltaserve.text.toolcalls import (CallArguments, CallStart, Content, Tool, ToolCall, ToolCallParser, ToolChoice,
+                                       normalize_tool_choice, normalize_tools, template_messages)
+
+__all__ = ["TurnRequest", "TurnOutput", "ask", "merge_system", "thinking_flag", "Reasoning", "Content", "CallStart",
+           "CallArguments", "Finish", "Event"]
+
+SYSTEM_ROLES = ("system", "developer")
+THINK_WORDS = {"on": True, "off": False, "auto": None}  # --think and /think: auto is the model's default
+
+
+def thinking_flag(word: str) -> bool | None:
+    """--think on|off|auto as enable_thinking (auto, None: the model's default, `demo.thinking_default`)."""
+    return THINK_WORDS[word]
+
+
+@dataclass
+class Reasoning:
+    text: str
+
+
+@dataclass
+class Finish:
+    reason: str                    # "stop", "length", "tool_calls", "cancelled"
+    content: str | None            # the answer's text (None: calls and nothing else)
+    reasoning: str | None          # what the model reasoned first (None: the prompt opened no reasoning)
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    cut_call: bool = False         # a call was open when the budget ran out (dropped: never content)
+
+
+Event = Reasoning | Content | CallStart | CallArguments | Finish
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, (list, tuple)):  # OpenAI's content parts
+        return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
+    return "" if content is None else str(content)
+
+
+def merge_system(messages: list) -> list:
+    """Several system messages, or one after the first message, as one leading system message (their texts in
+    order, a blank line apart): OpenAI accepts them anywhere and agent libraries send them so (a system prompt and
+    instructions; a validation retry's); Qwen's template allows one, first. A developer message is a system one."""
+    systems = [m for m in messages if isinstance(m, dict) and m.get("role") in SYSTEM_ROLES]
+    if not systems or (len(systems) == 1 and messages[0] is systems[0] and systems[0].get("role") == "system"):
+        return list(messages)
+    merged = {"role": "system", "content": "\n\n".join(_text(m.get("content")) for m in systems)}
+    return [merged] + [m for m in messages if not (isinstance(m, dict) and m.get("role") in SYSTEM_ROLES)]
+
+
+@dataclass
+class TurnRequest:
+    """What one chat turn asks for, validated (see the module's notes)."""
+    messages: list
+    tools: tuple[Tool, ...] = ()
+    choice: ToolChoice = field(default_factory=lambda: ToolChoice("none"))
+    response_format: Any = None   # grammar.normalize's form, or a CompiledFormat; None: text
+    enable_thinking: bool | None = None
+
+    @property
+    def offers_tools(self) -> bool:
+        return bool(self.tools) and self.choice.mode != "none"
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a grammar shapes the answer (then it is rendered with thinking off)."""
+        return self.response_format is not None or (self.offers_tools and self.choice.enforced)
+
+    @property
+    def rendered_tools(self) -> list[dict] | None:
+        """The tools as the template renders them (None: no tools block; tool_choice "none" renders none)."""
+        return [t.openai() for t in self.tools] if self.offers_tools else None
+
+    def thinking(self, default: bool | None) -> bool | None:
+        """enable_thinking as rendered: off when constrained, else as asked, else the model's default."""
+        if self.constrained:
+            return False
+        return self.enable_thinking if self.enable_thinking is not None else default
+
+    def prompt(self, tokenizer, default_thinking: bool | None = None) -> RenderedPrompt:
+        """The conversation rendered with the model's template (generation header added), not yet tokenized. A
+        constrained answer's template that leaves the model reasoning anyway is refused (nothing could be
+        constrained)."""
+        prompt = render_prompt(tokenizer, self.messages, self.thinking(default_thinking), self.rendered_tools)
+        if self.constrained and prompt.thinking:
+            raise DeltaserveError("this model's chat template leaves the model reasoning even with thinking off: "
+                                  "a response_format or an enforced tool choice cannot constrain its answer")
+        return prompt
+
+    def grammar(self, tokenizer, vocab_size: int | None, stop_ids: Iterable[int]) -> CompiledFormat | None:
+        """What constrains the answer (compiled, cached per schema), or None."""
+        if not self.offers_tools:
+            return compile_format(tokenizer, self.response_format, vocab_size, stop_ids)
+        if self.response_format is not None and self.choice.mode == "auto":  # a call, or an answer in the schema
+            return compile_tools(tokenizer, self.tools, self.choice, vocab_size, stop_ids, answer=self.response_format)
+        return compile_tools(tokenizer, self.tools, self.choice, vocab_size, stop_ids)
+
+    def output(self, thinking: bool) -> "TurnOutput":
+        """The output half for a prompt that does (`thinking` True) or does not leave the model reasoning."""
+        return TurnOutput(thinking, self.tools if self.offers_tools else (), self.choice.parallel)
+
+
+def ask(messages: Iterable[Any], tools: Any = None, tool_choice: Any = None, parallel_tool_calls: bool | None = True,
+        response_format: Any = None, enable_thinking: bool | None = None) -> TurnRequest:
+    """A chat turn's request, validated: tools (OpenAI's list) and the tool choice (text.toolcalls raises ToolError
+    naming the problem), the response format (grammar.GrammarError), the messages as the template renders them."""
+    offered = normalize_tools(tools)
+    choice = normalize_tool_choice(tool_choice, offered, parallel_tool_calls)
+    fmt = response_format if isinstance(response_format, CompiledFormat) else normalize(response_format)
+    if isinstance(fmt, CompiledFormat) and offered and choice.mode != "none":
+        raise DeltaserveError("a compiled response_format cannot be combined with tools: pass the response_format "
+                              "itself (OpenAI's object) to have the answer be a call or the schema")
+    return TurnRequest(merge_system(template_messages(messages)), offered, choice, fmt, enable_thinking)
+
+
+class TurnOutput:
+    """Generated text in, events out (see the module's notes)."""
+
+    def __init__(self, thinking: bool, tools: tuple[Tool, ...] = (), parallel: bool = True):
+        self.thinking = thinking
+        self._splitter = ReasoningSplitter(thinking)
+        self._parser = ToolCallParser(tools, parallel) if tools else None
+        self._reasoning: list[str] = []
+        self._content: list[str] = []
+
+    def _events(self, reasoning: str, content: str, final: bool = False, cut: bool = False) -> list[Event]:
+        out: list[Event] = []
+        if reasoning:
+            self._reasoning.append(reasoning)
+            out.append(Reasoning(reasoning))
+        if self._parser is not None:
+            out += self._parser.push(content)
+            if final:
+                out += self._parser.finish(cut=cut)
+        elif content:
+            out.append(Content(content))
+        self._content += [e.text for e in out if isinstance(e, Content)]
+        return out
+
+    def push(self, text: str) -> list[Event]:
+        return self._events(*self._splitter.push(text))
+
+    def finish(self, reason: str) -> list[Event]:
+        """What was held back (a tail that may have begun `</think>` or `<tool_call>`), then `Finish`. With reason
+        "length" an open call is dropped; "stop" with calls is "tool_calls"."""
+        out = self._events(*self._splitter.flush(), final=True, cut=reason == "length")
+        calls = list(self._parser.calls) if self._parser is not None else []
+        content: str | None = "".join(self._content)
+        if calls and not content:
+            content = None
+        if calls and reason == "stop":
+            reason = "tool_calls"
+        reasoning = "".join(self._reasoning).strip() if self.thinking else None
+        cut = self._parser is not None and self._parser.cut
+        out.append(Finish(reason, content, reasoning, calls, cut))
+        return out
+
+    def whole(self, text: str, reason: str) -> Finish:
+        """A whole answer at once: the `Finish` its stream would end with."""
+        self.push(text)
+        return self.finish(reason)[-1]
