@@ -17,6 +17,28 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("DELTASERVE_CACHE_DIR", str(ROOT / ".fixtures" / "cache"))
 
 from tests.fixtures import models as fx  # noqa: E402
+from deltaserve import settings  # noqa: E402
+
+
+def _reloading(method):
+    """deltaserve reads its environment once (deltaserve.settings); a test that changes it through monkeypatch
+    (setenv, delenv, undo) gets settings read again, as a new process would read them."""
+    def wrapped(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            settings.reload()
+    return wrapped
+
+
+for _name in ("setenv", "delenv", "undo"):
+    setattr(pytest.MonkeyPatch, _name, _reloading(getattr(pytest.MonkeyPatch, _name)))
+
+
+@pytest.fixture(autouse=True)
+def _settings_as_the_environment_says():
+    settings.reload()
+    yield
 
 
 @pytest.fixture(scope="session")

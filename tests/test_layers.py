@@ -16,7 +16,7 @@ TREES = {"deltaserve": ROOT / "src" / "deltaserve", "tools": ROOT / "tools", "sc
 
 # lowest first. "x.*" names a package and every module in it; a bare name is that one module.
 LAYERS = [
-    ("base", ["deltaserve.errors", "deltaserve.cachedir", "deltaserve.cbuild", "deltaserve.version"]),
+    ("base", ["deltaserve.errors", "deltaserve.settings", "deltaserve.cachedir", "deltaserve.cbuild", "deltaserve.version"]),
     ("text", ["deltaserve.text.*"]),
     ("formats", ["deltaserve.formats.*"]),
     ("kernels", ["deltaserve.kernels.*"]),
@@ -172,3 +172,28 @@ def test_the_checker_finds_an_upward_import_and_a_real_cycle(tmp_path):
     assert cycles(graph(trees)) == []
     assert layers_of("pkg.elsewhere", [("x", ["pkg.low.*"])]) == []  # no catch-all: an unplaced module is unplaced
     assert len(layers_of("pkg.low.a", [("x", ["pkg.low.*"]), ("y", ["pkg.low.a"])])) == 2
+
+
+def test_no_environment_variable_is_read_outside_the_settings_module():
+    """deltaserve.settings declares every variable and reads them once; elsewhere os.environ is only written
+    (setdefault for torch's and Ray's own variables) or copied whole for a child process."""
+    reads = []
+    for path in sorted(TREES["deltaserve"].rglob("*.py")):
+        if path.name == "settings.py" and path.parent == TREES["deltaserve"]:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            env = lambda n: isinstance(n, ast.Attribute) and n.attr == "environ"  # noqa: E731
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                if node.func.attr in ("get", "pop", "__getitem__") and env(node.func.value):
+                    reads.append(f"{path.name}:{node.lineno}")
+                if node.func.attr == "getenv":
+                    reads.append(f"{path.name}:{node.lineno}")
+            elif isinstance(node, ast.Subscript) and env(node.value) and isinstance(node.ctx, ast.Load):
+                reads.append(f"{path.name}:{node.lineno}")
+            elif isinstance(node, ast.Compare) and any(env(c) for c in node.comparators):
+                reads.append(f"{path.name}:{node.lineno}")
+    assert not reads, f"environment read outside deltaserve/settings.py: {reads}"
+    from deltaserve import settings
+
+    s = settings.read({"DELTASERVE_PREFILL": "F32", "DELTASERVE_PREFILL_TOKENS": "on", "DELTASERVE_NATIVE": "off"})
+    assert (s.prefill, s.prefill_tokens, s.native, s.device) == ("f32", True, False, "auto")

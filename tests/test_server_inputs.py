@@ -129,32 +129,35 @@ def test_a_4_mb_request_stalls_neither_a_running_stream_nor_health(which, reques
     t = threading.Thread(target=stream)
     t.start()
     time.sleep(0.3)
-    health = []
+    rounds = []
     for n in (1, 3):  # one 4 MB request, then three at once
-        answers = []
+        answers, health, lines_before = [], 0, len(gaps)
         senders = [threading.Thread(target=lambda: answers.append(
             httpx.post(server.url + "/v1/chat/completions", content=raw, timeout=120,
                        headers={"Content-Type": "application/json"}))) for _ in range(n)]
         for s in senders:
             s.start()
         while any(s.is_alive() for s in senders):
-            t0 = time.perf_counter()
             assert httpx.get(server.url + "/health", timeout=30).status_code == 200
-            health.append(time.perf_counter() - t0)
+            health += any(s.is_alive() for s in senders)  # answered while the large requests were still in work
             time.sleep(0.02)
         for s in senders:
             s.join()
+        rounds.append((health, len(gaps) - lines_before))
         assert [a.status_code for a in answers] == [400] * n
         assert all(a.json()["error"]["code"] == "context_length_exceeded" for a in answers)
     stop.set()
     t.join(120)
     assert gaps and streams[0] >= 1
-    print(f"{which}: /health worst {max(health):.3f} s, median {sorted(health)[len(health) // 2]:.3f} s; stream gap "
-          f"worst {max(gaps):.3f} s over {len(gaps)} gaps")
-    # the defect stalled both for 4-8 s; a bound of 1.5 s (the issue asks 0.2, met on a quiet machine) tells it apart
-    # on a loaded two-core machine too (0.5 s flaked there: 0.65 s once, with the suite's other servers running)
-    assert max(health) < 1.5, f"/health took {max(health):.3f} s at worst"
-    assert max(gaps) < 1.5, f"the stream paused {max(gaps):.3f} s at worst"
+    print(f"{which}: (health answers, stream lines) while the large requests were in work, per round: {rounds}")
+    # The mechanism, not a clock: the defect read and tokenized the body on the event loop, so nothing else was
+    # answered until it was done (one /health at most got through, the stream stood still). Fixed, the loop keeps
+    # answering /health polls and the stream keeps sending lines while the body is read and tokenized in the text pool.
+    # (the small vocabulary's requests are refused from a lower bound on their token count in a moment: there only
+    # the stream is counted; the real vocabulary's are tokenized for seconds: dozens of /health answers)
+    for health, lines in rounds:
+        assert lines >= 3, rounds
+        assert health >= (10 if which == "real_vocab_server" else 0), rounds
 
 
 def test_a_request_whose_client_left_stops_waiting_within_a_poll():

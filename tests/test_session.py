@@ -249,7 +249,7 @@ def test_per_token_prefill_is_token_identical_and_says_so(model, monkeypatch):
     prompts = [render(model, chat("alpha")), render(model, chat("beta", ("alpha", "ok")))]
     batched = model.session(quiet=True)
     want = [batched.generate(p, max_tokens=12).tokens for p in prompts]
-    monkeypatch.setenv(PREFILL_ENV, "per-token")
+    monkeypatch.setenv(PREFILL_ENV, "on")
     slow = model.session(quiet=True)
     assert any(PREFILL_ENV in n and "one token at a time" in n for n in slow.notices)
     got = [slow.generate(p, max_tokens=12).tokens for p in prompts]

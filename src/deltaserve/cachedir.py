@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from deltaserve import settings
+
 
 def cache_root() -> Path:
     """$DELTASERVE_CACHE_DIR, else $XDG_CACHE_HOME/deltaserve (XDG_CACHE_HOME defaults to ~/.cache)."""
-    return Path(os.environ.get("DELTASERVE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "deltaserve"))
+    s = settings.current()
+    return Path(s.cache_dir or os.path.join(s.xdg_cache_home, "deltaserve"))

@@ -10,19 +10,19 @@ processes that build at once never load a half-written library.
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from deltaserve import settings
 from deltaserve.cachedir import cache_root
 
 
 def compiler() -> str | None:
     """The C compiler's path ($CC, else cc), None if there is none."""
-    return shutil.which(os.environ.get("CC") or "cc")
+    return shutil.which(settings.current().compiler)
 
 
 def build_library(stem: str, sources: list[Path], flags: list[str], *, cc: str, headers: list[Path] = (),

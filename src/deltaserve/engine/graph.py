@@ -22,7 +22,6 @@ the default should become on.
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections import OrderedDict
 
@@ -30,6 +29,7 @@ import torch
 
 from deltaserve.engine import layers as L
 from deltaserve.engine.state import DecodeState
+from deltaserve import settings
 
 GRAPH_ENV = "DELTASERVE_CUDA_GRAPH"
 MAX_GRAPHS = 8  # states with a graph kept at once (a server's slots); the least recently used one goes first
@@ -37,7 +37,7 @@ MAX_GRAPHS = 8  # states with a graph kept at once (a server's slots); the least
 
 def graphs_enabled(device: torch.device) -> bool:
     """Whether a Forward on this device replays its one-sequence decode steps as CUDA graphs."""
-    return device.type == "cuda" and os.environ.get(GRAPH_ENV, "off").strip().lower() in ("1", "on", "yes", "true")
+    return device.type == "cuda" and settings.current().cuda_graph
 
 
 class StaticStep:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +21,7 @@ from deltaserve.formats.layout import TensorSource, check_tensors
 from deltaserve.kernels.linear import GGUF_TYPES, PRODUCT_TYPES, BlockLinear, DenseLinear, Int8Linear, Linear, StackedLinear, row_view
 from deltaserve.kernels import native
 from deltaserve.kernels.native import BLOCK_TYPES
+from deltaserve import settings
 
 
 class Embedding:
@@ -283,7 +283,7 @@ def weight_mode(mode: str | None = None) -> str:
     (the AVX512-VNNI kernels of native.c multiply those); "exact": every tensor dequantized to f32 (the parity
     reference); "fast" (default): "blocks" (resolve_mode).
     DELTASERVE_WEIGHTS picks it too."""
-    mode = mode or os.environ.get("DELTASERVE_WEIGHTS", "fast")
+    mode = mode or settings.current().weights
     if mode not in WEIGHT_MODES:
         raise ModelFormatError(f"unknown weight mode {mode!r}; expected one of {', '.join(WEIGHT_MODES)}")
     return mode

@@ -17,6 +17,7 @@ from deltaserve.version import __version__
 from deltaserve.kernels.cpu import plural
 from deltaserve.errors import DeltaserveError
 from deltaserve.frontends.common import load_model, resolve_model, sampling_kwargs, thinking
+from deltaserve import settings
 
 
 def positive_int(text: str) -> int:
@@ -265,7 +266,8 @@ def cmd_bench(a) -> int:
         raise DeltaserveError("deltaserve bench runs from a checkout of the repository (its tools/bench is not part "
                               "of the installed package): clone it and pip install -e '.[test]' there")
     argv = a.argv[a.argv.index("bench") + 1:]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    env = dict(os.environ)  # the child's environment: this one, the checkout first on its path
+    env["PYTHONPATH"] = os.pathsep.join([str(root)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     return subprocess.call([sys.executable, "-m", "tools.bench.run", *argv], env=env)
 
 
@@ -326,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8080, help="TCP port (default 8080; 0 picks a free one)")
     s.add_argument("--slots", type=positive_int, default=2, help="resident sessions (default 2)")
     s.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot (default 16)")
-    s.add_argument("--api-key", default=os.environ.get("DELTASERVE_API_KEY"), help="require this bearer token")
+    s.add_argument("--api-key", default=settings.current().api_key, help="require this bearer token")
     s.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask for")
     s.add_argument("--max-body", type=int, default=4 << 20, help="largest request body in bytes")
     s.add_argument("--max-messages", type=int, default=512, help="most messages in one request")
@@ -423,7 +425,7 @@ def run_command(fn) -> int:
     except BrokenPipeError:
         return 0
     except Exception as e:  # noqa: BLE001 - never a traceback to a user
-        if os.environ.get("DELTASERVE_DEBUG"):
+        if settings.current().debug:
             raise
         print(f"deltaserve: internal error: {type(e).__name__}: {e} (DELTASERVE_DEBUG=1 shows the traceback)",
               file=sys.stderr)

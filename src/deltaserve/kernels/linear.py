@@ -18,13 +18,13 @@ Three kinds behind it:
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
 
 from deltaserve.formats import quant
 from deltaserve.kernels import native
+from deltaserve import settings
 
 NATIVE_ROWS = native.MAX_ROWS  # up to this many input rows take the native kernel (beyond, int8 x int8 wins)
 BLOCK_ROWS = 1  # one row reads a Q4_K/Q6_K tensor's own blocks (fewer bytes); more rows: the int8 table (less unpacking)
@@ -33,8 +33,8 @@ DECODE_ROWS = 4  # up to this many input rows take the weight-only int8 kernel; 
 
 def activations() -> str:
     """DELTASERVE_ACTIVATIONS: "int8" (default) or "bf16" (every product the bf16 way, none on the native kernel),
-    read when a product is routed (so a process may change it)."""
-    return os.environ.get("DELTASERVE_ACTIVATIONS", "int8")
+    as the process read its settings (deltaserve.settings)."""
+    return settings.current().activations
 
 BF16_GEMM_ROWS = 64  # the bf16 path (dequantize, GEMM) only above this many rows: oneDNN's small-M bf16 GEMM
 #                      is slow here (16 ms for 8 x 1024 x 8224), the weight-only kernel is not
@@ -248,7 +248,7 @@ def amx_bf16() -> bool:
     oneDNN then runs bf16 GEMMs on them). Found once per process. DELTASERVE_AMX=off routes as on a CPU without
     AMX (to measure that route here; ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 keeps torch's own GEMMs off the tiles)."""
     if not _AMX:
-        _AMX.append(os.environ.get("DELTASERVE_AMX", "on") != "off" and "amx_bf16" in native.cpu_flags()
+        _AMX.append(settings.current().amx and "amx_bf16" in native.cpu_flags()
                     and bool(getattr(torch._C._cpu, "_init_amx", lambda: False)()))
     return _AMX[0]
 
@@ -264,7 +264,7 @@ def int8_chunks_fast() -> bool:
 
 def prefill_mode() -> str:
     """DELTASERVE_PREFILL: "f32", "bf16" or "int8" (every chunk in that dtype), else "auto"."""
-    mode = os.environ.get("DELTASERVE_PREFILL", "auto")
+    mode = settings.current().prefill
     return mode if mode in ("f32", "bf16", "int8") else "auto"
 
 

@@ -26,7 +26,6 @@ nothing in torch reads GGUF blocks.
 from __future__ import annotations
 
 import ctypes
-import os
 import re
 import threading
 from pathlib import Path
@@ -35,6 +34,7 @@ import torch
 
 from deltaserve.cachedir import cache_root
 from deltaserve.cbuild import build_library, compiler
+from deltaserve import settings
 
 HERE = Path(__file__).parent
 SOURCES = [HERE / "native.c", HERE / "blocks.c", HERE / "native_avx2.c"]
@@ -133,14 +133,14 @@ SIGNATURES = {
 
 
 def _load() -> tuple[ctypes.CDLL | None, str]:
-    if os.environ.get("DELTASERVE_NATIVE", "on").lower() in ("0", "off", "no", "false"):
+    if not settings.current().native:
         return None, "turned off by DELTASERVE_NATIVE"
     missing = [f for f in NEEDS if f not in _cpu_flags()]
     if missing:
         return None, f"this CPU lacks {', '.join(missing)}"
     cc = compiler()
     if cc is None:
-        return None, f"no C compiler ({os.environ.get('CC') or 'cc'}) on PATH"
+        return None, f"no C compiler ({settings.current().compiler}) on PATH"
     torch.get_num_threads()  # torch's OpenMP runtime is loaded first: the library binds to the same one
     try:
         lib = ctypes.CDLL(str(_build(cc)))

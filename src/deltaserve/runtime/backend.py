@@ -6,7 +6,6 @@ failure of its own as `AcceleratorFailure`, which the session answers by moving 
 
 from __future__ import annotations
 
-import os
 import weakref
 from contextlib import contextmanager
 
@@ -20,6 +19,7 @@ from deltaserve.engine.forward import Forward
 from deltaserve.kernels.linear import BlockLinear, Int8Linear, blocks_route, int8_route
 from deltaserve.engine.state import Checkpoint, DecodeState
 from deltaserve.kernels.cpu import plural
+from deltaserve import settings
 
 
 class AcceleratorFailure(Exception):
@@ -318,7 +318,7 @@ def select_backend(host: HostModel, device: str = "auto") -> tuple[Backend, str 
     "faulty[:STAGE[:AFTER]]" is the test accelerator. DELTASERVE_DEVICE overrides "auto".
     """
     if device == "auto":
-        device = os.environ.get("DELTASERVE_DEVICE", "auto")
+        device = settings.current().device
     if device == "cpu":
         return CPUBackend(host), None
     if device.startswith("faulty"):  # the test accelerator: faulty[:STAGE[:AFTER]]

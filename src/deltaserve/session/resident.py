@@ -8,7 +8,6 @@ is replayed there. See shared/design/session.md for the contract.
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
@@ -27,13 +26,14 @@ from deltaserve.errors import BackendError, CapacityError, ContextError, Deltase
 from deltaserve.session.grammar import CompiledFormat, compile_format
 from deltaserve.session.sampling import Sampler, SamplingParams
 from deltaserve.session.store import read_state, write_state
-from deltaserve.session.turns import Content, Reasoning, ask
+from deltaserve.session.turns import Content, Reasoning, ask, stop_ids
 from deltaserve.text.stream import StopCutter
 from deltaserve.text.toolcalls import ToolCall
+from deltaserve import settings
 
 MIN_CAPACITY = 4096
 TRIM_AFTER = 64  # prefilled tokens after which a turn hands freed heap memory back (malloc_trim: 3-6 ms)
-PREFILL_ENV = "DELTASERVE_PREFILL"
+PREFILL_ENV = "DELTASERVE_PREFILL_TOKENS"  # deltaserve.settings
 FALLBACK_PREFIX = "[deltaserve] accelerator failure"
 
 # on_token(token_id, text): called once per generated token with the text it completes (possibly "",
@@ -95,10 +95,11 @@ def check_prompt(prompt: Sequence[int], vocab_size: int, context: int) -> None:
 
 def overflow_message(context: int, tokens: int, at_least: bool = False) -> str:
     """A prompt the context cannot hold, in the words OpenAI uses and client libraries match ("maximum context
-    length": litellm's context-window fallbacks, LangChain's ContextOverflowError), then what deltaserve did."""
+    length": litellm's context-window fallbacks; "prompt is too long": langchain-openai's ContextOverflowError),
+    then what deltaserve did."""
     return (f"This model's maximum context length is {context} tokens. However, your messages resulted in "
-            f"{'at least ' if at_least else ''}{tokens} tokens. The prompt was refused whole (nothing is truncated; "
-            f"shorten the conversation, or leave room for the answer: the prompt must be shorter than the context)")
+            f"{'at least ' if at_least else ''}{tokens} tokens. The prompt is too long: refused whole (nothing is "
+            f"truncated; shorten the conversation, or leave room for the answer: it must be shorter than the context)")
 
 
 def grown_capacity(positions: int, current: int, min_capacity: int, context: int) -> int:
@@ -157,7 +158,7 @@ class Session:
         self._resume: tuple[tuple[int, ...], Checkpoint] | None = None  # a state read by restore(path), not yet used
         self._guard = guard
         self._plan_memory = plan_memory  # tests inject a Memory; None measures the backend
-        self.per_token = os.environ.get(PREFILL_ENV, "").strip().lower() == "per-token"
+        self.per_token = settings.current().prefill_tokens
         # no batched prefill plan fitted the device's free memory when the state was last sized: each prefill asks
         # again whether one fits now (it is decided per prefill, never for good)
         self._one_token = False
@@ -167,9 +168,9 @@ class Session:
         self.prefill_lines: deque[str] = deque(maxlen=16)  # the last batched prefills, one stats line each
         self.turns = 0
         if self.per_token:
-            self.say(f"[deltaserve] {PREFILL_ENV}=per-token: prompts prefill one token at a time, not batched")
+            self.say(f"[deltaserve] {PREFILL_ENV}=on: prompts prefill one token at a time, not batched")
         self.im_start = self.tokenizer.im_start_id
-        self.stop_ids = frozenset(self.tokenizer.stop_ids) | frozenset(host.config.eos_token_ids)
+        self.stop_ids = stop_ids(self.tokenizer, host.config)
         if guard is not None and backend is not None and backend.accelerator:
             host.sha256()  # the guard's cache key, computed now: never inside the first turn's time to first token
         self.backend = self._start(backend or CPUBackend(host), plan_positions)

@@ -27,7 +27,7 @@ from deltaserve.text.stream import ReasoningSplitter
 from deltaserve.text.toolcalls import (CallArguments, CallStart, Content, Tool, ToolCall, ToolCallParser, ToolChoice,
                                        normalize_tool_choice, normalize_tools, template_messages)
 
-__all__ = ["TurnRequest", "TurnOutput", "ask", "merge_system", "thinking_flag", "Reasoning", "Content", "CallStart",
+__all__ = ["TurnRequest", "TurnOutput", "ask", "merge_system", "thinking_flag", "stop_ids", "Reasoning", "Content", "CallStart",
            "CallArguments", "Finish", "Event"]
 
 SYSTEM_ROLES = ("system", "developer")
@@ -54,6 +54,11 @@ class Finish:
 
 
 Event = Reasoning | Content | CallStart | CallArguments | Finish
+
+
+def stop_ids(tokenizer, config) -> frozenset[int]:
+    """The ids that end a turn: the tokenizer's stop tokens and the model's declared end-of-sequence ids."""
+    return frozenset(tokenizer.stop_ids) | frozenset(config.eos_token_ids)
 
 
 def _text(content: Any) -> str:

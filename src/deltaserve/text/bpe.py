@@ -20,7 +20,6 @@ No compiler, a failed build, or DELTASERVE_NATIVE=off: `available()` is False an
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from deltaserve.cbuild import build_library, compiler
+from deltaserve import settings
 
 HERE = Path(__file__).parent
 ABI = 1
@@ -55,11 +55,11 @@ _state: dict = {}
 
 
 def _load() -> tuple[ctypes.CDLL | None, str]:
-    if os.environ.get("DELTASERVE_NATIVE", "on").lower() in ("0", "off", "no", "false"):
+    if not settings.current().native:
         return None, "turned off by DELTASERVE_NATIVE"
     cc = compiler()
     if cc is None:
-        return None, f"no C compiler ({os.environ.get('CC') or 'cc'}) on PATH"
+        return None, f"no C compiler ({settings.current().compiler}) on PATH"
     try:
         lib = ctypes.CDLL(str(build_library("bpe", [HERE / "bpe.c"], ["-O2", "-fPIC"], cc=cc,
                                             what="the tokenizer's BPE")))

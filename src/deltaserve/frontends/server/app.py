@@ -31,7 +31,7 @@ from deltaserve.frontends.common import load_model
 from deltaserve.errors import ContextError, DeltaserveError
 from deltaserve.session.grammar import compile_format
 from deltaserve.session.resident import check_prompt, overflow_message
-from deltaserve.session.turns import CallArguments, CallStart, Content, Finish, Reasoning, thinking_flag
+from deltaserve.session.turns import CallArguments, CallStart, Content, Finish, Reasoning, stop_ids, thinking_flag
 from deltaserve.frontends.server import connections
 from deltaserve.frontends.server.metrics import Metrics
 from deltaserve.frontends.server.protocol import APIError, GenerationRequest, Limits, bad, parse_chat, parse_completion
@@ -278,7 +278,7 @@ class Server:
                        request: Request | None = None):
         max_tokens = self.budget(req)
         # what constrains the answer, compiled (cached per schema) before the request takes a slot
-        stops = frozenset(self.model.tokenizer.stop_ids) | frozenset(self.model.config.eos_token_ids)
+        stops = stop_ids(self.model.tokenizer, self.model.config)
         loop = asyncio.get_running_loop()
         try:
             if req.turn is not None:
