@@ -208,3 +208,26 @@ def test_langchain_reads_two_calls_streamed_and_not_and_knows_a_context_overflow
     with pytest.raises(ContextOverflowError) as e:  # its fallbacks act on this class, found by the message's words
         llm.invoke("word " * 3000)
     assert "maximum context length is 2048 tokens" in str(e.value)
+
+
+def test_a_langchain_agent_loop_with_a_system_message_completes_a_tool_round_trip_streamed_and_not(server):
+    from langchain_core.messages import HumanMessage, SystemMessage, ToolMessage
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model=MODEL, temperature=0, max_tokens=96,
+                     max_retries=0).bind_tools([C.WEATHER_TOOL])
+    for streamed in (False, True):
+        messages = [SystemMessage("You are a helpful assistant."), SystemMessage("Use the tools you are given."),
+                    HumanMessage("How is the weather in Tokyo?")]
+        for _ in range(2):  # the call, then the answer from its result
+            if streamed:
+                reply = None
+                for chunk in llm.stream(messages):
+                    reply = chunk if reply is None else reply + chunk
+            else:
+                reply = llm.invoke(messages)
+            messages.append(reply)
+            for call in reply.tool_calls:
+                assert call["name"] == "get_weather" and call["args"] == {"city": "Tokyo"}
+                messages.append(ToolMessage(C.weather_result("Tokyo", 12, "windy"), tool_call_id=call["id"]))
+        assert not reply.tool_calls and reply.content == C.weather_answer("Tokyo", 12, "windy"), streamed

@@ -125,3 +125,14 @@ def test_repetition_penalty_follows_the_hf_rule():
 def test_invalid_sampling_parameters_are_refused_by_name():
     with pytest.raises(DeltaserveError, match="top_p"):
         SamplingParams(top_p=1.5)
+
+
+def test_a_vanishing_temperature_or_top_p_samples_the_most_likely_token_not_nan():
+    """Issue 32, item 6: temperature 1e-38 and top_p 5e-324 sampled "probability tensor contains inf/nan" (a 500
+    with the exception's text sent to the client)."""
+    logits = torch.randn(248_320, generator=torch.Generator().manual_seed(3))
+    best = int(logits.argmax())
+    for params in (SamplingParams(temperature=1e-38), SamplingParams(temperature=5e-324),
+                   SamplingParams(temperature=1.0, top_p=5e-324), SamplingParams(temperature=1e-38, top_p=5e-324),
+                   SamplingParams(temperature=1e-30, top_k=5, min_p=1.0)):
+        assert [Sampler(params)(logits, [1, 2], []) for _ in range(3)] == [best] * 3, params

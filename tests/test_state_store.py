@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deltaserve.session.store import (StateFileError, StateStore, file_name, parse_size, read_header, read_state,
+from deltaserve.session.store import (_HOST, StateFileError, StateStore, file_name, parse_size, read_header, read_state,
                               saved_state_bytes, write_state)
 
 MAX = 8
@@ -177,7 +177,10 @@ def test_a_damaged_or_foreign_state_file_is_refused_with_one_notice_and_the_turn
     assert len(notices) == 1, notices
     if damage == "other model":
         assert "another model" in notices[0] and path.exists()  # someone else's: left alone
-    else:
+    elif damage == "not a state file":
+        assert "not this store's" in notices[0] and path.exists()  # someone else's: left alone, never removed
+        assert store.snapshot()["refused_files"] == 0
+    else:  # a state of ours, damaged: refused and removed
         assert "refused" in notices[0] and ("corrupt" in notices[0] or "not" in notices[0])
         assert store.snapshot()["refused_files"] == 1
 
@@ -201,9 +204,10 @@ def test_a_write_that_fails_midway_leaves_no_file_under_the_final_name(hybrid_mo
         write_state(target, s._checkpoint_tokens, s._checkpoint, "a" * 64)
     assert list(tmp_path.iterdir()) == []
     monkeypatch.undo()
-    (tmp_path / (".tmp-1-2-" + file_name([1, 2]))).write_bytes(b"half")  # what a crash leaves behind
+    (tmp_path / f".tmp-{_HOST}-{dead_pid()}-1-{file_name([1, 2])}").write_bytes(b"half")  # a crash left it
+    (tmp_path / ".tmp-backup.state").write_bytes(b"someone's")  # not named as the store names its own
     store_for(hybrid_model, tmp_path)
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == [".tmp-backup.state"]
 
 
 def test_ram_and_disk_budgets_hold_under_a_run_that_overflows_both(hybrid_model, tmp_path):
@@ -251,5 +255,69 @@ def test_a_saved_session_restores_in_another_session_and_prefills_only_the_new_t
 def test_a_state_file_says_what_it_is_valid_for(hybrid_model, tmp_path):
     path, _ = _one_state_on_disk(hybrid_model, tmp_path)
     meta = read_header(path)
-    assert meta["model_sha256"] == hybrid_model.host.sha256() and meta["format"] == "deltaserve-state/1"
+    assert meta["model_sha256"] == hybrid_model.host.sha256() and meta["format"] == "deltaserve-state/2"
     assert meta["deltaserve"] and len(meta["crc32"]) == 8 and json.loads(meta["tokens"])
+
+
+def dead_pid() -> int:
+    pid = 4_000_000
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return pid
+        except OSError:
+            pass
+        pid += 1
+
+
+def test_a_state_directory_with_a_fifo_a_directory_a_symlink_and_foreign_files_serves_and_deletes_none_of_them(
+        hybrid_model, tmp_path):
+    """Issue 32, items 3 and 4: a FIFO named x.state hung the server (opening it blocks), a directory named so
+    crashed it, and the store removed files it had not written (notes.state, .tmp-backup.state)."""
+    path, history = _one_state_on_disk(hybrid_model, tmp_path)
+    outside = tmp_path.parent / f"{tmp_path.name}-outside.state"
+    outside.write_bytes(path.read_bytes())  # a valid state, outside the directory, reached through a symlink
+    os.mkfifo(tmp_path / "x.state")
+    (tmp_path / "y.state").mkdir()
+    (tmp_path / "z.state").symlink_to(outside)
+    (tmp_path / "notes.state").write_text("my notes")
+    (tmp_path / ".tmp-backup.state").write_text("a backup")
+    (tmp_path / "mychat.state").write_bytes(path.read_bytes())  # a `chat --resume` conversation's state
+    theirs = sorted(p.name for p in tmp_path.iterdir() if p != path)
+    notices = []
+    store = store_for(hybrid_model, tmp_path, say=notices.append)
+    s = hybrid_model.session(quiet=True, store=store)
+    turn = chat_turn(s, history, "the next turn")
+    assert turn.start == "store" and turn.reused > 0  # the real state was found and used
+    assert turn.tokens == alone(hybrid_model, history[:-1]).tokens
+    now = {p.name for p in tmp_path.iterdir()}
+    assert set(theirs) <= now and outside.exists(), sorted(set(theirs) - now)  # (and the store's own new states)
+    said = " ".join(notices)
+    assert "not a regular file" in said and "x.state" in said and "not this store's" in said and "notes.state" in said
+    assert store.snapshot()["refused_files"] == 0
+    with pytest.raises(StateFileError, match="FIFO"):
+        read_state(tmp_path / "x.state", hybrid_model.config, hybrid_model.host.sha256())
+
+
+def test_a_state_file_whose_token_list_was_edited_is_refused_not_used(hybrid_model, tmp_path):
+    """Issue 32, item 5: the CRC covered the tensors only, so one conversation's state under another's tokens was
+    used and the wrong conversation answered. The CRC covers the tokens, the length and the identity now."""
+    from safetensors.torch import load_file, save_file
+
+    path, history = _one_state_on_disk(hybrid_model, tmp_path)
+    meta = read_header(path)
+    tokens = json.loads(meta["tokens"])
+    tokens[-2] = (tokens[-2] + 1) % hybrid_model.config.vocab_size
+    meta["tokens"] = json.dumps(tokens, separators=(",", ":"))
+    edited = tmp_path / file_name(tokens)  # named as the edited tokens' state would be: the store indexes it
+    save_file(load_file(str(path)), str(edited), metadata=meta)
+    path.unlink()
+    with pytest.raises(StateFileError, match="CRC-32"):
+        read_state(edited, hybrid_model.config, hybrid_model.host.sha256())
+    notices = []
+    store = store_for(hybrid_model, tmp_path, say=notices.append)
+    assert len(store) == 1  # indexed by its name and header, as any state on disk
+    assert store.take(list(tokens) + [5]) is None  # found for a prompt it prefixes, refused when read
+    assert any("refused" in n and "CRC-32" in n for n in notices), notices
+    assert not edited.exists() and store.snapshot()["refused_files"] == 1  # a damaged state of its own: removed

@@ -73,7 +73,10 @@ class Sampler:
             x[ids] -= p.presence_penalty + p.frequency_penalty * n
         if p.greedy:
             return int(torch.argmax(x))
-        x = x / p.temperature
+        # in float64 and from the row's maximum: a temperature as small as 1e-38 (or 5e-324) divides to -inf for
+        # every other token and 0 for the best, never to inf - inf = NaN (it sampled "probability tensor contains
+        # inf/nan" and the server answered 500)
+        x = (x.double() - x.max()) / p.temperature
         if p.top_k is not None and p.top_k < x.numel():
             kth = torch.topk(x, p.top_k).values[-1]
             x = x.masked_fill(x < kth, float("-inf"))
@@ -82,8 +85,12 @@ class Sampler:
             sorted_probs, order = torch.sort(probs, descending=True)
             cum = sorted_probs.cumsum(0)
             drop = cum - sorted_probs >= p.top_p  # keep the smallest set whose mass reaches top_p
+            drop[0] = False  # and the most likely token always (a top_p of 5e-324 kept none)
             sorted_probs[drop] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         if p.min_p is not None and p.min_p > 0:
             probs = torch.where(probs >= p.min_p * probs.max(), probs, torch.zeros_like(probs))
-        return int(torch.multinomial(probs / probs.sum(), 1, generator=self.generator))
+        total = probs.sum()
+        if not bool(torch.isfinite(total)) or total <= 0:  # nothing left to sample from: the most likely token
+            return int(torch.argmax(x))
+        return int(torch.multinomial(probs / total, 1, generator=self.generator))

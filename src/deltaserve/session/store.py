@@ -35,6 +35,7 @@ import json
 import os
 import re
 import socket
+import stat
 import threading
 import time
 import zlib
@@ -49,18 +50,56 @@ from deltaserve.errors import DeltaserveError
 from deltaserve.formats.config import HybridConfig
 from deltaserve.version import __version__
 
-FORMAT = "deltaserve-state/1"
+FORMAT = "deltaserve-state/2"  # /2: the CRC covers the tokens, the length and the identity too (/1: the tensors)
 SUFFIX = ".state"
 _MOD = (1 << 61) - 1
 _BASE = 1_000_003
 RECENT_S = 2.0        # a directory changed this recently is listed again at the next look-up (coarse mtimes)
 STALE_TMP_S = 600.0   # a temporary file this old is a crashed write, whoever wrote it
 _HOST = re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32] or "host"
+_STORE_NAME = re.compile(r"[0-9a-f]{40}" + re.escape(SUFFIX))  # file_name's: the store's own states
 _TMP = re.compile(r"^\.tmp-(?P<host>[A-Za-z0-9]+)-(?P<pid>\d+)-(?P<tid>\d+)-")
 
 
 class StateFileError(DeltaserveError):
-    """A state file that cannot be used: foreign, truncated, corrupt, or for another model."""
+    """A state file that cannot be used: foreign, truncated, corrupt, or for another model. `ours`: the file carries
+    this store's format marker (a damaged state of ours: the store may remove it); otherwise it is someone else's
+    file (not a state file, another format, not a regular file) and is never removed."""
+
+    def __init__(self, message: str, ours: bool = True):
+        super().__init__(message)
+        self.ours = ours
+
+
+MAX_HEADER = 64 << 20  # a state file's header (its token list) is far below this
+
+
+def _marked(path: Path) -> bool:
+    """Whether the file's safetensors header, read by hand (8 bytes of length, then JSON), carries this store's
+    format marker: a damaged state of ours, as against somebody else's file."""
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if not 2 <= n <= MAX_HEADER:
+                return False
+            meta = json.loads(f.read(n)).get("__metadata__") or {}
+    except (OSError, ValueError, AttributeError, UnicodeDecodeError):
+        return False
+    return isinstance(meta, dict) and meta.get("format") == FORMAT
+
+
+def _regular(path: Path) -> os.stat_result:
+    """The file's lstat if it is a regular file (not a FIFO, a directory, a device, a symlink: opening a FIFO
+    blocks, and a symlink may lead out of the directory); else StateFileError (not ours)."""
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        raise StateFileError(f"{Path(path).name} cannot be read ({type(e).__name__})", ours=False) from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = ("a symlink" if stat.S_ISLNK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode)
+                else "a FIFO" if stat.S_ISFIFO(st.st_mode) else "not a regular file")
+        raise StateFileError(f"{Path(path).name} is {kind}, not a state file", ours=False)
+    return st
 
 
 def parse_size(text: str) -> int:
@@ -100,8 +139,13 @@ def checkpoint_tensors(ck: Checkpoint) -> dict[str, torch.Tensor]:
     return out
 
 
-def _crc(tensors: dict[str, torch.Tensor]) -> str:
-    crc = 0
+CRC_FIELDS = ("format", "model_sha256", "deltaserve", "tokens", "length")  # what decides what a state is valid for
+
+
+def _crc(tensors: dict[str, torch.Tensor], meta: dict) -> str:
+    """CRC-32 of the tensors and of the header's fields that say what the state is for (an edited token list, length
+    or identity fails it as a flipped tensor byte does)."""
+    crc = zlib.crc32(json.dumps({k: meta.get(k) for k in CRC_FIELDS}, sort_keys=True).encode())
     for name in sorted(tensors):
         crc = zlib.crc32(tensors[name].reshape(-1).view(torch.uint8).numpy(), crc)
     return f"{crc:08x}"
@@ -129,8 +173,8 @@ def write_state(path: Path, tokens: Sequence[int], ck: Checkpoint, model_sha256:
         raise ValueError(f"a checkpoint of {ck.length} positions does not cover {len(tokens)} tokens")
     tensors = checkpoint_tensors(ck)
     meta = {"format": FORMAT, "model_sha256": model_sha256, "deltaserve": __version__,
-            "tokens": json.dumps(list(map(int, tokens)), separators=(",", ":")), "length": str(ck.length),
-            "crc32": _crc(tensors)}
+            "tokens": json.dumps(list(map(int, tokens)), separators=(",", ":")), "length": str(ck.length)}
+    meta["crc32"] = _crc(tensors, meta)
     data = save(tensors, metadata=meta)
     path = Path(path)
     tmp = path.with_name(f".tmp-{_HOST}-{os.getpid()}-{threading.get_ident()}-{path.name}")
@@ -150,13 +194,17 @@ def read_header(path: Path) -> dict:
     """A state file's metadata, checked for its format, without reading its tensors."""
     from safetensors import safe_open
 
+    _regular(path)
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for every kind of damage
-        raise StateFileError(f"{Path(path).name} is not a readable state file ({type(e).__name__}: {e})"[:300]) from None
+        # a state of ours whose data was cut or damaged still carries the format marker in its header
+        raise StateFileError(f"{Path(path).name} is not a readable state file ({type(e).__name__}: {e})"[:300],
+                             ours=_marked(path)) from None
     if meta.get("format") != FORMAT:
-        raise StateFileError(f"{Path(path).name} is not a deltaserve state file (format {meta.get('format')!r})")
+        raise StateFileError(f"{Path(path).name} is not a deltaserve state file of this format (format "
+                             f"{meta.get('format')!r}, this store writes {FORMAT!r})", ours=False)
     return meta
 
 
@@ -192,8 +240,8 @@ def read_state(path: Path, config: HybridConfig, model_sha256: str) -> tuple[tup
         t = tensors[name]
         if tuple(t.shape) != shape or t.dtype != dtype:
             raise StateFileError(f"{path.name}: {name} is {t.dtype} {tuple(t.shape)}, this model needs {dtype} {shape}")
-    if _crc(tensors) != meta.get("crc32"):
-        raise StateFileError(f"{path.name} is corrupt (its data does not match its CRC-32)")
+    if _crc(tensors, meta) != meta.get("crc32"):
+        raise StateFileError(f"{path.name} is corrupt (its data or its header's tokens do not match its CRC-32)")
     kv = {i: (tensors[f"kv.{i}.k"], tensors[f"kv.{i}.v"]) for i in range(config.num_layers) if config.is_attention(i)}
     conv = {i: tensors[f"conv.{i}"] for i in config.deltanet_layers}
     ssm = {i: tensors[f"ssm.{i}"] for i in config.deltanet_layers}
@@ -391,7 +439,11 @@ class StateStore:
                 self.say(f"[deltaserve] state store: refused {err}; the turn prefills instead")
                 with self._lock:
                     self.stats.refused_files += 1
-                    self._drop_file(e)
+                    if isinstance(err, StateFileError) and not err.ours:  # replaced by something not its own
+                        self._forget_file(e)
+                        self._passed.add(path.name)
+                    else:
+                        self._drop_file(e)
                     self._remove(e)
                 continue
             with self._lock:
@@ -530,6 +582,10 @@ class StateStore:
         directory is making), then index every state file in it (`refresh`)."""
         now = time.time()
         for tmp in self.directory.glob(".tmp-*" + SUFFIX):
+            try:
+                _regular(tmp)
+            except StateFileError:
+                continue  # not a file this store wrote
             if _stale_tmp(tmp, now):
                 tmp.unlink(missing_ok=True)  # a write a crash interrupted
         self.refresh(force=True)
@@ -549,9 +605,16 @@ class StateStore:
             if not force and mtime == self._dir_mtime and time.time() - mtime / 1e9 > RECENT_S:
                 return 0
             try:
-                listed = {x.name: x for x in os.scandir(d) if x.name.endswith(SUFFIX) and not x.name.startswith(".")}
+                entries = [x for x in os.scandir(d) if x.name.endswith(SUFFIX) and not x.name.startswith(".")]
+                listed = {x.name: x for x in entries if x.is_file(follow_symlinks=False)}
             except OSError:
                 return 0
+            odd = sorted(x.name for x in entries if x.name not in listed and x.name not in self._passed)
+            if odd:  # a FIFO, a directory, a symlink: never opened (a FIFO blocks the reader), never removed
+                self._passed.update(odd)
+                self.say(f"[deltaserve] state store: {len(odd)} entr{'ies' if len(odd) != 1 else 'y'} in {d} named "
+                         f"*{SUFFIX} {'are' if len(odd) != 1 else 'is'} not a regular file ({', '.join(odd[:3])}"
+                         f"{', ...' if len(odd) > 3 else ''}): skipped, left alone")
             self._dir_mtime = mtime
             with self._lock:
                 known = {e.file.name: e for e in self._entries.values() if e.file is not None}
@@ -568,8 +631,12 @@ class StateStore:
                 except OSError:
                     continue
                 new.append((st.st_mtime, st.st_size, Path(x.path)))
-            found, foreign = 0, 0
+            found, foreign, others = 0, 0, []
             for mtime_s, size, path in sorted(new):  # oldest first
+                if not _STORE_NAME.fullmatch(path.name):  # not named as the store names its states (a chat's NAME.state)
+                    others.append(path.name)
+                    self._passed.add(path.name)
+                    continue
                 try:
                     meta = read_header(path)
                     try:
@@ -584,6 +651,10 @@ class StateStore:
                 except (StateFileError, ValueError, KeyError, OSError) as err:
                     if not path.exists():
                         continue  # removed by another process while this one looked
+                    if isinstance(err, StateFileError) and not err.ours:  # not this store's file: never removed
+                        others.append(path.name)
+                        self._passed.add(path.name)
+                        continue
                     self.stats.refused_files += 1
                     self.say(f"[deltaserve] state store: refused {err}; removed it")
                     path.unlink(missing_ok=True)
@@ -602,6 +673,10 @@ class StateStore:
                         e.file, e.file_bytes = path, size
                         self.disk_used += size
                         found += 1
+            if others:
+                self.say(f"[deltaserve] state store: {len(others)} file{'s' if len(others) != 1 else ''} in {d} "
+                         f"named *{SUFFIX} {'are' if len(others) != 1 else 'is'} not this store's ({', '.join(others[:3])}"
+                         f"{', ...' if len(others) > 3 else ''}): left alone, not used")
             if foreign:
                 self.say(f"[deltaserve] state store: {foreign} state file{'s' if foreign != 1 else ''} in {d} "
                          f"belong to another model or deltaserve version: left alone, not used")
@@ -640,14 +715,16 @@ class StateStore:
 
 def _stale_tmp(path: Path, now: float) -> bool:
     """Whether a temporary state file is what a crashed write left: older than STALE_TMP_S, or named by this host
-    and a pid that no longer runs, or not named the way this version names them. A write in progress of another
+    and a pid that no longer runs. A file not named the way this store names them is not its own. A write in progress of another
     process on this directory is left alone."""
     m = _TMP.match(path.name)
+    if m is None:
+        return False  # not named the way this store names its temporary files: someone else's, left alone
     try:
         age = now - path.stat().st_mtime
     except OSError:
         return False
-    if m is None or age > STALE_TMP_S:
+    if age > STALE_TMP_S:
         return True
     if m["host"] != _HOST:
         return False
