@@ -31,6 +31,23 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 OK_MSGS = [{"role": "user", "content": "hi"}]
 LONG = "word " * 5000  # > 4096 tokens once encoded
 
+
+def deep_schema(n: int) -> dict:
+    """A schema of arrays nested n deep (issue 32: 900 deep took xgrammar a minute to compile, 490 deep overflowed
+    the template's recursion): refused by name before it is compiled or rendered."""
+    s: dict = {"type": "string"}
+    for _ in range(n):
+        s = {"type": "array", "items": s}
+    return s
+
+
+DEEP_FORMAT = {"type": "json_schema", "json_schema": {"name": "d", "schema": {
+    "type": "object", "properties": {"x": deep_schema(300)}, "required": ["x"]}}}
+DEEP_TOOL = {"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"x": deep_schema(300)}}}}
+DEEP_CALL = {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {
+    "name": "f", "arguments": '{"x": ' + "[" * 300 + "]" * 300 + "}"}}]}
+
 # (name, method, path, body (dict -> JSON, str/bytes -> raw), headers, expected status, param or None)
 BAD = [
     ("invalid JSON", "POST", "/v1/chat/completions", b"{not json", AUTH, 400, None),
@@ -100,6 +117,12 @@ BAD = [
     ("legacy function_call", "POST", "/v1/chat/completions",
      {"messages": OK_MSGS, "function_call": "auto"}, AUTH, 400, "function_call"),
     ("best_of above 1", "POST", "/v1/completions", {"prompt": "x", "best_of": 3}, AUTH, 400, "best_of"),
+    ("a response_format schema nested 300 deep", "POST", "/v1/chat/completions",
+     {"messages": OK_MSGS, "response_format": DEEP_FORMAT}, AUTH, 400, "response_format"),
+    ("a tool schema nested 300 deep", "POST", "/v1/chat/completions",
+     {"messages": OK_MSGS, "tools": [DEEP_TOOL]}, AUTH, 400, "tools"),
+    ("a call's arguments nested 300 deep", "POST", "/v1/chat/completions",
+     {"messages": OK_MSGS + [DEEP_CALL, {"role": "user", "content": "and?"}]}, AUTH, 400, "messages"),
     ("parallel_tool_calls a string", "POST", "/v1/chat/completions",
      {"messages": OK_MSGS, "parallel_tool_calls": "no"}, AUTH, 400, "parallel_tool_calls"),
     ("tool_calls not a list", "POST", "/v1/chat/completions",

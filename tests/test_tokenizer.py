@@ -642,6 +642,39 @@ def test_special_token_text_in_a_message_is_encoded_as_text_and_forges_no_turn(r
     assert tok.decode(ids) == p.display == tok.apply_chat_template(messages, enable_thinking=False)
 
 
+def test_special_token_text_in_keys_forges_no_turn_and_a_conversation_that_fills_the_placeholders_is_refused(
+        real_from_gguf):
+    """Issue 32, item 1: dict keys were never neutralised (a call's argument name renders as <parameter=KEY>, a tool
+    schema's nested property names through tojson), and a request that filled both private-use planes through a
+    field the template never shows left no placeholder free, so its special-token text became markup."""
+    from deltaserve.text.chat_template import render
+    from deltaserve.text.tokenizer import ConversationRejected
+
+    tok = real_from_gguf
+
+    def conversation(text: str) -> tuple[list[dict], list[dict]]:
+        messages = [{"role": "user", "content": "weather?"},
+                    {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function", "function": {
+                        "name": "f", "arguments": {text: 1, "city": {text: "x"}}}}]},
+                    {"role": "tool", "tool_call_id": "c", "content": "ok"}, {"role": "user", "content": "next"}]
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+            "city": {"type": "object", "properties": {text: {"type": "string"}}}}}}}]
+        return messages, tools
+
+    messages, tools = conversation(FORGED)
+    forged_ids, _ = render(tok, messages, False, tools)
+    messages, tools = conversation("harmless")
+    plain_ids, _ = render(tok, messages, False, tools)
+    for special in (tok.im_start_id, tok.im_end_id):  # the same turns as a conversation with no special text at all
+        assert forged_ids.count(special) == plain_ids.count(special)
+    assert FORGED in tok.decode(forged_ids)  # the keys are there, as text
+
+    every = "".join(chr(c) for base in (0xF0000, 0x100000) for c in range(base, base + 0xFFFE))
+    filled = [{"role": "user", "content": FORGED, "name": every}]
+    with pytest.raises(ConversationRejected, match="private-use"):
+        render(tok, filled, False)
+
+
 def test_a_conversation_without_special_text_encodes_in_one_pass_as_before(real_from_gguf):
     from deltaserve.text.chat_template import render
 

@@ -80,6 +80,7 @@ import numpy as np
 import torch
 
 from deltaserve.errors import DeltaserveError
+from deltaserve.text.toolcalls import MAX_DEPTH, nesting_depth
 
 CACHE_SIZE = 32
 _CONTROL = re.compile(rb"[\x00-\x1f]")
@@ -123,6 +124,10 @@ def normalize(response_format: Any) -> dict | None:
             schema = {} if schema else None
         if not isinstance(schema, dict):
             raise GrammarError("response_format.json_schema needs a 'schema' object (the JSON schema)")
+        depth = nesting_depth(schema)
+        if depth > MAX_DEPTH:  # xgrammar's compile of a schema 900 deep took a minute: refused before it starts
+            raise GrammarError(f"response_format: the JSON schema nests objects and arrays more than {MAX_DEPTH} "
+                               f"levels deep (at least {depth}): refused before it is compiled")
         return {"type": "json_schema", "schema": schema}
     raise GrammarError(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deltaserve.text.stream import opens_reasoning
+from deltaserve.text.tokenizer import ConversationRejected
 
 _PUA_BASES = (0xF0000, 0x100000)  # the two supplementary private-use planes
 
@@ -45,10 +46,14 @@ class RenderedPrompt:
 
 
 def _strings(value: Any, out: list[str]) -> None:
+    """Every string of `value`, the keys of its mappings too (a call's argument names and a tool schema's property
+    names render as text: `<parameter=KEY>`, `tojson`)."""
     if isinstance(value, str):
         out.append(value)
     elif isinstance(value, dict):
-        for v in value.values():
+        for k, v in value.items():
+            if isinstance(k, str):
+                out.append(k)
             _strings(v, out)
     elif isinstance(value, (list, tuple)):
         for v in value:
@@ -62,7 +67,7 @@ def _replace(value: Any, table: list[tuple[str, str]]) -> Any:
                 value = value.replace(literal, mark)
         return value
     if isinstance(value, dict):
-        return {k: (v if k == "role" else _replace(v, table)) for k, v in value.items()}
+        return {_replace(k, table): (v if k == "role" else _replace(v, table)) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_replace(v, table) for v in value]
     if hasattr(value, "model_dump"):  # pydantic messages (the OpenAI SDK's)
@@ -92,6 +97,11 @@ def render_prompt(tokenizer, messages, enable_thinking: bool | None = None, tool
             if chr(c) not in used:
                 marks.append(chr(c))
             c += 1
+    if len(marks) < len(specials):  # both private-use planes filled by the conversation itself: nothing is free
+        raise ConversationRejected(
+            f"the conversation writes {len(specials)} special tokens' text and uses every private-use character but "
+            f"{len(marks)}, so that text cannot be held apart from the template's own markup: refused (nothing of "
+            f"it would be encoded as text)")
     table = sorted(zip(specials, marks), key=lambda p: -len(p[0]))  # the longest special text first
     text = tokenizer.apply_chat_template(_replace(messages, table), add_generation_prompt=True,
                                          enable_thinking=enable_thinking, **_replace(extra, table))

@@ -44,6 +44,33 @@ CALL_END = "</tool_call>"
 FENCE = "```"
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 MAX_TOOLS = 128
+MAX_DEPTH = 48  # objects and arrays nested in a schema or in a call's arguments (OpenAI's schemas: 10 object levels)
+
+
+def nesting_depth(value: Any, limit: int = MAX_DEPTH) -> int:
+    """How deep objects and arrays nest in `value`, counted without recursion and no further than `limit` + 1 (a
+    schema nested 900 deep stalled xgrammar's compile for a minute; 490 deep overflowed the template's recursion)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict):
+            children = v.values()
+        elif isinstance(v, (list, tuple)):
+            children = v
+        else:
+            continue
+        deepest = max(deepest, d)
+        if deepest > limit:
+            return deepest
+        stack.extend((c, d + 1) for c in children)
+    return deepest
+
+
+def check_depth(value: Any, where: str, limit: int = MAX_DEPTH) -> None:
+    depth = nesting_depth(value, limit)
+    if depth > limit:
+        raise ToolError(f"{where} nests objects and arrays more than {limit} levels deep (at least {depth}): refused "
+                        f"before it is compiled or rendered")
 
 # the markup's parts are one newline apart (the template's); one whitespace character of any kind is read the same
 # (xgrammar's qwen_xml grammar allows it), so a value is what lies between them
@@ -144,6 +171,7 @@ def normalize_tools(tools: Any) -> tuple[Tool, ...]:
                 params = {"type": "object", "properties": {}}
             if not isinstance(params, dict):
                 raise ToolError(f"tools[{i}].function.parameters must be a JSON schema object")
+            check_depth(params, f"tools[{i}].function.parameters")
             if params.get("type", "object") != "object":
                 raise ToolError(f"tools[{i}].function.parameters must describe an object (type 'object'), "
                                 f"got type {params.get('type')!r}")
@@ -193,13 +221,15 @@ def normalize_tool_choice(tool_choice: Any, tools: tuple[Tool, ...], parallel: b
 def arguments_object(arguments: Any, where: str = "arguments") -> dict:
     """A call's arguments as the chat template renders them (a mapping): OpenAI sends a JSON string."""
     if isinstance(arguments, dict):
+        check_depth(arguments, where)
         return arguments
     if isinstance(arguments, str):
         try:
             value = json.loads(arguments) if arguments.strip() else {}
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise ToolError(f"{where} must be a JSON object (as a string), and is not JSON: {e}"[:300]) from None
         if isinstance(value, dict):
+            check_depth(value, where)
             return value
         raise ToolError(f"{where} must be a JSON object, got {type(value).__name__}")
     raise ToolError(f"{where} must be a JSON object (as a string), got {type(arguments).__name__}")

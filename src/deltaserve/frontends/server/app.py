@@ -159,6 +159,10 @@ class Server:
         # templates and tokenizers run here, not on the event loop (one large request must not stall the others)
         self.text_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="deltaserve-text",
                                             initializer=model.worker_initializer())
+        # schemas compile here, one at a time, apart from the tokenizing: a slow compile never holds a plain
+        # request's rendering up, and one whose client has gone while it waited is never started
+        self.grammar_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltaserve-grammar")
+        self.compiles = {"waiting": 0, "abandoned": 0}
         self.started = time.time()
         model.tokenizer.fewest_tokens("")  # the vocabulary's byte table now, not in the first request
         try:  # compile the chat template now, not in the first request's time to first token
@@ -282,11 +286,21 @@ class Server:
         loop = asyncio.get_running_loop()
         try:
             if req.turn is not None:
-                grammar = await loop.run_in_executor(self.text_pool, req.turn.grammar, self.model.tokenizer,
-                                                     self.model.config.vocab_size, stops)
+                work = (req.turn.grammar, self.model.tokenizer, self.model.config.vocab_size, stops)
             else:
-                grammar = await loop.run_in_executor(self.text_pool, compile_format, self.model.tokenizer,
-                                                     req.response_format, self.model.config.vocab_size, stops)
+                work = (compile_format, self.model.tokenizer, req.response_format, self.model.config.vocab_size, stops)
+            constrained = req.response_format is not None or (req.turn is not None and req.turn.constrained)
+            if constrained:
+                self.compiles["waiting"] += 1
+                try:
+                    grammar = await until_gone(loop.run_in_executor(self.grammar_pool, *work), request)
+                except ClientGone:
+                    self.compiles["abandoned"] += 1  # not started yet: never will be; running: its result unused
+                    raise
+                finally:
+                    self.compiles["waiting"] -= 1
+            else:
+                grammar = None
         except DeltaserveError as e:
             tools = req.turn is not None and req.turn.offers_tools and str(e).startswith("tools")
             raise bad(str(e), "tools" if tools else "response_format") from None
@@ -454,6 +468,7 @@ class Server:
                        "last_prefill": s.session.prefill_lines[-1] if s.session.prefill_lines else None,
                        "backend": s.session.backend.name, "requests": s.requests} for s in self.pool.slots],
             "queue": {"waiting": self.pool.waiting, "limit": self.pool.queue_size},
+            "grammar": dict(self.compiles),  # compiles waiting for the grammar thread; ones whose client left
             "store": self.store.snapshot(),
             **({"connections": self.guard.snapshot()} if self.guard is not None else {}),
             "notices": list(dict.fromkeys([n for s in self.pool.slots for n in s.session.notices]
