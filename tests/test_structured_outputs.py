@@ -212,3 +212,40 @@ def test_run_chat_with_a_json_schema_file_prints_a_valid_answer(hybrid_gguf, tmp
     bad.write_text('{"type": "frob"}')
     r = run("--json-schema", str(bad), "-p", "hi")
     assert r.returncode != 0 and "cannot be compiled" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_request_without_a_format_is_answered_while_the_grammar_thread_is_held(hybrid_model):
+    """Issue 32, item 2: schema compiles shared the two threads that tokenize every request, so two slow compiles
+    stalled a plain `What is 12 + 9?` for 91 s. Compiles now run on a grammar thread of their own: with that thread
+    held, a plain request is answered (the mechanism, not a time), and a constrained one waits its turn."""
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    from deltaserve.frontends.server.app import Server, create_app
+
+    server = Server(hybrid_model, slots=1, quiet=True)
+    held, release = threading.Event(), threading.Event()
+    server.grammar_pool.submit(lambda: (held.set(), release.wait(120)))
+    assert held.wait(30)
+    try:
+        with TestClient(create_app(server), base_url="http://127.0.0.1") as c:
+            r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "What is 12 + 9?"}],
+                                                     "max_tokens": 4})
+            assert r.status_code == 200, r.text
+            assert c.get("/health").json()["grammar"] == {"waiting": 0, "abandoned": 0}
+            out = {}
+            t = threading.Thread(target=lambda: out.setdefault("r", c.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                "response_format": {"type": "json_object"}})))
+            t.start()
+            for _ in range(600):  # the constrained request queues behind the held grammar thread
+                if server.compiles["waiting"] == 1:
+                    break
+                threading.Event().wait(0.05)
+            assert server.compiles["waiting"] == 1 and "r" not in out
+            release.set()
+            t.join(120)
+            assert out["r"].status_code == 200 and server.compiles["waiting"] == 0
+    finally:
+        release.set()
