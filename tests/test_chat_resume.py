@@ -171,3 +171,28 @@ def test_clear_under_resume_clears_the_saved_conversation_too(cache, demo):
     assert conversation["messages"] == [] and conversation["system"] == "You are terse."
     assert conversation["thinking"] is False
     assert not (cache / "chats" / "notes.state").exists()
+
+
+def test_saved_conversations_are_the_users_alone_and_a_planted_lock_symlink_or_a_deep_file_is_refused(tmp_path):
+    """Issue 32, item 6: NAME.json and the state were created readable by every local user (0644 in 0755), `chat
+    --resume` followed a symlinked NAME.lock and truncated its target, and a NAME.json nested 900 deep made it exit
+    with an internal error instead of saying what is wrong."""
+    import stat
+
+    from deltaserve.errors import DeltaserveError
+    from deltaserve.frontends.repl import SavedChat
+
+    d = tmp_path / "chats"
+    chat = SavedChat("mine", d)
+    chat.prepare()
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+    assert stat.S_IMODE((d / "mine.lock").stat().st_mode) == 0o600
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    (d / "planted.lock").symlink_to(victim)
+    with pytest.raises(DeltaserveError, match="--resume planted: cannot use"):
+        SavedChat("planted", d).prepare()
+    assert victim.read_text() == "precious"
+    (d / "deep.json").write_text('{"format": ' + "[" * 5000 + "]" * 5000 + "}")
+    with pytest.raises(DeltaserveError, match="not a saved deltaserve conversation"):
+        SavedChat("deep", d).load()

@@ -321,3 +321,11 @@ def test_a_state_file_whose_token_list_was_edited_is_refused_not_used(hybrid_mod
     assert store.take(list(tokens) + [5]) is None  # found for a prompt it prefixes, refused when read
     assert any("refused" in n and "CRC-32" in n for n in notices), notices
     assert not edited.exists() and store.snapshot()["refused_files"] == 1  # a damaged state of its own: removed
+
+
+def test_state_files_and_a_new_state_directory_are_the_users_alone(hybrid_model, tmp_path):
+    import stat
+
+    path, _ = _one_state_on_disk(hybrid_model, tmp_path / "states")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE((tmp_path / "states").stat().st_mode) == 0o700

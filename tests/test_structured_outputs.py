@@ -249,3 +249,31 @@ def test_a_request_without_a_format_is_answered_while_the_grammar_thread_is_held
             assert out["r"].status_code == 200 and server.compiles["waiting"] == 0
     finally:
         release.set()
+
+
+@pytest.mark.parametrize("schema,named", [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "'uniqueItems' at schema"),
+    ({"type": "object", "properties": {"a": {"type": "array", "contains": {"const": 1}}}}, "'contains' at schema"),
+    ({"type": "object", "required": ["a"]}, "'required' on an object without 'properties'"),
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^a+$", "maxLength": 3}}},
+     "'pattern' with 'maxLength'"),
+])
+def test_a_schema_keyword_the_grammar_does_not_enforce_is_refused_by_name(schema, named):
+    """Issue 32, item 6: answers to these schemas did not validate, though structured outputs promise they do."""
+    with pytest.raises(grammar.GrammarError, match=named):
+        grammar.normalize({"type": "json_schema", "json_schema": {"schema": schema}})
+    # a property merely named like a keyword is a name, not the keyword
+    ok = {"type": "object", "properties": {"uniqueItems": {"type": "boolean"}, "contains": {"type": "string"}}}
+    assert grammar.normalize({"type": "json_schema", "json_schema": {"schema": ok}})["schema"] == ok
+
+
+def test_a_schema_that_needs_a_control_character_is_refused_naming_response_format(hybrid_model):
+    """Issue 32, item 6: strings are never given a raw control character, so a pattern that needs one left the
+    grammar allowing nothing: a 500 (at temperature 0 a 400 "internal: the grammar refused token 0")."""
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^\n$"}}, "required": ["a"]}
+    s = hybrid_model.session(quiet=True)
+    for temperature in (0.0, 1.0):
+        with pytest.raises(grammar.GrammarError, match="response_format: .* allows no token .* control character"):
+            s.chat([{"role": "user", "content": "hi"}], max_tokens=30, temperature=temperature,
+                   response_format={"type": "json_schema", "json_schema": {"schema": schema}})
+    assert s.chat([{"role": "user", "content": "hi"}], max_tokens=3).generated >= 1  # the session goes on

@@ -233,3 +233,12 @@ def test_two_streamed_calls_send_no_content_between_them_and_a_cut_call_sends_no
     assert parse(cut, TOOLS, cut=True) == ("Let me look.", [])
     # an unclosed block the model ended itself (no cut) stays what it is: text
     assert parse(cut, TOOLS)[0] == cut
+
+
+def test_a_tool_name_with_a_trailing_newline_is_refused():
+    """Issue 32, item 6: the name pattern ended in "$", which matches before a trailing newline."""
+    with pytest.raises(ToolError, match="function.name"):
+        normalize_tools([{"type": "function", "function": {"name": "get_weather\n"}}])
+    with pytest.raises(ToolError, match="parameter names"):
+        normalize_tools([{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"city\n": {"type": "string"}}}}}])

@@ -75,8 +75,9 @@ class SavedChat:
     def prepare(self) -> None:
         """Create the directory and take the name's lock (another chat holding it is an error)."""
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            f = open(self.dir / f"{self.name}.lock", "a+")
+            self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # conversations: the user's only
+            # never through a symlink planted under the lock's name (its target was truncated)
+            f = os.fdopen(os.open(self.dir / f"{self.name}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600), "a+")
         except OSError as e:
             raise DeltaserveError(f"--resume {self.name}: cannot use {self.dir} ({e.strerror})") from None
         try:
@@ -116,7 +117,7 @@ class SavedChat:
                           and isinstance(m.get("content"), str) for m in data["messages"])
                   and isinstance(data.get("system"), (str, type(None)))
                   and isinstance(data.get("thinking"), (bool, type(None))))
-        except ValueError:
+        except (ValueError, RecursionError):
             ok = False
         if not ok:
             raise DeltaserveError(f"--resume {self.name}: {self.json_path} is not a saved deltaserve conversation "
@@ -130,7 +131,8 @@ class SavedChat:
                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         tmp = self.dir / f".tmp-{os.getpid()}-{self.name}.json"
         try:
-            with open(tmp, "w", encoding="utf-8") as f:
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600), "w",
+                           encoding="utf-8") as f:
                 json.dump(data, f, ensure_ascii=False, indent=1)
                 f.write("\n")
                 f.flush()

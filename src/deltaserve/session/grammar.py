@@ -99,6 +99,42 @@ def _xgr():
     return xgrammar
 
 
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "propertyNames", "unevaluatedItems",
+               "unevaluatedProperties", "anyOf", "oneOf", "allOf", "prefixItems")
+
+
+def unenforced_keyword(schema: Any) -> str | None:
+    """The first keyword of `schema` xgrammar does not enforce (an answer "constrained" by it could fail it), named
+    with where it is: `uniqueItems`, `contains` (and min/maxContains), `required` on an object that declares no
+    `properties`, a `pattern` bounded by `maxLength`/`minLength` (the pattern's automaton never closes the string).
+    None when every keyword is one the grammar holds. Walked without recursion (depth is bounded elsewhere)."""
+    stack: list[tuple[Any, str]] = [(schema, "schema")]
+    while stack:
+        s, where = stack.pop()
+        if isinstance(s, list):
+            stack.extend((x, f"{where}[{i}]") for i, x in enumerate(s))
+            continue
+        if not isinstance(s, dict):
+            continue
+        if s.get("uniqueItems") is True:
+            return f"'uniqueItems' at {where}"
+        for k in ("contains", "minContains", "maxContains"):
+            if k in s:
+                return f"'{k}' at {where}"
+        if s.get("required") and not isinstance(s.get("properties"), dict):
+            return f"'required' on an object without 'properties' at {where}"
+        if "pattern" in s and ("maxLength" in s or "minLength" in s):
+            return f"'pattern' with 'maxLength'/'minLength' at {where}"
+        for k in _SUBSCHEMA_MAPS:
+            if isinstance(s.get(k), dict):
+                stack.extend((sub, f"{where}.{k}.{name}") for name, sub in s[k].items())
+        for k in _SUBSCHEMAS:
+            if isinstance(s.get(k), (dict, list)):
+                stack.append((s[k], f"{where}.{k}"))
+    return None
+
+
 def normalize(response_format: Any) -> dict | None:
     """The format as {"type": "json_object"} or {"type": "json_schema", "schema": {...}}; None for text / absent.
     A malformed one raises GrammarError."""
@@ -124,6 +160,10 @@ def normalize(response_format: Any) -> dict | None:
             schema = {} if schema else None
         if not isinstance(schema, dict):
             raise GrammarError("response_format.json_schema needs a 'schema' object (the JSON schema)")
+        unenforced = unenforced_keyword(schema)
+        if unenforced is not None:
+            raise GrammarError(f"response_format: {unenforced} is not enforced by the grammar engine, so an answer "
+                               f"could fail it: remove it (or validate that part of the answer yourself)")
         depth = nesting_depth(schema)
         if depth > MAX_DEPTH:  # xgrammar's compile of a schema 900 deep took a minute: refused before it starts
             raise GrammarError(f"response_format: the JSON schema nests objects and arrays more than {MAX_DEPTH} "

@@ -23,7 +23,7 @@ from deltaserve.runtime.backend import AcceleratorFailure, Backend, CPUBackend
 from deltaserve.engine.state import Checkpoint, DecodeState
 from deltaserve.engine.weights import trim_heap
 from deltaserve.errors import BackendError, CapacityError, ContextError, DeltaserveError
-from deltaserve.session.grammar import CompiledFormat, compile_format
+from deltaserve.session.grammar import CompiledFormat, GrammarError, compile_format
 from deltaserve.session.sampling import Sampler, SamplingParams
 from deltaserve.session.store import read_state, write_state
 from deltaserve.session.turns import Content, Reasoning, ask, stop_ids
@@ -615,6 +615,11 @@ class Session:
                 finish = "stop"
                 break
             if constraint is not None and not constraint.accept(token):
+                if not bool(torch.isfinite(logits).any()):  # the grammar allows nothing this vocabulary holds
+                    raise GrammarError(
+                        f"response_format: after {len(generated)} generated tokens the schema allows no token this "
+                        "model may write inside JSON (strings are never given a control character, U+0000-U+001F: "
+                        "a pattern, const or enum that needs one cannot be met); refused, nothing was cut short")
                 raise BackendError(f"internal: the grammar refused token {token}, which its mask allowed")
             generated.append(token)
             piece, hit_stop = stream.push(token)

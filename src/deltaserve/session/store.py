@@ -179,7 +179,7 @@ def write_state(path: Path, tokens: Sequence[int], ck: Checkpoint, model_sha256:
     path = Path(path)
     tmp = path.with_name(f".tmp-{_HOST}-{os.getpid()}-{threading.get_ident()}-{path.name}")
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600), "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -321,7 +321,7 @@ class StateStore:
         self._refresh_lock = threading.Lock()    # one listing at a time
         if self.directory is not None:
             try:
-                self.directory.mkdir(parents=True, exist_ok=True)
+                self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)  # conversations: the user's only
             except OSError as e:
                 raise DeltaserveError(f"--state-dir {self.directory}: cannot create it ({e.strerror})") from None
             if not os.access(self.directory, os.W_OK):

@@ -42,7 +42,7 @@ from deltaserve.text.stream import held_tail
 CALL_START = "<tool_call>"
 CALL_END = "</tool_call>"
 FENCE = "```"
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+NAME_PATTERN = re.compile(r"[A-Za-z0-9_.:-]{1,64}\Z")  # \Z, not $: "$" matched before a trailing newline
 MAX_TOOLS = 128
 MAX_DEPTH = 48  # objects and arrays nested in a schema or in a call's arguments (OpenAI's schemas: 10 object levels)
 

@@ -29,7 +29,7 @@ from deltaserve.runtime.guard import MAX_AGE as GUARD_MAX_AGE
 from deltaserve.version import __version__
 from deltaserve.frontends.common import load_model
 from deltaserve.errors import ContextError, DeltaserveError
-from deltaserve.session.grammar import compile_format
+from deltaserve.session.grammar import GrammarError, compile_format
 from deltaserve.session.resident import check_prompt, overflow_message
 from deltaserve.session.turns import CallArguments, CallStart, Content, Finish, Reasoning, stop_ids, thinking_flag
 from deltaserve.frontends.server import connections
@@ -343,6 +343,8 @@ class Server:
     def turn_error(e: BaseException) -> APIError:
         if isinstance(e, ContextError):
             return bad(str(e), "messages", "context_length_exceeded")
+        if isinstance(e, GrammarError):
+            return bad(str(e), "response_format")
         if isinstance(e, DeltaserveError):
             return bad(str(e))
         return APIError(500, f"the generation failed: {type(e).__name__}: {e}"[:500], "server_error")
