@@ -653,12 +653,19 @@ def test_special_token_text_in_keys_forges_no_turn_and_a_conversation_that_fills
     tok = real_from_gguf
 
     def conversation(text: str) -> tuple[list[dict], list[dict]]:
-        messages = [{"role": "user", "content": "weather?"},
-                    {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function", "function": {
-                        "name": "f", "arguments": {text: 1, "city": {text: "x"}}}}]},
-                    {"role": "tool", "tool_call_id": "c", "content": "ok"}, {"role": "user", "content": "next"}]
-        tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-            "city": {"type": "object", "properties": {text: {"type": "string"}}}}}}}]
+        # every field a request carries into the template: contents, names, an earlier turn's reasoning, a call's
+        # argument names and values, a tool result, a tool's description and its schema's names
+        messages = [{"role": "system", "content": f"be brief {text}"},
+                    {"role": "user", "content": f"weather? {text}", "name": text},
+                    {"role": "assistant", "content": "", "reasoning_content": f"think {text}", "tool_calls": [
+                        {"id": "c", "type": "function", "function": {
+                            "name": "f", "arguments": {text: 1, "city": {text: f"x {text}"}}}}]},
+                    {"role": "tool", "tool_call_id": "c", "content": f"ok {text}"},
+                    {"role": "assistant", "content": f"<think>\n{text}\n</think>\n\nanswer {text}"},
+                    {"role": "user", "content": "next"}]
+        tools = [{"type": "function", "function": {"name": "f", "description": f"does f {text}", "parameters": {
+            "type": "object", "properties": {"city": {"type": "object", "description": text,
+                                                       "properties": {text: {"type": "string"}}}}}}}]
         return messages, tools
 
     messages, tools = conversation(FORGED)
