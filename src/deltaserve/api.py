@@ -55,21 +55,17 @@ class Model:
         any other model keeps its template's default (None)."""
         return thinking_default(self.host.path)
 
-    def render(self, messages, enable_thinking: bool | None = None, tools=None,
-               response_format=None) -> tuple[list[int], bool]:
+    def render(self, messages, enable_thinking: bool | None = None, tools=None) -> tuple[list[int], bool]:
         """A conversation's prompt ids (generation header added) and whether it leaves the model reasoning, as a
-        chat turn renders them (`session.turns`: a response_format or an enforced tool choice renders thinking
-        off)."""
-        prompt = self.render_prompt(messages, enable_thinking, tools, response_format)
+        chat turn renders them (`session.turns`)."""
+        prompt = self.render_prompt(messages, enable_thinking, tools)
         return prompt.encode(self.tokenizer), prompt.thinking
 
-    def render_prompt(self, messages, enable_thinking: bool | None = None, tools=None,
-                      response_format=None) -> RenderedPrompt:
+    def render_prompt(self, messages, enable_thinking: bool | None = None, tools=None) -> RenderedPrompt:
         """A conversation rendered (generation header added), not yet tokenized: `.encode(tokenizer)` encodes what
         its messages contain as text, `.display` reads it, `.thinking` says whether it leaves the model reasoning.
         `tools`: the functions offered (OpenAI's list), rendered by the template."""
-        turn = ask(messages, tools, response_format=response_format, enable_thinking=enable_thinking)
-        return turn.prompt(self.tokenizer, self.thinking_default)
+        return ask(messages, tools, enable_thinking=enable_thinking).prompt(self.tokenizer, self.thinking_default)
 
     def render_text(self, messages, enable_thinking: bool | None = None, tools=None) -> str:
         """A conversation's prompt text (generation header added), not yet tokenized."""

@@ -115,10 +115,3 @@ def reload() -> Settings:
     with _lock:
         _current[:] = [read()]
     return _current[0]
-
-
-def describe() -> str:
-    """The variables, their defaults and meanings: one line each (for --help texts and the README)."""
-    return "\n".join(f"{v.name}={v.default or '(unset)'}: {v.meaning}" + (f" (flag {v.flag})" if v.flag else "")
-                     for v in VARIABLES.values())
-

@@ -16,6 +16,7 @@ from deltaserve.runtime.guard import MAX_AGE as GUARD_MAX_AGE
 from deltaserve.version import __version__
 from deltaserve.kernels.cpu import plural
 from deltaserve.errors import DeltaserveError
+from deltaserve.session.turns import ask
 from deltaserve.frontends.common import load_model, resolve_model, sampling_kwargs, thinking
 from deltaserve import settings
 
@@ -138,8 +139,10 @@ def cmd_run(a) -> int:
             raise DeltaserveError("no prompt: pass -p TEXT (or pipe text on stdin)")
         text = sys.stdin.read()
     messages = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": text}]
-    if a.chat:  # the turn pipeline's rendering (session.turns), as the turn below will render it
-        ids, _ = model.render(messages, thinking(a), response_format=response_format)
+    if a.chat:  # rendered once by the turn pipeline (session.turns): its ids plan the memory, then the turn runs
+        request = ask(messages, response_format=response_format, enable_thinking=thinking(a))
+        prompt = request.prompt(model.tokenizer, model.thinking_default)
+        ids = prompt.encode(model.tokenizer)
     else:
         ids = model.tokenizer.encode(text)
     context = min(a.ctx or model.config.context_length, model.config.context_length)
@@ -147,9 +150,8 @@ def cmd_run(a) -> int:
     session = model.session(context=a.ctx, device=a.device, one_call=True, plan_positions=positions,
                             revalidate=a.revalidate, guard_max_age=a.guard_max_age)
     if a.chat:
-        turn = session.chat(messages, max_tokens=a.max_tokens, enable_thinking=thinking(a), on_token=_stream,
-                            on_reasoning=lambda r: _show(r, ""), response_format=response_format,
-                            **sampling_kwargs(a))
+        turn = session.run_turn(request, ids, prompt.thinking, a.max_tokens, on_token=_stream,
+                                on_reasoning=lambda r: _show(r, ""), **sampling_kwargs(a))
     else:
         turn = session.generate(ids, max_tokens=a.max_tokens, on_token=lambda t, piece: _show("", piece),
                                 response_format=response_format, **sampling_kwargs(a))

@@ -1477,15 +1477,13 @@ static inline __attribute__((always_inline)) void gemm_tile(const int mode, cons
 }
 
 /* Row `row`'s values as unsigned bytes u [K] into `u` (see the section's comment: Q8_0's w + 128, Q4_K/Q5_K's q, Q6_K's
- * q with its two high bits), and its scales (and mins) per sub-block into ps[i * 32 + r] (po[b * 32 + r]). */
-static void unpack_row(int type, int mode, const uint8_t *row, int K, uint8_t *u, float *ps, float *po, int r) {
-    const int per32 = mode == 1 ? 2 : 1;
+ * q with its two high bits); its scales are row_scales'. */
+static void unpack_row(int type, const uint8_t *row, int K, uint8_t *u) {
     const __m256i lo4 = _mm256_set1_epi8(0x0F);
     switch (type) {
     case T_Q8_0:
         for (int b = 0; b < K / 32; b++) {
             const uint8_t *blk = row + (size_t)b * 34;
-            ps[(size_t)b * 32 + r] = h2f(blk);
             _mm256_storeu_si256((__m256i *)(u + 32 * b),
                                 _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 2)), _mm256_set1_epi8((char)0x80)));
         }
@@ -1495,14 +1493,9 @@ static void unpack_row(int type, int mode, const uint8_t *row, int K, uint8_t *u
         const int q5 = type == T_Q5_K, bytes = q5 ? 176 : 144;
         for (int jb = 0; jb < K / 256; jb++) {
             const uint8_t *blk = row + (size_t)jb * bytes, *qs = blk + (q5 ? 48 : 16);
-            const float d = h2f(blk), dmin = h2f(blk + 2);
-            uint8_t sc[8], mn[8];
-            k_scales(blk + 4, sc, mn);
             __m256i qh = q5 ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
             for (int j = 0; j < 8; j++) {
                 const int b = jb * 8 + j;
-                ps[(size_t)b * 32 + r] = d * (float)sc[j];
-                po[(size_t)b * 32 + r] = dmin * (float)mn[j];
                 __m256i g = _mm256_loadu_si256((const __m256i *)(qs + 32 * (j / 2)));
                 __m256i q = (j & 1) ? _mm256_and_si256(_mm256_srli_epi16(g, 4), lo4) : _mm256_and_si256(g, lo4);
                 if (q5) {  /* bit j of qh[l] -> bit 4 */
@@ -1517,9 +1510,6 @@ static void unpack_row(int type, int mode, const uint8_t *row, int K, uint8_t *u
     case T_Q6_K:
         for (int jb = 0; jb < K / 256; jb++) {
             const uint8_t *blk = row + (size_t)jb * 210;
-            const float d = h2f(blk + 208);
-            const int8_t *sc = (const int8_t *)(blk + 192);
-            for (int j = 0; j < 16; j++) ps[(size_t)(jb * 16 + j) * 32 + r] = d * (float)sc[j];
             for (int h = 0; h < 2; h++) {
                 __m256i hi = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
                 for (int g = 0; g < 4; g++) {
@@ -1531,7 +1521,6 @@ static void unpack_row(int type, int mode, const uint8_t *row, int K, uint8_t *u
                 }
             }
         }
-        (void)per32;
         return;
     }
 }
@@ -1567,7 +1556,7 @@ static inline void transpose16x8(const uint8_t *base, size_t stride, uint8_t *ds
     for (int k = 0; k < 8; k++) _mm512_store_si512(dst + k * 128, v[k]);
 }
 
-/* Row r's scales (and mins) per sub-block, as unpack_row writes them, without its values. */
+/* Row r's scales (and mins) per sub-block into ps[i * 32 + r] (po[b * 32 + r]); its values are unpack_row's. */
 static void row_scales(int type, const uint8_t *row, int K, float *ps, float *po, int r) {
     switch (type) {
     case T_Q8_0:
@@ -1679,7 +1668,8 @@ static void pack_panel(int type, int mode, const uint8_t *blocks, size_t row_byt
     }
     for (int r = 0; r < GP; r++) {
         if (r < nrows) {
-            unpack_row(type, mode, blocks + (size_t)(n0 + r) * row_bytes, K, ubuf + (size_t)r * K, ps, po, r);
+            row_scales(type, blocks + (size_t)(n0 + r) * row_bytes, K, ps, po, r);
+            unpack_row(type, blocks + (size_t)(n0 + r) * row_bytes, K, ubuf + (size_t)r * K);
             continue;
         }
         memset(ubuf + (size_t)r * K, zero, K);

@@ -404,9 +404,7 @@ def compile_tools(tokenizer, tools, choice, vocab_size: int | None = None,
     """The grammar that enforces a tool choice (a `text.toolcalls.ToolChoice`): None where nothing is enforced
     ("none", or "auto" with parallel calls allowed and no `answer`); `answer` (a response_format, with "auto"):
     calls or JSON of that format. A schema xgrammar cannot compile raises GrammarError."""
-    if not tools or choice.mode == "none":
-        return None
-    if not choice.enforced and (answer is None or normalize(answer) is None):
+    if not tools or choice.mode == "none" or (not choice.enforced and answer is None):
         return None
     return engine_for(tokenizer, vocab_size, stop_ids, text=True).compile_tools(tools, choice, answer)
 

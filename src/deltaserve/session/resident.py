@@ -26,7 +26,7 @@ from deltaserve.errors import BackendError, CapacityError, ContextError, Deltase
 from deltaserve.session.grammar import CompiledFormat, GrammarError, compile_format
 from deltaserve.session.sampling import Sampler, SamplingParams
 from deltaserve.session.store import read_state, write_state
-from deltaserve.session.turns import Content, Reasoning, ask, stop_ids
+from deltaserve.session.turns import Content, Reasoning, TurnRequest, ask, stop_ids
 from deltaserve.text.stream import StopCutter
 from deltaserve.text.toolcalls import ToolCall
 from deltaserve import settings
@@ -504,8 +504,16 @@ class Session:
         late system messages are merged, in order, into the leading one."""
         request = ask(messages, tools, tool_choice, parallel_tool_calls, response_format, enable_thinking)
         prompt = request.prompt(self.tokenizer, self.thinking_default)
+        return self.run_turn(request, prompt.encode(self.tokenizer), prompt.thinking, max_tokens, on_token,
+                             on_reasoning, on_event, **sampling)
+
+    def run_turn(self, request: TurnRequest, prompt_ids: Sequence[int], thinking: bool, max_tokens: int = 256,
+                 on_token: OnToken | None = None, on_reasoning: Callable[[str], None] | None = None,
+                 on_event: Callable[[Any], None] | None = None, **sampling) -> Turn:
+        """A chat turn already rendered (`request.prompt(...)`: its ids, and whether it leaves the model reasoning),
+        run as `chat` runs it: for a caller that needed the ids first (`run` plans its memory from their count)."""
         grammar = request.grammar(self.tokenizer, self.host.config.vocab_size, self.stop_ids)
-        output = request.output(prompt.thinking)
+        output = request.output(thinking)
 
         def hand_out(events, tid=None) -> bool | None:
             go = None
@@ -518,7 +526,7 @@ class Session:
                     go = on_token(tid, e.text) if go is not False else go
             return go
 
-        turn = self.generate(prompt.encode(self.tokenizer), max_tokens=max_tokens,
+        turn = self.generate(prompt_ids, max_tokens=max_tokens,
                              on_token=lambda tid, piece: hand_out(output.push(piece), tid), response_format=grammar,
                              **sampling)
         events = output.finish(turn.finish_reason)

@@ -50,7 +50,6 @@ class Finish:
     content: str | None            # the answer's text (None: calls and nothing else)
     reasoning: str | None          # what the model reasoned first (None: the prompt opened no reasoning)
     tool_calls: list[ToolCall] = field(default_factory=list)
-    cut_call: bool = False         # a call was open when the budget ran out (dropped: never content)
 
 
 Event = Reasoning | Content | CallStart | CallArguments | Finish
@@ -183,8 +182,7 @@ class TurnOutput:
         if calls and reason == "stop":
             reason = "tool_calls"
         reasoning = "".join(self._reasoning).strip() if self.thinking else None
-        cut = self._parser is not None and self._parser.cut
-        out.append(Finish(reason, content, reasoning, calls, cut))
+        out.append(Finish(reason, content, reasoning, calls))
         return out
 
     def whole(self, text: str, reason: str) -> Finish:

@@ -289,7 +289,7 @@ class Server:
                 work = (req.turn.grammar, self.model.tokenizer, self.model.config.vocab_size, stops)
             else:
                 work = (compile_format, self.model.tokenizer, req.response_format, self.model.config.vocab_size, stops)
-            constrained = req.response_format is not None or (req.turn is not None and req.turn.constrained)
+            constrained = req.turn.constrained if req.turn is not None else req.response_format is not None
             if constrained:
                 self.compiles["waiting"] += 1
                 try:
