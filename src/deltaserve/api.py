@@ -99,9 +99,11 @@ class Model:
     def session(self, context: int | None = None, device: str | None = None, backend: Backend | None = None,
                 guard=None, quiet: bool = False, one_call: bool = False, plan_memory=None,
                 plan_positions: int | None = None, revalidate: bool = False, store: StateStore | None = None,
-                guard_max_age: float = MAX_AGE) -> Session:
+                guard_max_age: float = MAX_AGE, mtp: int | None = None) -> Session:
         """A resident session: its state starts at 4096 positions and grows by doubling. On an accelerator it
-        is guarded (`revalidate`: a new parity verdict even if one is cached)."""
+        is guarded (`revalidate`: a new parity verdict even if one is cached). `mtp`: speculative decoding with the
+        file's MTP block, at most that many draft tokens a step (None: on, adaptive, where the file carries one; 0:
+        off)."""
         notice = None
         if backend is None:
             backend, notice = self.backend(device)
@@ -109,12 +111,12 @@ class Model:
             guard = ParityGuard(revalidate=revalidate, max_age=guard_max_age)
         s = Session(self.host, backend, context=context, one_call=one_call, guard=guard, quiet=quiet,
                     plan_memory=plan_memory, plan_positions=plan_positions, thinking_default=self.thinking_default,
-                    notice=notice, store=store)
+                    notice=notice, store=store, mtp=mtp)
         return s
 
     def slots(self, n: int, context: int | None = None, device: str | None = None, revalidate: bool = False,
               quiet: bool = False, store: StateStore | None = None, log_prefills: bool = False,
-              guard_max_age: float = MAX_AGE) -> list[Session]:
+              guard_max_age: float = MAX_AGE, mtp: int | None = None) -> list[Session]:
         """`n` resident sessions on one backend (weights shared), their decode steps batched into one forward
         when there are several, one parity guard for all (`revalidate` forces a new verdict), one state store
         (`store`) under them all. Each slot says its own route decisions, named "slot i" where there are several;
@@ -125,7 +127,7 @@ class Model:
             backend.enable_batching()
         return [Session(self.host, backend, context=context, guard=guard, quiet=quiet,
                         thinking_default=self.thinking_default, notice=notice, store=store,
-                        label=f"slot {i}" if n > 1 else None, log_prefills=log_prefills) for i in range(n)]
+                        label=f"slot {i}" if n > 1 else None, log_prefills=log_prefills, mtp=mtp) for i in range(n)]
 
     def state_store(self, ram: int | None = None, directory: str | os.PathLike | None = None,
                     disk: int | None = None, slots: int = 1, context: int | None = None, say=None) -> StateStore:
@@ -154,7 +156,7 @@ class Model:
 
     def generate(self, prompt_ids: Sequence[int], max_tokens: int = 256, **kwargs) -> Turn:
         """One call on a one-call session sized to the call exactly."""
-        session_kw = {k: kwargs.pop(k) for k in ("device", "backend", "quiet", "context") if k in kwargs}
+        session_kw = {k: kwargs.pop(k) for k in ("device", "backend", "quiet", "context", "mtp") if k in kwargs}
         session_kw.setdefault("quiet", True)
         return self.session(one_call=True, **session_kw).generate(prompt_ids, max_tokens=max_tokens, **kwargs)
 

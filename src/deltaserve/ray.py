@@ -258,7 +258,8 @@ class ReplicaServer:
                                            max_body=a.max_body),
                              device=a.device, think_default=think, context=a.ctx, revalidate=a.revalidate,
                              state_ram=a.state_ram, state_dir=a.state_dir, state_disk=a.state_disk,
-                             hosts=HostPolicy(a.host, a.allowed_hosts), request_timeout=a.request_timeout)
+                             hosts=HostPolicy(a.host, a.allowed_hosts), request_timeout=a.request_timeout,
+                             mtp=getattr(a, "mtp", None))
         if a.state_ram is None and replicas_here > 1:  # the default RAM share is the machine's, split between them
             self.server.store.ram_budget //= replicas_here
         self.app = create_app(self.server)

@@ -15,6 +15,7 @@ from deltaserve.kernels.cpu import cpu_stall_seconds, keep_freed_memory
 from deltaserve.engine.native_token import TokenProgram
 from deltaserve.engine.state import DecodeState
 from deltaserve.engine.graph import GraphDecoder, graphs_enabled
+from deltaserve.engine.mtp import MtpHead, Snapshots
 from deltaserve.kernels.cpu import ThreadGovernor
 
 
@@ -50,6 +51,10 @@ class Forward:
         self.governor: ThreadGovernor | None = None  # the native decode's thread count, measured (kernels/cpu.py)
         # one sequence's decode step on a CUDA device: replayed as a CUDA graph (engine/graph.py)
         self.graphs = GraphDecoder(self) if graphs_enabled(self.device) else None
+        # the file's MTP block, for speculative decoding (engine/mtp.py); a state with an MtpCache attached has its
+        # cache follow every position the trunk feeds
+        self.mtp = MtpHead(config, weights, self.device, self.one_call, self.attention_dtype) \
+            if weights.mtp is not None else None
 
     def token_program(self) -> tuple[TokenProgram | None, str]:
         """The native one-call decode for this model, built once (None where it does not qualify), and the
@@ -80,18 +85,29 @@ class Forward:
         return x
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weights.lm_head(L.rms_norm(x, self.weights.final_norm, self.config.rms_norm_eps)).float()
+        return self.weights.lm_head(self._normed(x)).float()
+
+    def _normed(self, x: torch.Tensor) -> torch.Tensor:
+        return L.rms_norm(x, self.weights.final_norm, self.config.rms_norm_eps)
+
+    def _follow(self, state: DecodeState, start: int, ids: list[int], hidden: torch.Tensor) -> None:
+        """The state's MTP cache (where one is attached) follows the positions the trunk just fed."""
+        if getattr(state, "mtp", None) is not None and self.mtp is not None:
+            self.mtp.follow(state.mtp, start, ids, hidden)
 
     @torch.inference_mode()
-    def _run(self, state: DecodeState, ids: torch.Tensor, chunked: bool, all_logits: bool) -> torch.Tensor:
-        """A span of one sequence from the state's position."""
+    def _run(self, state: DecodeState, ids: torch.Tensor, chunked: bool, all_logits: bool,
+             snaps: list | None = None) -> torch.Tensor:
+        """A span of one sequence from the state's position. `snaps` (the recurrent path): the DeltaNet states after
+        each row but the last are copied into them (a verification's rollback points)."""
         c = self.config
         t, start = int(ids.numel()), state.length
         if t == 0:
             raise ValueError("a forward needs at least one token")
         if start + t > state.capacity:
             raise ValueError(f"{start + t} positions do not fit a decode state of {state.capacity}")
-        self._check_ids(ids.tolist())
+        id_list = ids.tolist()
+        self._check_ids(id_list)
         rope = L.rope_tables(torch.arange(start, start + t, device=self.device), c.rotary_dim, c.rope_theta)
 
         def attention(i, h, mw):
@@ -99,11 +115,59 @@ class Forward:
             return L.attention_mixer(h, mw, c, k_cache, v_cache, start, rope, state.query_rows, self.attention_dtype)
 
         def deltanet(i, h, mw):
-            return L.deltanet_mixer(h, mw, c, state.conv[i], state.ssm[i], chunked, self.native)
+            return L.deltanet_mixer(h, mw, c, state.conv[i], state.ssm[i], chunked, self.native,
+                                    snaps=[(s.conv[i], s.ssm[i]) for s in snaps] if snaps else None)
 
         x = self._layers(self.weights.embed.lookup(ids), attention, deltanet)
         state.length = start + t
+        if getattr(state, "mtp", None) is not None and self.mtp is not None:
+            normed = self._normed(x)
+            self._follow(state, start, id_list, normed)
+            return self.weights.lm_head(normed if all_logits else normed[-1:]).float()
         return self._head(x if all_logits else x[-1:])
+
+    def new_snapshots(self, rows: int) -> Snapshots:
+        return Snapshots(self.config, rows, self.device)
+
+    def verify(self, state: DecodeState, tokens: list[int], snaps: Snapshots | None) -> torch.Tensor:
+        """The sampled token and its drafts as one chain from the state's position: logits [T, vocab], every weight
+        read once for all T rows; the DeltaNet states after rows 0..T-2 land in `snaps` (see `rollback`). The state
+        advances by T."""
+        t = len(tokens)
+        if state.length + t > state.capacity:
+            raise ValueError(f"{state.length + t} positions do not fit a decode state of {state.capacity}")
+        if snaps is not None and len(snaps.rows) < t - 1:
+            raise ValueError(f"{len(snaps.rows)} snapshots for {t} rows")
+        ids = [int(x) for x in tokens]
+        self._check_ids(ids)
+        rows = snaps.rows[:t - 1] if snaps is not None else None
+        program = self._native([state])
+        if program is not None and t <= TokenProgram.MAX_BATCH:
+            start = state.length
+            x = self.weights.embed.lookup(torch.tensor(ids)).reshape(t, -1).float().clone()
+            hidden = torch.empty(t, self.config.hidden_size)
+            logits = program.rows(x, [state] * t, list(range(start, start + t)), torch.get_num_threads(),
+                                  chain=True, snaps=rows, hidden=hidden)
+            state.length = start + t
+            self._follow(state, start, ids, hidden)
+            return logits
+        return self._run(state, self._ids(ids), chunked=False, all_logits=True, snaps=rows)
+
+    @staticmethod
+    def rollback(state: DecodeState, snaps: Snapshots, kept: int, rows: int) -> None:
+        """After a verification of `rows` rows from position P, keep rows 0..kept-1: the DeltaNet states after row
+        kept-1 (a snapshot, or the live state when every row is kept), the length P + kept. The KV cache needs
+        nothing: positions past the length are never read."""
+        if kept >= rows:
+            return
+        snap = snaps.rows[kept - 1]
+        for i, t in state.conv.items():
+            t.copy_(snap.conv[i])
+        for i, t in state.ssm.items():
+            t.copy_(snap.ssm[i])
+        state.length -= rows - kept
+        if getattr(state, "mtp", None) is not None:
+            state.mtp.truncate(state.length)
 
     def prefill(self, state: DecodeState, tokens, all_logits: bool = False) -> torch.Tensor:
         """Feed a span at the state's current position through the chunked path, `state.prefill_rows` tokens per
@@ -130,15 +194,16 @@ class Forward:
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"token id out of range 0..{vocab - 1}")
 
-    def _governed(self, program: TokenProgram, states: list[DecodeState], tokens: list[int]) -> torch.Tensor:
+    def _governed(self, program: TokenProgram, states: list[DecodeState], tokens: list[int],
+                  hidden: torch.Tensor | None = None) -> torch.Tensor:
         """The native decode on the thread count the governor picks, timed for it (see kernels/cpu.py)."""
         most = torch.get_num_threads()
         if self.governor is None or self.governor.most != most:
             self.governor = ThreadGovernor(most)
         if self.governor.most == 1:
-            return program.decode(states, tokens, 1)
+            return program.decode(states, tokens, 1, hidden)
         s0, t0 = cpu_stall_seconds(), time.perf_counter()
-        logits = program.decode(states, tokens, self.governor.threads())
+        logits = program.decode(states, tokens, self.governor.threads(), hidden)
         t1, s1 = time.perf_counter(), cpu_stall_seconds()
         self.governor.record(t1 - t0, len(states), None if s0 is None or s1 is None else s1 - s0)
         return logits
@@ -158,7 +223,13 @@ class Forward:
         self._check_ids(ids)
         program = self._native(states)
         if program is not None:
-            return self._governed(program, states, ids)
+            following = [j for j, st in enumerate(states) if getattr(st, "mtp", None) is not None] \
+                if self.mtp is not None else []
+            hidden = torch.empty(b, c.hidden_size) if following else None
+            logits = self._governed(program, states, ids, hidden)
+            for j in following:
+                self._follow(states[j], states[j].length - 1, [ids[j]], hidden[j:j + 1])
+            return logits
         if b == 1 and self.graphs is not None:  # one sequence on a CUDA device: the step's graph
             return self.graphs.decode(states[0], ids[0])[None]
         if b == 1:  # one sequence: the span path with one token (its recurrent step)
@@ -180,6 +251,8 @@ class Forward:
             return mixed
 
         x = self._layers(self.weights.embed.lookup(self._ids(ids)), attention, deltanet)
-        for st in states:
+        normed = self._normed(x)
+        for j, st in enumerate(states):
             st.length += 1
-        return self._head(x)
+            self._follow(st, st.length - 1, [ids[j]], normed[j:j + 1])
+        return self.weights.lm_head(normed).float()

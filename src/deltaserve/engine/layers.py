@@ -255,21 +255,33 @@ def _deltanet_out(o: torch.Tensor, z: torch.Tensor, w, cfg) -> torch.Tensor:
 
 
 def deltanet_mixer(x: torch.Tensor, w, cfg, conv_state: torch.Tensor, ssm_state: torch.Tensor,
-                   chunked: bool, native: bool = False) -> torch.Tensor:
+                   chunked: bool, native: bool = False, snaps: list | None = None) -> torch.Tensor:
     """A Gated DeltaNet layer's mixer over T new tokens of one sequence. x: [T, hidden] (already normed).
-    `native`: the one-token step, the conv and the chunked delta rule on the native kernel where it takes them."""
+    `native`: the one-token step, the conv and the chunked delta rule on the native kernel where it takes them.
+    `snaps` (the recurrent path): (conv, ssm) pairs receiving the states after rows 0..T-2."""
     if not chunked and x.shape[0] == 1 and native:
         out = deltanet_decode_native(x, w, cfg, [(conv_state, ssm_state)])
         if out is not None:
             return out
     qkv, z, beta, g = _deltanet_project(x, w)
+    before = conv_state.clone() if snaps else None
     q, k, v = _deltanet_heads(causal_conv(qkv, conv_state, w.conv, native), cfg)
     if chunked:
         o = kernel.delta_rule(q, k, v, g, beta, ssm_state) if native else None
         if o is None:
             o = delta_rule_chunked(q, k, v, g, beta, ssm_state)
     else:
-        o = torch.stack([delta_rule_step(q[i], k[i], v[i], g[i], beta[i], ssm_state) for i in range(x.shape[0])])
+        rows = []
+        for i in range(x.shape[0]):
+            rows.append(delta_rule_step(q[i], k[i], v[i], g[i], beta[i], ssm_state))
+            if snaps and i < len(snaps):
+                snaps[i][1].copy_(ssm_state)
+        o = torch.stack(rows)
+        if snaps:  # the conv state after row i: the last K-1 inputs of [state before; rows 0..i]
+            history = torch.cat([before, qkv.to(before.dtype)])
+            width = before.shape[0]
+            for i, (conv, _) in enumerate(snaps[:x.shape[0] - 1]):
+                conv.copy_(history[i + 1:i + 1 + width])
     return _deltanet_out(o, z, w, cfg)
 
 

@@ -204,26 +204,58 @@ class TokenProgram:
         """f32 caches and states on the CPU, as the native step reads them."""
         return state.kv_dtype == torch.float32 and state.device.type == "cpu"
 
-    def decode(self, states: list[DecodeState], tokens: list[int], nthreads: int | None = None) -> torch.Tensor:
+    def decode(self, states: list[DecodeState], tokens: list[int], nthreads: int | None = None,
+               hidden: torch.Tensor | None = None) -> torch.Tensor:
         """One token for each of B <= MAX_BATCH sequences at its state's position: logits [B, vocab]; each state
-        advances by one. The caller checked the positions and the token ids."""
-        w, b = self.weights, len(states)
-        x = w.embed.lookup(torch.tensor(tokens)).reshape(b, -1).float().clone()
-        n = len(w.layers)
-        per_state = []
+        advances by one. The caller checked the positions and the token ids. `hidden` [B, hidden_size], when given,
+        receives the rows after the final norm (what an MTP block reads)."""
+        x = self.weights.embed.lookup(torch.tensor(tokens)).reshape(len(states), -1).float().clone()
+        logits = self.rows(x, states, [st.length for st in states], nthreads, hidden=hidden)
         for st in states:
+            st.length += 1
+        return logits
+
+    def rows(self, x: torch.Tensor, states: list, pos: list[int], nthreads: int | None = None, *,
+             chain: bool = False, snaps: list | None = None, hidden: torch.Tensor | None = None,
+             logits: bool = True) -> torch.Tensor | None:
+        """ds_decode_tokens on input rows x [B, hidden_size] (overwritten), row b at pos[b] of states[b]; logits
+        [B, vocab] (None with `logits=False`: the head is not run). `chain`: the rows are consecutive positions of
+        one sequence (states[b] the same state); `snaps[b]` (chain only, b < B-1): a state-like object (conv, ssm
+        dicts) receiving the DeltaNet states after row b. Lengths are not changed here."""
+        b, n = len(states), len(self.weights.layers)
+
+        def table_of(st) -> ctypes.Array:
             ptrs = (ctypes.c_void_p * (2 * n))()
             for i in range(n):
                 first, second = st.kv[i] if i in st.kv else (st.conv[i], st.ssm[i])
                 ptrs[2 * i], ptrs[2 * i + 1] = first.data_ptr(), second.data_ptr()
-            per_state.append(ptrs)
+            return ptrs
+
+        per_state = [table_of(states[0])] * b if chain else [table_of(st) for st in states]
         table = (ctypes.c_void_p * b)(*(ctypes.addressof(p) for p in per_state))
-        pos = (ctypes.c_int * b)(*(st.length for st in states))
+        snap_table = None
+        if snaps:
+            if not chain or len(snaps) < b - 1:
+                raise ValueError(f"{len(snaps)} snapshots for a chain of {b} rows (one per row but the last)")
+            snap_ptrs = []
+            for sn in snaps:
+                ptrs = (ctypes.c_void_p * (2 * n))()
+                for i in range(n):
+                    if i in sn.conv:
+                        ptrs[2 * i], ptrs[2 * i + 1] = sn.conv[i].data_ptr(), sn.ssm[i].data_ptr()
+                snap_ptrs.append(ptrs)
+            snap_ptrs += [snap_ptrs[-1]] * (b - len(snap_ptrs))  # the last row's entry is never read
+            snap_table = (ctypes.c_void_p * b)(*(ctypes.addressof(p) for p in snap_ptrs))
+            keep = snap_ptrs  # noqa: F841 - alive through the call
+        posv = (ctypes.c_int * b)(*pos)
         cap = (ctypes.c_int * b)(*(st.capacity for st in states))
-        logits = torch.empty(b, w.lm_head.out_features)
-        if self.lib.ds_decode_tokens(ctypes.byref(self.model), b, x.data_ptr(), table, pos, cap, logits.data_ptr(),
-                                     nthreads or torch.get_num_threads()) != 0:
-            raise MemoryError("the native token decode could not allocate its scratch")
-        for st in states:
-            st.length += 1
-        return logits
+        out = torch.empty(b, self.weights.lm_head.out_features) if logits else None
+        if hidden is not None and (hidden.shape != (b, self.config.hidden_size) or hidden.dtype != torch.float32
+                                   or not hidden.is_contiguous()):
+            raise ValueError(f"hidden rows {tuple(hidden.shape)} for {b} rows of {self.config.hidden_size}")
+        if self.lib.ds_decode_tokens(ctypes.byref(self.model), b, x.data_ptr(), table, posv, cap,
+                                     out.data_ptr() if out is not None else None,
+                                     nthreads or torch.get_num_threads(), int(chain), snap_table,
+                                     hidden.data_ptr() if hidden is not None else None) != 0:
+            raise MemoryError("the native token decode could not allocate its scratch (or refused its rows)")
+        return out

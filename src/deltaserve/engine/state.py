@@ -33,6 +33,8 @@ class DecodeState:
         # the prefill plan of this state's session (capacity.py): tokens per forward call of a long prefill, and
         # attention queries per score matrix
         self.prefill_rows, self.query_rows = prefill_rows, query_rows
+        # the MTP block's cache (engine/mtp.py: MtpCache) where the session drafts: it follows what this state holds
+        self.mtp = None
         c = config
         self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.conv: dict[int, torch.Tensor] = {}
@@ -62,6 +64,8 @@ class DecodeState:
         for t in self.ssm.values():
             t.zero_()
         self.length = 0
+        if self.mtp is not None:
+            self.mtp.resync(0)
 
     def checkpoint(self, into: "Checkpoint | None" = None, exact: bool = False) -> "Checkpoint":
         """A copy of the state at its current length. `into`, when given and large enough, is reused; `exact`:
@@ -100,6 +104,8 @@ class DecodeState:
         for i, t in self.ssm.items():
             t.copy_(ck.ssm[i])
         self.length = n
+        if self.mtp is not None:  # its entries in valid_prefix..n are another conversation's: drafts only, never tokens
+            self.mtp.resync(n)
 
 
 @dataclass

@@ -17,7 +17,7 @@ import torch
 from deltaserve.errors import ModelFormatError
 from deltaserve.formats import quant
 from deltaserve.formats.config import HybridConfig
-from deltaserve.formats.layout import TensorSource, check_tensors
+from deltaserve.formats.layout import TensorSource, check_tensors, mtp_present
 from deltaserve.kernels.linear import GGUF_TYPES, PRODUCT_TYPES, BlockLinear, DenseLinear, Int8Linear, Linear, StackedLinear, row_view
 from deltaserve.kernels import native
 from deltaserve.kernels.native import BLOCK_TYPES
@@ -180,12 +180,51 @@ class LayerWeights:
 
 
 @dataclass
+class MtpWeights:
+    """The multi-token-prediction block every Qwen3.5 checkpoint ships (llama.cpp's `blk.{N}.nextn.*` after the N
+    trunk blocks; HF's `mtp.*`): the next token's embedding and the trunk's last hidden state, each RMS-normed,
+    concatenated [embedding | hidden] and projected (eh_proj) to the model's width, one gated-attention decoder
+    block (its own KV cache; an MoE block's FFN in an MoE model), the head's norm and the head (the trunk's, unless
+    the file gives the block its own). Its output row, normed, is both the next draft's logits' input and the hidden
+    state the following draft step reads."""
+
+    eh_proj: Linear          # [hidden, 2 * hidden]
+    enorm: torch.Tensor
+    hnorm: torch.Tensor
+    layer: LayerWeights      # a full-attention block
+    head_norm: torch.Tensor  # nextn.shared_head_norm, else the trunk's output_norm
+    embed: Embedding         # nextn.embed_tokens, else the trunk's table
+    head: Linear             # nextn.shared_head_head, else the trunk's head
+
+    def parts(self) -> list:
+        lw = self.layer
+        out = [self.eh_proj, self.enorm, self.hnorm, self.head_norm, self.embed, self.head, lw.attn_norm,
+               lw.post_norm, lw.gate_up, lw.down, *vars(lw.mixer).values()]
+        if lw.moe is not None:
+            out += [lw.moe.router, lw.moe.shared_gate, lw.moe.gate.linear, lw.moe.up.linear, lw.moe.down.linear]
+        return out
+
+    def to(self, device, embed: Embedding, head: Linear, trunk: "Weights") -> "MtpWeights":
+        """A copy on `device`; the trunk's own embedding and head (already moved) where the block shares them."""
+        def mv(obj):
+            return obj.to(device) if isinstance(obj, (torch.Tensor, Linear, Embedding)) else obj
+        lw = self.layer
+        mixer = type(lw.mixer)(**{k: mv(v) for k, v in vars(lw.mixer).items()})
+        layer = LayerWeights(mv(lw.attn_norm), mv(lw.post_norm), mixer, mv(lw.gate_up), mv(lw.down),
+                             lw.moe.to(device) if lw.moe is not None else None)
+        return MtpWeights(mv(self.eh_proj), mv(self.enorm), mv(self.hnorm), layer,
+                          mv(self.head_norm), embed if self.embed is trunk.embed else mv(self.embed),
+                          head if self.head is trunk.lm_head else mv(self.head))
+
+
+@dataclass
 class Weights:
     embed: Embedding
     layers: list[LayerWeights]
     final_norm: torch.Tensor
     lm_head: Linear
     tied: bool = False
+    mtp: "MtpWeights | None" = None  # the multi-token-prediction block (engine/mtp.py), where the file carries one
 
     def to(self, device) -> "Weights":
         """A copy of every tensor on `device` (the upload)."""
@@ -203,7 +242,8 @@ class Weights:
                                        lw.moe.to(device) if lw.moe is not None else None))
         embed = self.embed.to(device)
         head = embed.as_linear() if self.tied else mv(self.lm_head)
-        return Weights(embed, layers, mv(self.final_norm), head, self.tied)
+        mtp = self.mtp.to(device, embed, head, self) if self.mtp is not None else None
+        return Weights(embed, layers, mv(self.final_norm), head, self.tied, mtp)
 
     def has_f32_linears(self) -> bool:
         """True when the layers' projections are f32 (the exact path): computations then stay f32."""
@@ -218,6 +258,8 @@ class Weights:
             parts += [lw.attn_norm, lw.post_norm, lw.gate_up, lw.down, *vars(lw.mixer).values()]
             if lw.moe is not None:
                 parts += [lw.moe.router, lw.moe.shared_gate, lw.moe.gate.linear, lw.moe.up.linear, lw.moe.down.linear]
+        if self.mtp is not None:
+            parts += self.mtp.parts()
         return self._bytes_of(parts)
 
     @staticmethod
@@ -390,38 +432,53 @@ def _moe(c: HybridConfig, src: TensorSource, p: str, linear) -> MoEWeights:
                       gate=gate, up=up, down=down, top_k=c.num_experts_per_tok)
 
 
+def _layer_weights(c: HybridConfig, src: TensorSource, p: str, attention: bool, linear) -> LayerWeights:
+    """One decoder block's weights under the name prefix `p` (a trunk layer, or the MTP block's)."""
+    def stacked(*names: str) -> StackedLinear:
+        return StackedLinear([linear(p + n) for n in names])
+
+    if attention:
+        mixer: AttentionWeights | DeltaNetWeights = AttentionWeights(
+            qkv=stacked("attn_q.weight", "attn_k.weight", "attn_v.weight"), o=linear(p + "attn_output.weight"),
+            q_norm=src.dense(p + "attn_q_norm.weight"), k_norm=src.dense(p + "attn_k_norm.weight"))
+    else:
+        mixer = DeltaNetWeights(
+            in_proj=stacked("attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight"),
+            out=linear(p + "ssm_out.weight"), conv=src.dense(p + "ssm_conv1d.weight"),
+            dt_bias=src.dense(p + "ssm_dt.bias"), a_neg=src.dense(p + "ssm_a"),
+            norm=src.dense(p + "ssm_norm.weight"))
+    ffn = "_shexp" if c.is_moe else ""  # an MoE layer's gate_up and down: its shared expert
+    return LayerWeights(
+        attn_norm=src.dense(p + "attn_norm.weight"), post_norm=src.dense(p + "post_attention_norm.weight"),
+        mixer=mixer, gate_up=stacked(f"ffn_gate{ffn}.weight", f"ffn_up{ffn}.weight"),
+        down=_down_projection(linear(p + f"ffn_down{ffn}.weight")),
+        moe=_moe(c, src, p, linear) if c.is_moe else None)
+
+
 def build_weights(c: HybridConfig, src: TensorSource, where: str, mode: str | None = None) -> Weights:
     """The forward's weights from a source, every matrix made what `mode` (see `weight_mode`) makes of it."""
     mode = resolve_mode(weight_mode(mode))
     check_tensors(c, src, where)
-    layers = []
 
     def linear(name: str) -> Linear:
         return load_linear(src, name, mode)
 
-    for i in range(c.num_layers):
-        p = f"blk.{i}."
-
-        def stacked(*names: str) -> StackedLinear:
-            return StackedLinear([linear(p + n) for n in names])
-
-        if c.is_attention(i):
-            mixer: AttentionWeights | DeltaNetWeights = AttentionWeights(
-                qkv=stacked("attn_q.weight", "attn_k.weight", "attn_v.weight"), o=linear(p + "attn_output.weight"),
-                q_norm=src.dense(p + "attn_q_norm.weight"), k_norm=src.dense(p + "attn_k_norm.weight"))
-        else:
-            mixer = DeltaNetWeights(
-                in_proj=stacked("attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight"),
-                out=linear(p + "ssm_out.weight"), conv=src.dense(p + "ssm_conv1d.weight"),
-                dt_bias=src.dense(p + "ssm_dt.bias"), a_neg=src.dense(p + "ssm_a"),
-                norm=src.dense(p + "ssm_norm.weight"))
-        ffn = "_shexp" if c.is_moe else ""  # an MoE layer's gate_up and down: its shared expert
-        layers.append(LayerWeights(
-            attn_norm=src.dense(p + "attn_norm.weight"), post_norm=src.dense(p + "post_attention_norm.weight"),
-            mixer=mixer, gate_up=stacked(f"ffn_gate{ffn}.weight", f"ffn_up{ffn}.weight"),
-            down=_down_projection(linear(p + f"ffn_down{ffn}.weight")),
-            moe=_moe(c, src, p, linear) if c.is_moe else None))
+    layers = [_layer_weights(c, src, f"blk.{i}.", c.is_attention(i), linear) for i in range(c.num_layers)]
     embed = load_embedding(src, "token_embd.weight", mode)
     tied = "output.weight" not in src.names()
     head = embed.as_linear() if tied else linear("output.weight")
-    return Weights(embed, layers, src.dense("output_norm.weight"), head, tied)
+    final_norm = src.dense("output_norm.weight")
+    mtp = None
+    if mtp_present(c, src, where):
+        p = f"blk.{c.num_layers}."
+        names = src.names()
+        mtp = MtpWeights(
+            eh_proj=linear(p + "nextn.eh_proj.weight"), enorm=src.dense(p + "nextn.enorm.weight"),
+            hnorm=src.dense(p + "nextn.hnorm.weight"),
+            layer=_layer_weights(c, src, p, True, linear),
+            head_norm=src.dense(p + "nextn.shared_head_norm.weight") if p + "nextn.shared_head_norm.weight" in names
+            else final_norm,
+            embed=load_embedding(src, p + "nextn.embed_tokens.weight", mode)
+            if p + "nextn.embed_tokens.weight" in names else embed,
+            head=linear(p + "nextn.shared_head_head.weight") if p + "nextn.shared_head_head.weight" in names else head)
+    return Weights(embed, layers, final_norm, head, tied, mtp)

@@ -20,7 +20,7 @@ import torch
 from deltaserve.errors import DeltaserveError, ModelFormatError
 from deltaserve.formats.config import RECURRENT_LAYERS_KEY, HybridConfig
 from deltaserve.formats.hf import HFSource, hf_prefix
-from deltaserve.formats.layout import check_tensors
+from deltaserve.formats.layout import check_tensors, mtp_present
 
 TYPES = {
     "f32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
@@ -116,9 +116,12 @@ def rope_sections(c: HybridConfig, raw: dict | None = None) -> list[int]:
 
 
 def write_metadata(w: gguf.GGUFWriter, c: HybridConfig, name: str, file_type: int,
-                   sections: list[int] | None = None) -> None:
+                   sections: list[int] | None = None, mtp: int = 0) -> None:
+    """`mtp`: MTP blocks written after the trunk's (block_count counts them; nextn_predict_layers says how many)."""
     w.add_name(name)
-    w.add_block_count(c.num_layers)
+    w.add_block_count(c.num_layers + mtp)
+    if mtp:
+        w.add_nextn_predict_layers(mtp)
     w.add_context_length(c.context_length)
     w.add_embedding_length(c.hidden_size)
     if c.intermediate_size:  # an MoE config may have no dense FFN size (llama.cpp's converter then writes none)
@@ -138,7 +141,8 @@ def write_metadata(w: gguf.GGUFWriter, c: HybridConfig, name: str, file_type: in
     w.add_rope_dimension_sections(sections or rope_sections(c))
     # the per-layer map, as llama.cpp's converter writes it (llama.cpp reads it first); the interval too where the
     # pattern is "full attention every N layers", for readers that know only the interval
-    w.add_array(RECURRENT_LAYERS_KEY.format(arch=w.arch), [not c.is_attention(i) for i in range(c.num_layers)])
+    w.add_array(RECURRENT_LAYERS_KEY.format(arch=w.arch),
+                [not c.is_attention(i) for i in range(c.num_layers)] + [False] * mtp)
     interval = _interval(c)
     if interval is not None:
         w.add_full_attention_interval(interval)
@@ -178,14 +182,15 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "
     if c.linear_key_head_dim != c.linear_value_head_dim:
         raise ModelFormatError(f"GGUF qwen35 needs equal DeltaNet key and value head dims, found "
                                f"{c.linear_key_head_dim} and {c.linear_value_head_dim}")
-    src = HFSource(src_dir, hf_prefix(raw))
+    src = HFSource(src_dir, hf_prefix(raw), c.num_layers)
     check_tensors(c, src, src_dir.name)
     tokenizer = Tokenizer.from_hf_dir(src_dir)
     want, file_type = TYPES[out_type]
 
     tmp = out.with_suffix(out.suffix + ".part")
     w = gguf.GGUFWriter(str(tmp), c.arch)
-    write_metadata(w, c, src_dir.name, int(file_type), rope_sections(c, raw))
+    mtp = int(mtp_present(c, src, src_dir.name))
+    write_metadata(w, c, src_dir.name, int(file_type), rope_sections(c, raw), mtp)
     tokenizer.write_gguf(w, c.vocab_size)
     names = sorted(src.names(), key=lambda n: (0, 0, n) if not n.startswith("blk.") else (1, int(n.split(".")[1]), n))
     if c.tie_word_embeddings and "output.weight" in names:

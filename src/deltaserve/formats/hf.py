@@ -49,10 +49,29 @@ _HF_EXPERT_MAP = {"gate_proj.weight": "ffn_gate_exps.weight", "up_proj.weight": 
                   "down_proj.weight": "ffn_down_exps.weight"}
 
 
-def hf_to_gguf_name(name: str, prefix: str) -> tuple[str, str | None] | None:
-    """The GGUF name and transform of an HF tensor name under `prefix` ("model." or "model.language_model.")."""
+# the MTP block's own tensors (`mtp.*`, outside the text model's prefix), renamed as llama.cpp's converter does
+_HF_MTP_MAP = {"fc.weight": ("nextn.eh_proj.weight", None),
+               "pre_fc_norm_embedding.weight": ("nextn.enorm.weight", "plus_one"),
+               "pre_fc_norm_hidden.weight": ("nextn.hnorm.weight", "plus_one"),
+               "norm.weight": ("nextn.shared_head_norm.weight", "plus_one")}
+
+
+def hf_to_gguf_name(name: str, prefix: str, num_layers: int | None = None) -> tuple[str, str | None] | None:
+    """The GGUF name and transform of an HF tensor name under `prefix` ("model." or "model.language_model.").
+    With `num_layers`, the MTP block (`mtp.*`) becomes block `num_layers`, as llama.cpp's converter writes it."""
     if name == "lm_head.weight":
         return "output.weight", None
+    for mtp in ("mtp.", "model.mtp."):
+        if num_layers is not None and name.startswith(mtp):
+            rest = name[len(mtp):]
+            if rest in _HF_MTP_MAP:
+                gname, how = _HF_MTP_MAP[rest]
+                return f"blk.{num_layers}.{gname}", how
+            if rest.startswith("layers.0."):
+                mapped = hf_to_gguf_name(prefix + "layers.0." + rest[len("layers.0."):], prefix)
+                if mapped is not None:
+                    return f"blk.{num_layers}." + mapped[0].split(".", 2)[2], mapped[1]
+            return None
     if not name.startswith(prefix):
         return None
     rest = name[len(prefix):]
@@ -85,7 +104,7 @@ def apply_hf_transform(t: torch.Tensor, how: str | None) -> torch.Tensor:
 class HFSource:
     """Tensors of an HF Qwen3.5 directory, renamed and transformed to GGUF conventions on read."""
 
-    def __init__(self, directory: Path, prefix: str):
+    def __init__(self, directory: Path, prefix: str, num_layers: int | None = None):
         from safetensors import safe_open
 
         self.dir = directory
@@ -111,9 +130,9 @@ class HFSource:
                 raise ModelFormatError(f"{path.name} is not a readable safetensors file: {e}") from None
             self._handles.append(h)
             for name in h.keys():
-                mapped = hf_to_gguf_name(name, prefix)
+                mapped = hf_to_gguf_name(name, prefix, num_layers)
                 if mapped is None:
-                    continue  # vision tower, mtp.*, anything not part of the text model
+                    continue  # vision tower, anything not part of the text model
                 gname, how = mapped
                 if how and how.startswith("expert:"):
                     experts.setdefault(gname, {})[int(how.split(":")[1])] = (h, name)

@@ -124,6 +124,37 @@ def check_tensors(c: HybridConfig, src: TensorSource, where: str) -> None:
                                f"expected {(c.vocab_size, c.hidden_size)}")
 
 
+def mtp_shapes(c: HybridConfig) -> dict[str, tuple[int, ...]]:
+    """The MTP block's tensors (llama.cpp's converter: `blk.{N}.*` after the N trunk blocks), except the optional
+    nextn.embed_tokens / shared_head_head / shared_head_norm (the trunk's are used where absent)."""
+    h, n = c.hidden_size, c.num_layers
+    attention_layer = next(i for i in range(n) if c.is_attention(i))
+    trunk = expected_shapes(c)
+    p, q = f"blk.{n}.", f"blk.{attention_layer}."
+    shapes = {p + name[len(q):]: shape for name, shape in trunk.items() if name.startswith(q)}
+    shapes.update({p + "nextn.eh_proj.weight": (h, 2 * h), p + "nextn.enorm.weight": (h,),
+                   p + "nextn.hnorm.weight": (h,)})
+    return shapes
+
+
+def mtp_present(c: HybridConfig, src: TensorSource, where: str) -> bool:
+    """Whether the source carries an MTP block (its eh_proj), every tensor of it then checked as the trunk's are."""
+    have = src.names()
+    p = f"blk.{c.num_layers}."
+    if p + "nextn.eh_proj.weight" not in have:
+        return False
+    for name, shape in mtp_shapes(c).items():
+        if name not in have:
+            raise ModelFormatError(f"{where}: the MTP block is incomplete: missing tensor {name} (expected shape "
+                                   f"{shape})")
+        if tuple(src.shape(name)) != tuple(shape):
+            raise ModelFormatError(f"{where}: MTP tensor {name} has shape {tuple(src.shape(name))}, expected {shape}")
+    for forms in moe_forms(c, c.num_layers):
+        if not any(all(n in have and tuple(src.shape(n)) == s for n, s in form.items()) for form in forms):
+            raise ModelFormatError(f"{where}: the MTP block's MoE tensors are incomplete")
+    return True
+
+
 def summaries(src: TensorSource) -> list[TensorSummary]:
     return [TensorSummary(name, src.type_name(name), tuple(src.shape(name)), src.stored_bytes(name))
             for name in sorted(src.names(), key=tensor_sort_key)]

@@ -86,7 +86,7 @@ def open_model(path: str | Path) -> ModelFile:
             raise ModelFormatError(f"{cfg_path} holds {type(raw).__name__ if raw is not None else 'null'}, not an "
                                    "object (expected an HF Qwen3.5 config)")
         config = HybridConfig.from_hf(raw)
-        src = HFSource(p, hf_prefix(raw))
+        src = HFSource(p, hf_prefix(raw), config.num_layers)
         if "output.weight" not in src.names() and not config.tie_word_embeddings:
             raise ModelFormatError(f"{p.name}: missing tensor lm_head.weight (tie_word_embeddings is false)")
         return ModelFile(p, "hf", config, Tokenizer.from_hf_dir(p), src,

@@ -57,6 +57,9 @@ def _add_runtime(p: argparse.ArgumentParser) -> None:
                    help="CPU threads (default: 1 for a model too small to split, else the cores this process may use)")
     p.add_argument("--ctx", type=positive_int, default=None,
                    help="context positions to allow (default and most: the model's declared context)")
+    p.add_argument("--mtp", type=int, default=None, metavar="N",
+                   help="speculative decoding with the file's MTP block: at most N draft tokens a step (default: on, "
+                        "adaptive, where the file carries one; 0: off)")
     p.add_argument("--revalidate", action="store_true", help="run the accelerator parity guard even if a verdict is cached")
     p.add_argument("--guard-max-age", type=float, default=GUARD_MAX_AGE, metavar="SECONDS",
                    help="trust a cached parity verdict this long (default a day); an older one is decided again")
@@ -148,7 +151,7 @@ def cmd_run(a) -> int:
     context = min(a.ctx or model.config.context_length, model.config.context_length)
     positions = len(ids) + min(a.max_tokens, max(context - len(ids), 0))
     session = model.session(context=a.ctx, device=a.device, one_call=True, plan_positions=positions,
-                            revalidate=a.revalidate, guard_max_age=a.guard_max_age)
+                            revalidate=a.revalidate, guard_max_age=a.guard_max_age, mtp=mtp_arg(a))
     if a.chat:
         turn = session.run_turn(request, ids, prompt.thinking, a.max_tokens, on_token=_stream,
                                 on_reasoning=lambda r: _show(r, ""), **sampling_kwargs(a))
@@ -161,14 +164,38 @@ def cmd_run(a) -> int:
         print(line, file=sys.stderr)
     print(f"[stats] prompt {plural(turn.prompt_tokens, 'token')}, prefill {turn.prefill_tok_s:.1f} tok/s, "
           f"decode {turn.decode_tok_s:.1f} tok/s ({plural(turn.generated, 'token')}, {turn.finish_reason}{capped}), "
-          f"TTFT {turn.timings.ttft_s * 1000:.0f} ms, load {load_s:.2f} s, backend {turn.backend}", file=sys.stderr)
+          f"TTFT {turn.timings.ttft_s * 1000:.0f} ms{drafts_said(session, turn)}, load {load_s:.2f} s, "
+          f"backend {turn.backend}", file=sys.stderr)
     return 0
+
+
+def mtp_own_bytes(weights) -> int:
+    """The MTP block's bytes, without the trunk's embedding and head where it shares them."""
+    mtp = weights.mtp
+    shared = [p for p in (weights.embed, weights.lm_head)]
+    return weights._bytes_of([p for p in mtp.parts() if not any(p is q for q in shared)])
+
+
+def mtp_arg(a) -> int | None:
+    n = getattr(a, "mtp", None)
+    if n is not None and n < 0:
+        raise DeltaserveError(f"--mtp takes a count of draft tokens >= 0 (0: off), got {n}")
+    return n
+
+
+def drafts_said(session, turn) -> str:
+    """The stats line's speculative part, where the session drafts: how many drafts the model kept."""
+    if getattr(session, "_policy", None) is None:
+        return ""
+    rate = f" ({100 * turn.acceptance:.0f} %)" if turn.drafted else ""
+    return f", MTP accepted {turn.accepted} of {plural(turn.drafted, 'draft')}{rate}"
 
 
 def _run_turns(a, model, prompts: list[str], load_s: float, response_format: dict | None = None) -> int:
     """Several -p: the user turns of one conversation on one resident session, each reply streamed,
     each turn's reuse said on stderr (a later turn prefills only what the history added)."""
-    session = model.session(context=a.ctx, device=a.device, revalidate=a.revalidate, guard_max_age=a.guard_max_age)
+    session = model.session(context=a.ctx, device=a.device, revalidate=a.revalidate, guard_max_age=a.guard_max_age,
+                            mtp=mtp_arg(a))
     messages = [{"role": "system", "content": a.system}] if a.system else []
     for k, text in enumerate(prompts, 1):
         messages.append({"role": "user", "content": text})
@@ -183,7 +210,8 @@ def _run_turns(a, model, prompts: list[str], load_s: float, response_format: dic
         replay = f", replayed {turn.replayed} on the CPU after a fallback" if turn.replayed else ""
         print(f"[stats] turn {k}: prompt {plural(turn.prompt_tokens, 'token')}, reused {turn.reused}, prefilled {turn.prefilled}{replay}, "
               f"TTFT {turn.timings.ttft_s * 1000:.0f} ms, decode {turn.decode_tok_s:.1f} tok/s ({plural(turn.generated, 'token')}, "
-              f"{turn.finish_reason})" + (f", load {load_s:.2f} s" if k == 1 else "") + f", backend {turn.backend}",
+              f"{turn.finish_reason}){drafts_said(session, turn)}" + (f", load {load_s:.2f} s" if k == 1 else "")
+              + f", backend {turn.backend}",
               file=sys.stderr)
     return 0
 
@@ -225,6 +253,16 @@ def cmd_inspect(a) -> int:
               f"layers, {c.num_experts_per_tok} a token, and a shared expert of {c.shared_expert_intermediate_size}; "
               f"weights read per token: {w.active_nbytes / (1 << 20):.1f} MiB of the {w.nbytes / (1 << 20):.1f} MiB "
               f"({100 * w.active_nbytes / max(w.nbytes, 1):.1f} %)")
+    mtp = host.weights.mtp
+    if mtp is not None:
+        own = [n for n, same in (("embedding", mtp.embed is host.weights.embed), ("head", mtp.head is host.weights.lm_head))
+               if not same]
+        print(f"MTP block: yes (nextn: one full-attention block{' with an MoE FFN' if c.is_moe else ''}, "
+              f"{mtp_own_bytes(host.weights) / (1 << 20):.1f} MiB of its own; "
+              f"{'its own ' + ' and '.join(own) if own else 'the trunk embedding and head'}): speculative decoding "
+              f"drafts with it (--mtp N, 0 off)")
+    else:
+        print("MTP block: no (the file carries no nextn tensors: decoding without drafts)")
     print(f"KV cache: {c.kv_bytes_per_position() / 1024:.1f} KiB per position (f32); "
           f"recurrent + conv state: {c.recurrent_state_bytes() / (1 << 20):.2f} MiB")
     print("one saved conversation state (serve's state store, chat --resume): "

@@ -209,7 +209,8 @@ class ChatREPL:
         replay = f" | replayed {turn.replayed} on the CPU" if turn.replayed else ""
         self.out.write(f"[reused {turn.reused} | prefilled {turn.prefilled}{replay} | TTFT {turn.timings.ttft_s * 1000:.0f} ms | "
                        f"{turn.decode_tok_s:.1f} tok/s | {plural(turn.generated, 'token')}, {turn.finish_reason}{capped} | "
-                       f"{turn.start}]\n")
+                       + (f"MTP {turn.accepted}/{turn.drafted} drafts accepted | " if turn.drafted else "")
+                       + f"{turn.start}]\n")
         self.out.flush()
         if self.resumed is not None and not self.turns_since_resume:
             self.resumed += f"; its first turn reused {turn.reused} tokens ({turn.start})"
@@ -375,7 +376,7 @@ def main(a) -> int:
     model = load_model(a)
     data, said = resume(a, model, saved) if saved is not None else (None, [])
     session = model.session(context=a.ctx, device=a.device, revalidate=a.revalidate,
-                            guard_max_age=getattr(a, "guard_max_age", GUARD_MAX_AGE))
+                            guard_max_age=getattr(a, "guard_max_age", GUARD_MAX_AGE), mtp=getattr(a, "mtp", None))
     c = model.config
     print(f"[deltaserve] {model.path.name}: {c.num_layers} layers, context {session.context}, loaded in "
           f"{model.load_seconds:.2f} s", file=sys.stderr)

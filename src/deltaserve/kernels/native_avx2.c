@@ -725,10 +725,18 @@ int ds_moe_experts(const experts_t *G, const experts_t *U, const experts_t *D, i
 /* B sequences, one token each (B <= 8: the products read every weight once for all of them).
  * x [B, hidden]: the tokens' embedding rows (overwritten: the residual streams). state[b][2i], state[b][2i+1]:
  * sequence b's layer i (conv [Kc-1, C], ssm [nv, dk, dv]) or (k cache, v cache) [nkv, cap[b], hd], f32;
- * pos[b]: the position its token takes. logits [B, vocab] out. Returns 0, or -1 (nothing touched) where a
- * product's segments are not taken, a shape is not supported or memory ran out. */
+ * pos[b]: the position its token takes. logits [B, vocab] out (NULL: the head is not run).
+ * `chain`: the B rows are consecutive tokens of ONE sequence (state[b] all the same, pos[b] = pos[0] + b: a
+ * speculative verification, or an MTP layer's catch-up): the products still read each weight once for all rows,
+ * attention row b sees the rows before it (their k, v are written before any row attends), and the DeltaNet conv
+ * and delta rule run the rows in order (heads in parallel). `snap` (chain only, may be NULL): snap[b][2i],
+ * snap[b][2i+1] receive DeltaNet layer i's conv and ssm state after row b, for b < B-1 (the state after the last
+ * row is the live one): a rejected draft rolls back to one of them without a second pass. `hidden` (may be NULL):
+ * [B, hidden] out, the rows after the final norm (what an MTP layer reads).
+ * Returns 0, or -1 (nothing touched) where a product's segments are not taken, a shape is not supported or
+ * memory ran out. */
 int ds_decode_tokens(const model_t *m, int B, float *x, float *const *const *state, const int *pos, const int *cap,
-                     float *logits, int nthreads) {
+                     float *logits, int nthreads, int chain, float *const *const *snap, float *hidden) {
     int H = m->hidden, C = 2 * m->nk * m->dk + m->nv * m->dv, nh = m->nh, nv = m->nv;
     if (B < 1 || B > MAXM || m->nk <= 0 || nv % m->nk || m->nkv <= 0 || nh % m->nkv || m->hd % 8
         || m->rotary > m->hd || m->rotary % 2 || !lin_ok(&m->head)) return -1;
@@ -736,6 +744,7 @@ int ds_decode_tokens(const model_t *m, int B, float *x, float *const *const *sta
     spos[0] = 0;
     for (int b = 0; b < B; b++) {
         if (pos[b] < 0 || pos[b] >= cap[b]) return -1;
+        if (chain && (state[b] != state[0] || pos[b] != pos[0] + b)) return -1;
         spos[b + 1] = spos[b] + (size_t)nh * (pos[b] + 1);  /* sequence b's score rows start at spos[b] */
     }
     size_t emax = 0, umax = 0, ffmax = 0;  /* the MoE layers' most experts, chosen experts and expert rows */
@@ -798,6 +807,22 @@ int ds_decode_tokens(const model_t *m, int B, float *x, float *const *const *sta
                                   state[b][2 * i + 1], pos[b], cap[b], scores + spos[b] + (size_t)h * (pos[b] + 1),
                                   mid + (size_t)b * nmid);
                     }
+                } else if (chain) {  /* one sequence's consecutive rows: the conv and the delta rule in row order */
+                    size_t conv_n = (size_t)(m->Kc - 1) * C, sn = (size_t)m->dk * m->dv;
+                    #pragma omp single
+                    for (int b = 0; b < B; b++) {
+                        dn_mix(big + (size_t)b * nin, L->conv_w, state[0][2 * i], u + (size_t)b * C, C, m->Kc, m->nk, m->dk);
+                        if (snap && b < B - 1) memcpy(snap[b][2 * i], state[0][2 * i], conv_n * sizeof(float));
+                    }
+                    #pragma omp for schedule(static)
+                    for (int h = 0; h < nv; h++)
+                        for (int b = 0; b < B; b++) {
+                            const float *z = big + (size_t)b * nin + C, *bb = z + nv * m->dv, *a = bb + nv;
+                            dn_head(h, u + (size_t)b * C, z, bb, a, L->a_neg, L->dt_bias, L->norm_w, state[0][2 * i + 1],
+                                    mid + (size_t)b * nmid, m->nk, m->dk, nv, m->dv, m->tiled, m->eps);
+                            if (snap && b < B - 1)
+                                memcpy(snap[b][2 * i + 1] + h * sn, state[0][2 * i + 1] + h * sn, sn * sizeof(float));
+                        }
                 } else {
                     #pragma omp for schedule(static)
                     for (int b = 0; b < B; b++)
@@ -833,8 +858,11 @@ int ds_decode_tokens(const model_t *m, int B, float *x, float *const *const *sta
                     for (int j = 0; j < H; j++) x[(size_t)b * H + j] += hbuf[(size_t)b * H + j];
             }
             #pragma omp for schedule(static)
-            for (int b = 0; b < B; b++) rms_norm_row(x + (size_t)b * H, m->final_norm, hbuf + (size_t)b * H, H, m->eps);
-            team_product(&m->head, hbuf, B, logits, scratch);
+            for (int b = 0; b < B; b++) {
+                rms_norm_row(x + (size_t)b * H, m->final_norm, hbuf + (size_t)b * H, H, m->eps);
+                if (hidden) memcpy(hidden + (size_t)b * H, hbuf + (size_t)b * H, (size_t)H * sizeof(float));
+            }
+            if (logits) team_product(&m->head, hbuf, B, logits, scratch);
         }
     }
     free(hbuf); free(big); free(mid); free(u); free(qr); free(scores);

@@ -140,6 +140,22 @@ class Backend:
             return self.batcher.decode(state, token)
         return self._on_compute(self.forward.decode, state, token)
 
+    # -- speculative decoding (engine/mtp.py) ----------------------------------------------------------
+    def drafts_alone(self) -> bool:
+        """Whether a session may draft now: its decode steps are not being batched with other sessions' (a verify
+        chain runs alone; while several decode, the batch reads the weights once for all of them instead)."""
+        return self.batcher is None or self.batcher.active <= 1
+
+    def run(self, fn, *args):
+        """`fn(*args)` where this backend's work runs (its compute thread)."""
+        return self._on_compute(fn, *args)
+
+    def verify(self, state: DecodeState, tokens: list[int], snaps) -> torch.Tensor:
+        return self._on_compute(self.forward.verify, state, tokens, snaps)
+
+    def rollback(self, state: DecodeState, snaps, kept: int, rows: int) -> None:
+        self._on_compute(self.forward.rollback, state, snaps, kept, rows)
+
 
 class CPUBackend(Backend):
     pass

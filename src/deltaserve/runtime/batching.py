@@ -41,6 +41,11 @@ class DecodeBatcher:
         self.batches = 0       # how many batched forwards ran
         self.batched_rows = 0  # how many sequence-steps they carried
 
+    @property
+    def active(self) -> int:
+        """Sessions in their decode loop now."""
+        return self._active
+
     def enter(self) -> None:
         with self._cv:
             self._active += 1

@@ -100,6 +100,7 @@ class Plan:
     prefill: PrefillPlan
     passed_over: list[str] = field(default_factory=list)
     resident: int = 0  # weights already in this memory (not counted again)
+    speculative: int = 0  # speculative decoding's buffers: the MTP block's KV and the rollback snapshots
 
     @property
     def kv(self) -> int:
@@ -107,7 +108,7 @@ class Plan:
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv + self.state + self.workspace + self.overhead
+        return self.weights + self.kv + self.state + self.workspace + self.overhead + self.speculative
 
     @property
     def fits(self) -> bool:
@@ -119,6 +120,7 @@ class Plan:
             weights += f" (the {mib(self.resident)} MiB loaded are resident already)"
         return (f"{weights} + KV {mib(self.kv)} MiB ({self.positions} positions x "
                 f"{kib(self.kv_per_position)} KiB {self.kv_dtype}) + state {mib(self.state)} MiB + "
+                + (f"MTP drafting {mib(self.speculative)} MiB + " if self.speculative else "") +
                 f"workspace {mib(self.workspace)} MiB + overhead {mib(self.overhead)} MiB = {mib(self.total)} MiB, "
                 f"against {mib(self.memory.free)} MiB free of {mib(self.memory.total)} MiB ({self.memory.source})")
 
@@ -127,6 +129,14 @@ class Plan:
         if self.passed_over:
             lines.append("passed over: " + "; ".join(self.passed_over))
         return "\n".join(lines)
+
+
+def speculative_bytes(c: HybridConfig, positions: int, drafts: int) -> int:
+    """What drafting up to `drafts` tokens with the MTP block adds to a state of `positions`: the block's KV cache
+    (one attention layer's, f32) and a copy of the recurrent and conv state per draft (the rollback points)."""
+    if drafts <= 0:
+        return 0
+    return positions * 2 * c.num_kv_heads * c.head_dim * 4 + drafts * c.recurrent_state_bytes()
 
 
 def mib(n: int) -> int:
@@ -139,10 +149,12 @@ def kib(n: int) -> str:
 
 
 def plan(c: HybridConfig, positions: int, memory: Memory, weights: int = 0, overhead: int = CPU_OVERHEAD,
-         kv_dtype_bytes: int = 4, plans: tuple[PrefillPlan, ...] = PREFILL_PLANS, resident: int = 0) -> Plan:
+         kv_dtype_bytes: int = 4, plans: tuple[PrefillPlan, ...] = PREFILL_PLANS, resident: int = 0,
+         speculative: int = 0) -> Plan:
     """The first prefill plan whose total fits `memory.free`, or CapacityError carrying the arithmetic.
 
-    `weights` counts weights not yet resident; `resident` names those already loaded (for the message).
+    `weights` counts weights not yet resident; `resident` names those already loaded (for the message);
+    `speculative`: the bytes speculative decoding adds for this state (see `speculative_bytes`).
     """
     kv_per_pos = c.kv_bytes_per_position(kv_dtype_bytes)
     kv_name = {4: "f32", 2: "f16"}.get(kv_dtype_bytes, f"{kv_dtype_bytes}-byte")
@@ -150,7 +162,7 @@ def plan(c: HybridConfig, positions: int, memory: Memory, weights: int = 0, over
     last: Plan | None = None
     for p in plans:
         candidate = Plan(weights, positions, kv_per_pos, kv_name, c.recurrent_state_bytes(),
-                         workspace_bytes(c, p, positions), overhead, memory, p, list(passed), resident)
+                         workspace_bytes(c, p, positions), overhead, memory, p, list(passed), resident, speculative)
         if candidate.fits:
             return candidate
         passed.append(f"{p.label} needs {mib(candidate.total)} MiB")

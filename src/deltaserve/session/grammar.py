@@ -229,6 +229,12 @@ class Constraint:
         self._fresh = False
         return bool(self.matcher.accept_token(int(token)))
 
+    def rollback(self, tokens: int) -> None:
+        """Undo the last `tokens` accepts (drafts accepted to mask the next draft, before the verification)."""
+        if tokens > 0:
+            self.matcher.rollback(int(tokens))
+            self._fresh = False
+
     def done(self) -> bool:
         """True when the grammar is complete and allows nothing but a stop token: the answer is finished."""
         if not self.matcher.is_completed():

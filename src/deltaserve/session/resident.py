@@ -23,6 +23,7 @@ from deltaserve.runtime.backend import AcceleratorFailure, Backend, CPUBackend
 from deltaserve.engine.state import Checkpoint, DecodeState
 from deltaserve.engine.weights import trim_heap
 from deltaserve.errors import BackendError, CapacityError, ContextError, DeltaserveError
+from deltaserve.session.drafting import DEFAULT_DRAFTS, DraftPolicy
 from deltaserve.session.grammar import CompiledFormat, GrammarError, compile_format
 from deltaserve.session.sampling import Sampler, SamplingParams
 from deltaserve.session.store import read_state, write_state
@@ -32,6 +33,7 @@ from deltaserve.text.toolcalls import ToolCall
 from deltaserve import settings
 
 MIN_CAPACITY = 4096
+TOKEN_ROWS = 8  # rows one native decode call takes (native.h's DS_MAX_ROWS): a verification's token and drafts
 TRIM_AFTER = 64  # prefilled tokens after which a turn hands freed heap memory back (malloc_trim: 3-6 ms)
 PREFILL_ENV = "DELTASERVE_PREFILL_TOKENS"  # deltaserve.settings
 FALLBACK_PREFIX = "[deltaserve] accelerator failure"
@@ -66,6 +68,12 @@ class Turn:
     replayed: int = 0             # tokens run again on the CPU after a fallback in this turn (prompt and answer)
     reasoning: str | None = None  # what a chat turn reasoned before its answer (None: the prompt opened no reasoning)
     tool_calls: list[ToolCall] = field(default_factory=list)  # the calls a chat turn with tools made (text: the rest)
+    drafted: int = 0              # tokens the MTP block drafted in this turn
+    accepted: int = 0             # of them, those the model's own verification kept
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
     def generated(self) -> int:
@@ -121,8 +129,11 @@ class Session:
     def __init__(self, host, backend: Backend | None = None, *, context: int | None = None,
                  one_call: bool = False, guard=None, quiet: bool = False, plan_memory=None,
                  plan_positions: int | None = None, thinking_default: bool | None = None, notice: str | None = None,
-                 store=None, label: str | None = None, log_prefills: bool = False):
+                 store=None, label: str | None = None, log_prefills: bool = False, mtp: int | None = None):
         self.host = host
+        if mtp is not None and (isinstance(mtp, bool) or not isinstance(mtp, int) or mtp < 0):
+            raise DeltaserveError(f"mtp must be a count of draft tokens >= 0 (0: off), got {mtp!r}")
+        self.mtp_asked = mtp
         # a name for this session's lines (a server's "slot 1"), and whether each batched prefill's stats line is
         # printed (a server's log) or only kept (prefill_lines)
         self.label = label
@@ -173,7 +184,37 @@ class Session:
         self.stop_ids = stop_ids(self.tokenizer, host.config)
         if guard is not None and backend is not None and backend.accelerator:
             host.sha256()  # the guard's cache key, computed now: never inside the first turn's time to first token
+        self._policy: DraftPolicy | None = None  # speculative decoding with the file's MTP block (None: off)
+        self._turn_drafts = (0, 0)  # the last turn's drafted and accepted tokens
+        self._snaps = None
         self.backend = self._start(backend or CPUBackend(host), plan_positions)
+        self._policy = self._drafting()
+
+    def _drafting(self) -> DraftPolicy | None:
+        """Whether this session drafts with the MTP block, said once: on by default where the file carries one and
+        the route runs it (up to DEFAULT_DRAFTS a step, adaptive), `mtp=N` at most N, `mtp=0` off."""
+        asked, forward = self.mtp_asked, self.backend.forward
+        if asked == 0:
+            return None
+        if forward is None or forward.mtp is None:
+            if asked:
+                self.say(f"[deltaserve] MTP: {asked} draft tokens asked for, and {self.host.path.name} carries no MTP "
+                         f"block (nextn tensors): decoding without drafts")
+            return None
+        if self.backend.accelerator:
+            self.say("[deltaserve] MTP: speculative decoding runs on the CPU route only so far: not used on "
+                     f"{self.backend.name}")
+            return None
+        most = asked or DEFAULT_DRAFTS
+        if most > TOKEN_ROWS - 1:
+            self.say(f"[deltaserve] MTP: {most} draft tokens asked for; a verification takes at most {TOKEN_ROWS} rows: "
+                     f"drafting up to {TOKEN_ROWS - 1}")
+            most = TOKEN_ROWS - 1
+        self.say(f"[deltaserve] MTP: drafting up to {most} tokens a step with the file's MTP block "
+                 f"({'as asked' if asked else 'default'}; the count adapts to the measured acceptance, 0 where drafts "
+                 f"do not pay), {forward.mtp.why}; every token is the model's own (verified in one pass, rolled back "
+                 f"without a second)")
+        return DraftPolicy(most)
 
     # -- notices ----------------------------------------------------------------------------------
     def say(self, line: str) -> None:
@@ -225,11 +266,33 @@ class Session:
         if self.state is not None:  # the old state is freed before the new one is allocated
             memory = type(memory)(memory.free + self.state.nbytes, memory.total, memory.source)
         p = cap.plan(self.host.config, capacity, memory, weights=0, overhead=self.backend.overhead,
-                     resident=self.host.weights.nbytes)
+                     resident=self.host.weights.nbytes, speculative=self._speculative_bytes(capacity))
         if p.passed_over:
             self.say(f"[deltaserve] prefill plan for {capacity} positions: {'; '.join(p.passed_over)}; "
                      f"using {p.prefill.label}")
         return p
+
+    def drafting_stats(self) -> dict | None:
+        """Speculative decoding since the session started (None: it does not draft): drafted and accepted tokens,
+        the acceptance, and the draft count the policy would pick now."""
+        p = self._policy
+        if p is None:
+            return None
+        return {"most": p.most, "drafted": p.drafted, "accepted": p.accepted,
+                "acceptance": round(p.accepted / p.drafted, 4) if p.drafted else None,
+                "per_position": [round(a, 3) for a in p.accept]}
+
+    def _speculative_bytes(self, capacity: int) -> int:
+        policy = getattr(self, "_policy", None)
+        return cap.speculative_bytes(self.host.config, capacity, policy.most) if policy is not None else 0
+
+    def _attach_drafting(self) -> None:
+        """A new state gets the MTP block's cache and the rollback snapshots (planned with it: `_plan`)."""
+        if self._policy is not None and self.state is not None and not self.backend.accelerator:
+            forward = self.backend.forward
+            self.state.mtp = forward.mtp.new_cache(self.state.capacity)
+            if self._snaps is None or len(self._snaps.rows) < self._policy.most:
+                self._snaps = forward.new_snapshots(self._policy.most)
 
     def _reserve(self, positions: int) -> bool:
         """Make the state hold `positions`; True when it was (re)allocated (what it held is gone)."""
@@ -258,6 +321,7 @@ class Session:
                 self._move_to_cpu(str(e), allocate=False)
         self.capacity = capacity
         self.allocations += 1
+        self._attach_drafting()
         return True
 
     def _plan_one_token(self, capacity: int, refused: list[str]) -> cap.Plan | None:
@@ -595,12 +659,19 @@ class Session:
             tokens=tokens, text=text, reused=start, prefilled=n - start, prompt_tokens=n,
             finish_reason=finish, context_capped=capped,
             backend=self.backend.name, start=start_kind,
-            timings=Timings(prefill_s=prefill_s, ttft_s=ttft, decode_s=decode_s), replayed=self._replayed)
+            timings=Timings(prefill_s=prefill_s, ttft_s=ttft, decode_s=decode_s), replayed=self._replayed,
+            drafted=self._turn_drafts[0], accepted=self._turn_drafts[1])
 
     def _decode(self, prompt, logits, budget, params, stop_ids, stop_texts, on_token, t0, grammar=None):
         """Sample, hand out, feed back; until a stop token or string, the budget, or a cancel. With a grammar, each
         step's logits are masked to what it allows (stop tokens only where it can end) and the sampled token
-        advances it; a grammar left with nothing but a stop ends the turn ("stop")."""
+        advances it; a grammar left with nothing but a stop ends the turn ("stop").
+
+        With drafting on (`_policy`), a token is fed with the MTP block's drafts after it, verified in one chain
+        (`_speculate`): the rows' logits are then sampled in order exactly as the plain loop samples them, and a
+        draft equal to the token sampled is already fed (its row is next); the first that differs, or the turn's end,
+        rolls the state back to the rows kept. Every token is sampled from the model's own logits, so the output
+        is the plain loop's (greedy: token for token; sampled: the same distribution, each token one draw)."""
         sampler = Sampler(params)
         constraint = grammar.constraint() if grammar is not None else None
         stream = _TextStream(self.tokenizer, stop_texts)
@@ -608,46 +679,134 @@ class Session:
         finish = "length"
         ttft = 0.0
         decode_t0 = time.perf_counter()
-        seq = list(prompt)  # grows by one token per step; becomes `held` after each feed
-        while len(generated) < budget:
-            if constraint is not None:
-                if constraint.done():
+        seq = list(prompt)  # the tokens decided so far, the last one fed (with drafts after it while verifying)
+        rows, drafts, i = [logits], [], 0  # rows[i] follows seq; drafts[i] was fed after it
+        verifying: tuple[int, int, float, float] | None = None  # (first position, rows, draft s, verify s)
+        drafted = accepted = 0
+
+        def settle(kept: int) -> None:
+            """Keep `kept` rows of the pending verification, roll back the rest."""
+            nonlocal verifying, drafted, accepted
+            if verifying is None:
+                return
+            at, n, draft_s, verify_s = verifying
+            verifying = None
+            try:
+                if kept < n:
+                    self.backend.rollback(self.state, self._snaps, kept, n)
+            except Exception as e:  # noqa: BLE001 - a half-rolled-back state is never reused
+                self._forget()
+                raise BackendError(f"the rollback to position {at + kept} failed: {type(e).__name__}: {e}") from e
+            self.held = self.held[:at + kept]
+            drafted += n - 1
+            accepted += kept - 1
+            self._policy.record(n - 1, kept - 1, draft_s, verify_s)
+
+        try:
+            while len(generated) < budget:
+                logits = rows[i]
+                if constraint is not None:
+                    if constraint.done():
+                        finish = "stop"
+                        break
+                    logits = constraint.mask(logits)
+                token = sampler(logits, prompt, generated)
+                if not generated:
+                    ttft = time.perf_counter() - t0
+                    decode_t0 = time.perf_counter()
+                if token in stop_ids:
                     finish = "stop"
                     break
-                logits = constraint.mask(logits)
-            token = sampler(logits, prompt, generated)
-            if not generated:
-                ttft = time.perf_counter() - t0
-                decode_t0 = time.perf_counter()
-            if token in stop_ids:
-                finish = "stop"
-                break
-            if constraint is not None and not constraint.accept(token):
-                if not bool(torch.isfinite(logits).any()):  # the grammar allows nothing this vocabulary holds
-                    raise GrammarError(
-                        f"response_format: after {len(generated)} generated tokens the schema allows no token this "
-                        "model may write inside JSON (strings are never given a control character, U+0000-U+001F: "
-                        "a pattern, const or enum that needs one cannot be met); refused, nothing was cut short")
-                raise BackendError(f"internal: the grammar refused token {token}, which its mask allowed")
-            generated.append(token)
-            piece, hit_stop = stream.push(token)
-            if on_token is not None and on_token(token, piece) is False:
-                finish = "cancelled"
-                break
-            if hit_stop:
-                finish = "stop"
-                break
-            if len(generated) >= budget:
-                if constraint is not None and constraint.done():
-                    finish = "stop"  # the answer closed on the budget's last token
-                break
-            seq.append(token)
-            logits, _ = self._feed(seq, len(seq) - 1, None)
+                if constraint is not None and not constraint.accept(token):
+                    if not bool(torch.isfinite(logits).any()):  # the grammar allows nothing this vocabulary holds
+                        raise GrammarError(
+                            f"response_format: after {len(generated)} generated tokens the schema allows no token "
+                            "this model may write inside JSON (strings are never given a control character, "
+                            "U+0000-U+001F: a pattern, const or enum that needs one cannot be met); refused, nothing "
+                            "was cut short")
+                    raise BackendError(f"internal: the grammar refused token {token}, which its mask allowed")
+                generated.append(token)
+                piece, hit_stop = stream.push(token)
+                if on_token is not None and on_token(token, piece) is False:
+                    finish = "cancelled"
+                    break
+                if hit_stop:
+                    finish = "stop"
+                    break
+                if len(generated) >= budget:
+                    if constraint is not None and constraint.done():
+                        finish = "stop"  # the answer closed on the budget's last token
+                    break
+                seq.append(token)
+                if i < len(drafts) and token == drafts[i]:  # the draft was right: fed already, its row is next
+                    i += 1
+                    continue
+                settle(i + 1)
+                k = 0
+                if self._policy is not None and self.backend.drafts_alone():
+                    # drafts past the budget could not be kept: room for them and the verification's own token
+                    k = self._policy.choose(min(budget - len(generated) - 1, self.state.capacity - len(seq)))
+                if k > 0:
+                    rows, drafts, verifying = self._speculate(seq, k, constraint, stop_ids)
+                else:
+                    step_t0 = time.perf_counter()
+                    logits, _ = self._feed(seq, len(seq) - 1, None)
+                    if self._policy is not None:
+                        self._policy.record(0, 0, 0.0, time.perf_counter() - step_t0)
+                    rows, drafts = [logits], []
+                i = 0
+        finally:
+            if verifying is not None and self.state is not None and self.held:
+                settle(i + 1)  # the turn ended on row i: the rows after it are not kept
         decode_s = time.perf_counter() - decode_t0 if generated else 0.0
         tail = stream.finish()
         if tail and on_token is not None and finish != "cancelled":
             on_token(None, tail)
+        self._turn_drafts = (drafted, accepted)
         return generated, stream.text, finish, ttft, decode_s
+
+    def _speculate(self, seq: list[int], k: int, constraint, stop_ids) -> tuple[list, list[int], tuple]:
+        """Feed seq's last token with up to k drafts after it, verified in one chain: the rows' logits, the drafts,
+        and the verification to settle (its first position, rows, and the seconds drafting and verifying took)."""
+        state, token = self.state, seq[-1]
+        if state.length != len(seq) - 1:
+            raise BackendError(f"internal: the state holds {state.length} positions, expected {len(seq) - 1}")
+        t0 = time.perf_counter()
+        try:
+            drafts = self.backend.run(self._draft, state, token, k, constraint, stop_ids)
+            t1 = time.perf_counter()
+            self.held = []  # until the verification completes, what the state holds is not trusted
+            logits = self.backend.verify(state, [token] + drafts, self._snaps)
+        except DeltaserveError:
+            self._forget()
+            raise
+        except Exception as e:  # noqa: BLE001 - a half-valid state is never reused
+            self._forget()
+            raise BackendError(f"the verification at position {len(seq) - 1} failed: {type(e).__name__}: {e}") from e
+        t2 = time.perf_counter()
+        self.held = list(seq) + drafts
+        return list(logits), drafts, (len(seq) - 1, len(drafts) + 1, t1 - t0, t2 - t1)
+
+    def _draft(self, state: DecodeState, token: int, k: int, constraint, stop_ids) -> list[int]:
+        """Up to k greedy drafts after `token` from the MTP block, masked by the grammar where there is one (its
+        matcher advanced over them, then rolled back); drafting stops at a stop token."""
+        mtp = self.backend.forward.mtp
+        logits, out = mtp.first(state.mtp, token)
+        drafts: list[int] = []
+        for j in range(k):
+            if constraint is not None:
+                logits = constraint.mask(logits)
+                if not bool(torch.isfinite(logits).any()):
+                    break
+            d = int(logits.argmax())
+            if d in stop_ids or (constraint is not None and not constraint.accept(d)):
+                break
+            drafts.append(d)
+            if j + 1 < k:
+                logits, out = mtp.next(state.mtp, state.length + 1 + j, d, out)
+        if constraint is not None:
+            constraint.rollback(len(drafts))
+        return drafts
 
     def _store_checkpoint(self) -> None:
         """Hand this turn's checkpoint (before its generation header) to the store, once: when the slot is taken

@@ -128,7 +128,7 @@ class Server:
                  revalidate: bool = False, state_ram: int | None = None, state_dir: str | None = None,
                  state_disk: int | None = None, hosts: HostPolicy | None = None,
                  request_timeout: float = connections.DEFAULT_REQUEST_TIMEOUT, log_prefills: bool = True,
-                 guard_max_age: float = GUARD_MAX_AGE):
+                 guard_max_age: float = GUARD_MAX_AGE, mtp: int | None = None):
         self.model = model
         self.limits = limits or Limits()
         self.api_key = api_key
@@ -151,7 +151,8 @@ class Server:
         self.store = model.state_store(ram=state_ram, directory=state_dir, disk=state_disk, slots=slots,
                                        context=context, say=store_say)
         sessions = model.slots(slots, context=context, device=device, revalidate=revalidate, quiet=quiet,
-                               store=self.store, log_prefills=log_prefills and not quiet, guard_max_age=guard_max_age)
+                               store=self.store, log_prefills=log_prefills and not quiet, guard_max_age=guard_max_age,
+                               mtp=mtp)
         self.pool = SlotPool(sessions, queue)
         self.context = sessions[0].context
         self.executor = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="deltaserve-slot",
@@ -466,6 +467,7 @@ class Server:
             "slots": [{"index": s.index, "busy": s.busy, "held_tokens": len(s.session.held),
                        "capacity": s.session.capacity, "checkpoint": s.session.checkpoint_length,
                        "batched_prefills": s.session.batched_prefills, "replays": s.session.replays,
+                       "mtp": s.session.drafting_stats(),
                        "notices": list(s.session.notices),
                        "last_prefill": s.session.prefill_lines[-1] if s.session.prefill_lines else None,
                        "backend": s.session.backend.name, "requests": s.requests} for s in self.pool.slots],
@@ -639,7 +641,7 @@ def main(a) -> int:
                     device=a.device, think_default=think, context=a.ctx, revalidate=a.revalidate,
                     state_ram=a.state_ram, state_dir=a.state_dir, state_disk=a.state_disk, hosts=hosts,
                     request_timeout=request_timeout, log_prefills=getattr(a, "prefill_log", "on") == "on",
-                    guard_max_age=getattr(a, "guard_max_age", GUARD_MAX_AGE))
+                    guard_max_age=getattr(a, "guard_max_age", GUARD_MAX_AGE), mtp=getattr(a, "mtp", None))
     c = model.config
     s0 = server.pool.slots[0].session
     template = "from the model file" if model.tokenizer.chat_template else "built-in ChatML"

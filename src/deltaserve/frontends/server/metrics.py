@@ -47,6 +47,10 @@ class Metrics:
                                    ["slot"], registry=reg)
         self.slot_replays = Gauge("deltaserve_slot_replays", "Turns a slot replayed on the CPU after a fallback.",
                                   ["slot"], registry=reg)
+        self.slot_drafted = Gauge("deltaserve_slot_mtp_drafted_tokens", "Tokens a slot drafted with the MTP block "
+                                  "since start.", ["slot"], registry=reg)
+        self.slot_accepted = Gauge("deltaserve_slot_mtp_accepted_tokens", "Drafted tokens the model's verification "
+                                   "kept, since start.", ["slot"], registry=reg)
         self.slot_accelerator = Gauge("deltaserve_slot_on_accelerator", "1 while a slot runs on an accelerator.",
                                       ["slot"], registry=reg)
         self.store_saved_tokens = Gauge("deltaserve_state_store_tokens_not_prefilled",
@@ -60,6 +64,9 @@ class Metrics:
             for i, session in slots:
                 self.slot_prefills.labels(slot=str(i)).set(session.batched_prefills)
                 self.slot_replays.labels(slot=str(i)).set(session.replays)
+                mtp = session.drafting_stats()
+                self.slot_drafted.labels(slot=str(i)).set(mtp["drafted"] if mtp else 0)
+                self.slot_accepted.labels(slot=str(i)).set(mtp["accepted"] if mtp else 0)
                 self.slot_accelerator.labels(slot=str(i)).set(int(session.on_accelerator))
 
     def request(self, endpoint: str, status: int) -> None:
