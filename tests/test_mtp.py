@@ -4,9 +4,13 @@ output without them (greedy token for token, sampled in distribution)."""
 
 from __future__ import annotations
 
+import functools
 import math
+import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -283,3 +287,74 @@ def test_run_says_the_drafts_in_its_stats_line(mtp_files):
     bad = subprocess.run([sys.executable, "-m", "deltaserve", "run", str(mtp_files["dense"]["q8_0"]), "--raw",
                           "-p", "hi", "--mtp", "-1"], capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "--mtp takes a count" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@functools.lru_cache(maxsize=None)
+def llama_cpp_mtp_gguf() -> tuple[Path, Path]:
+    """The conformance model (real vocabulary, an irregular layer pattern) with an MTP block drawn beside it, and
+    that directory converted by llama.cpp's own convert_hf_to_gguf.py with its MTP block (no --no-mtp)."""
+    from tests import test_gguf_conformance as conf
+
+    script = conf.llama_cpp_converter()
+    root = conf.model_dir().parent / f"{conf.model_dir().name}-mtp"
+    hf = root / "hf"
+    out = root / f"by-llama.cpp-{conf.llama_cpp_python_version()}-f32.gguf"
+    with fx._locked(root / "build"):
+        if not (hf / ".complete").exists():
+            shutil.rmtree(hf, ignore_errors=True)
+            shutil.copytree(conf.hf_dir(), hf)
+            (hf / ".complete").unlink(missing_ok=True)
+            fx.add_mtp(hf, 71)
+            (hf / ".complete").write_text("ok")
+        if not out.exists():
+            part = out.with_suffix(".part")
+            env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
+            proc = subprocess.run([sys.executable, str(script), str(hf), "--outfile", str(part), "--outtype", "f32"],
+                                  capture_output=True, text=True, timeout=900, env=env, cwd=script.parent)
+            assert proc.returncode == 0 and part.exists(), (proc.stdout + proc.stderr)[-4000:]
+            os.replace(part, out)
+    return hf, out
+
+
+def test_llama_cpps_converter_writes_the_mtp_block_as_deltaserve_reads_it_from_the_checkpoint():
+    hf, gg = llama_cpp_mtp_gguf()
+    from_gguf, from_hf = load_host(gg, "exact"), load_host(hf, "exact")
+    assert from_gguf.config.num_layers == from_hf.config.num_layers == 6  # the MTP block is not a trunk layer
+    a, b = from_gguf.weights.mtp, from_hf.weights.mtp
+    assert a is not None and b is not None
+    for name in ("enorm", "hnorm", "head_norm"):
+        assert torch.allclose(getattr(a, name), getattr(b, name)), name
+    x = torch.randn(2, 2 * from_hf.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    assert torch.allclose(a.eh_proj(x), b.eh_proj(x), atol=1e-5)
+    assert torch.allclose(a.layer.mixer.qkv(x[:, :64]), b.layer.mixer.qkv(x[:, :64]), atol=1e-5)
+    # and greedy decoding of that file is the same with drafts and without
+    model = deltaserve.load(gg)
+    ids = list(range(1000, 1012))
+    plain = model.session(mtp=0, quiet=True).generate(ids, max_tokens=32)
+    s = model.session(mtp=3, quiet=True)
+    drafted = s.generate(ids, max_tokens=32)
+    assert drafted.tokens == plain.tokens and drafted.drafted > 0
+
+
+def test_serve_drafts_and_says_so_in_health_and_metrics(mtp_files):
+    import httpx
+
+    from tests.server_proc import ServerProcess
+
+    with ServerProcess(mtp_files["dense"]["q8_0"], "--slots", "2", "--mtp", "2") as server:
+        body = {"messages": [{"role": "user", "content": "tell me something"}], "max_tokens": 24, "temperature": 0}
+        first = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+        assert first.status_code == 200, first.text
+        again = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+        assert again.json()["choices"][0]["message"] == first.json()["choices"][0]["message"]
+        health = httpx.get(server.url + "/health", timeout=30).json()
+        mtp = [slot["mtp"] for slot in health["slots"]]
+        assert all(m is not None and m["most"] == 2 for m in mtp)
+        assert sum(m["drafted"] for m in mtp) > 0
+        metrics = httpx.get(server.url + "/metrics", timeout=30).text
+        drafted = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                      if line.startswith("deltaserve_slot_mtp_drafted_tokens{"))
+        assert drafted == sum(m["drafted"] for m in mtp)
+        assert "MTP: drafting up to 2 tokens" in server.stderr
+    with ServerProcess(mtp_files["dense"]["q8_0"], "--slots", "1", "--mtp", "0") as server:
+        assert httpx.get(server.url + "/health", timeout=30).json()["slots"][0]["mtp"] is None

@@ -65,7 +65,7 @@ from deltaserve.session.turns import thinking_flag
 DEFAULTS = dict(model=None, replicas=2, slots=2, queue=16, threads=None, ctx=None, device="cpu", think="auto",
                 api_key=None, model_name=None, allowed_hosts=None, host="127.0.0.1", max_tokens_limit=4096,
                 max_body=4 << 20, max_messages=512, state_ram=None, state_dir=None, state_disk=None,
-                compute_thread="auto", revalidate=False, request_timeout=30.0)
+                compute_thread="auto", revalidate=False, request_timeout=30.0, mtp=None)
 INDEX_ENTRIES = 1 << 16      # saved prefixes the router remembers (least recently used forgotten first)
 OPENING_TOKENS = 64          # the opening of a prompt with no assistant turn marker: its first tokens
 PROBE_S = 1.0                # how often the router checks its replicas
@@ -259,7 +259,7 @@ class ReplicaServer:
                              device=a.device, think_default=think, context=a.ctx, revalidate=a.revalidate,
                              state_ram=a.state_ram, state_dir=a.state_dir, state_disk=a.state_disk,
                              hosts=HostPolicy(a.host, a.allowed_hosts), request_timeout=a.request_timeout,
-                             mtp=getattr(a, "mtp", None))
+                             mtp=a.mtp)
         if a.state_ram is None and replicas_here > 1:  # the default RAM share is the machine's, split between them
             self.server.store.ram_budget //= replicas_here
         self.app = create_app(self.server)

@@ -11,11 +11,16 @@ CACHE = cache_root() / "bench"
 REPO = Path(__file__).resolve().parents[2]
 
 
-def model_file(shape: str, kind: str, layers: int | None = None) -> Path:
+def model_file(shape: str, kind: str, layers: int | None = None, mtp: bool = False) -> Path:
+    """`mtp`: the file carries an MTP block after the trunk (issue 33's costs); written directly (f32, f16, bf16,
+    q8_0 only)."""
     from tools.bench.randmodel import quantize_with_llama_cpp, write_random_gguf
 
     CACHE.mkdir(parents=True, exist_ok=True)
     suffix = f"-{layers}L" if layers else ""
+    if mtp:
+        return write_random_gguf(shape, CACHE / f"qwen35-{shape}{suffix}-mtp-{kind}.gguf", kind, layers=layers,
+                                 mtp=True)
     if kind.upper() in ("Q4_K_M", "Q6_K", "Q4_0"):
         out = CACHE / f"qwen35-{shape}{suffix}-{kind.upper()}.gguf"
         if out.exists():  # its f16 source is not written again (18 GB at the 9B shape)

@@ -19,7 +19,7 @@ from deltaserve.formats.config import HybridConfig
 from deltaserve.formats.convert import _encode as encode
 from deltaserve.formats.convert import _storage_type as storage_type
 from deltaserve.formats.convert import write_metadata
-from deltaserve.formats.layout import expected_shapes, moe_forms
+from deltaserve.formats.layout import expected_shapes, moe_forms, mtp_shapes
 from tools.bench.shapes import shape_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -92,7 +92,7 @@ def _write_tensor(w: gguf.GGUFWriter, parts) -> None:
 
 
 def write_random_gguf(shape: str, out: str | os.PathLike, out_type: str = "bf16", seed: int = 0,
-                      layers: int | None = None, tokenizer=None) -> Path:
+                      layers: int | None = None, tokenizer=None, mtp: bool = False) -> Path:
     """Write `out` (if it is not there already): random weights of `shape` ("0.8B", "9B") stored as
     f32 | f16 | bf16 | q8_0 (Q4_K_M files are made from the f16 one by llama.cpp's quantizer)."""
     from deltaserve.formats.convert import TYPES
@@ -105,10 +105,12 @@ def write_random_gguf(shape: str, out: str | os.PathLike, out_type: str = "bf16"
     want, file_type = TYPES[out_type]
     tmp = out.with_suffix(out.suffix + f".part{os.getpid()}")
     w = gguf.GGUFWriter(str(tmp), c.arch)
-    write_metadata(w, c, f"random-{c.arch}-{shape}", int(file_type))
+    write_metadata(w, c, f"random-{c.arch}-{shape}", int(file_type), mtp=int(mtp))
     tok.write_gguf(w, c.vocab_size)
     shapes = expected_shapes(c)
-    for i in range(c.num_layers):  # an MoE layer's experts and shared expert gate in the form llama.cpp's converter writes
+    if mtp:  # the MTP block after the trunk, as llama.cpp's converter writes it (nextn.*)
+        shapes.update(mtp_shapes(c))
+    for i in range(c.num_layers + int(mtp)):  # an MoE layer's experts and shared expert gate in the form llama.cpp's converter writes
         for forms in moe_forms(c, i):
             shapes.update(forms[0])
     if not c.tie_word_embeddings:

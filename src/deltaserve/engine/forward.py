@@ -97,9 +97,10 @@ class Forward:
 
     @torch.inference_mode()
     def _run(self, state: DecodeState, ids: torch.Tensor, chunked: bool, all_logits: bool,
-             snaps: list | None = None) -> torch.Tensor:
+             snaps: list | None = None, hidden_only: bool = False) -> torch.Tensor:
         """A span of one sequence from the state's position. `snaps` (the recurrent path): the DeltaNet states after
-        each row but the last are copied into them (a verification's rollback points)."""
+        each row but the last are copied into them (a verification's rollback points). `hidden_only`: the rows after
+        the final norm instead of logits."""
         c = self.config
         t, start = int(ids.numel()), state.length
         if t == 0:
@@ -120,11 +121,20 @@ class Forward:
 
         x = self._layers(self.weights.embed.lookup(ids), attention, deltanet)
         state.length = start + t
+        if hidden_only:
+            return self._normed(x)
         if getattr(state, "mtp", None) is not None and self.mtp is not None:
             normed = self._normed(x)
             self._follow(state, start, id_list, normed)
             return self.weights.lm_head(normed if all_logits else normed[-1:]).float()
         return self._head(x if all_logits else x[-1:])
+
+    def hidden_rows(self, state: DecodeState, tokens) -> torch.Tensor:
+        """A span fed as `prefill` feeds it, returning every row after the final norm [T, hidden] (what an MTP block
+        reads: scripts/demo/train_mtp.py trains one on them)."""
+        ids, rows = self._ids(tokens), state.prefill_rows
+        return torch.cat([self._run(state, ids[i:i + rows], chunked=True, all_logits=True, hidden_only=True)
+                          for i in range(0, ids.numel(), rows)])
 
     def new_snapshots(self, rows: int) -> Snapshots:
         return Snapshots(self.config, rows, self.device)
