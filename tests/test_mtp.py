@@ -358,3 +358,35 @@ def test_serve_drafts_and_says_so_in_health_and_metrics(mtp_files):
         assert "MTP: drafting up to 2 tokens" in server.stderr
     with ServerProcess(mtp_files["dense"]["q8_0"], "--slots", "1", "--mtp", "0") as server:
         assert httpx.get(server.url + "/health", timeout=30).json()["slots"][0]["mtp"] is None
+
+
+def test_a_separate_mtp_file_drafts_for_its_model_and_a_wrong_one_is_refused(tmp_path):
+    """llama.cpp's converter with --mtp writes the block alone (mtp-*.gguf); `--draft FILE` / load(draft=) uses it
+    with a model file that carries none."""
+    from tests import test_gguf_conformance as conf
+
+    hf, with_block = llama_cpp_mtp_gguf()
+    script = conf.llama_cpp_converter()
+    env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
+    proc = subprocess.run([sys.executable, str(script), str(hf), "--outfile", str(tmp_path / "draft.gguf"),
+                           "--outtype", "f32", "--mtp"], capture_output=True, text=True, timeout=900, env=env,
+                          cwd=script.parent)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    # the same trunk without the block: the conformance test's conversion (--no-mtp) of the directory this one copies
+    files = {"--mtp": tmp_path / "draft.gguf", "--no-mtp": conf.llama_cpp_gguf()}
+    trunk_only = load_host(files["--no-mtp"])
+    assert trunk_only.weights.mtp is None
+    paired = load_host(files["--no-mtp"], draft=files["--mtp"])
+    assert paired.weights.mtp is not None and paired.weights.mtp.embed is paired.weights.embed  # one copy
+    whole = load_host(with_block)
+    x = torch.randn(2, 2 * whole.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    assert torch.allclose(paired.weights.mtp.eh_proj(x), whole.weights.mtp.eh_proj(x), atol=1e-5)
+    ids = list(range(2000, 2010))
+    a = deltaserve.load(files["--no-mtp"], draft=files["--mtp"]).session(mtp=2, quiet=True).generate(ids, max_tokens=16)
+    b = deltaserve.load(with_block).session(mtp=0, quiet=True).generate(ids, max_tokens=16)
+    assert a.tokens == b.tokens and a.drafted > 0
+    with pytest.raises(DeltaserveError, match="is not a draft for this model"):
+        load_host(fx.gguf_path("hybrid_mtp", "f32"), draft=files["--mtp"])
+    out = subprocess.run([sys.executable, "-m", "deltaserve", "run", str(fx.gguf_path("hybrid", "f32")), "--draft",
+                          str(files["--mtp"]), "--raw", "-p", "hi"], capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "is not a draft for this model" in out.stderr and "Traceback" not in out.stderr

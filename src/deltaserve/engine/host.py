@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deltaserve.engine.weights import Weights, build_weights, trim_heap, weight_mode
+from deltaserve.engine.weights import Weights, build_weights, draft_weights, trim_heap, weight_mode
 from deltaserve.errors import ModelFormatError
 from deltaserve.formats.config import HybridConfig
 from deltaserve.formats.layout import TensorSummary, summaries
@@ -35,9 +35,10 @@ class HostModel:
         return model_sha256(self.path)
 
 
-def load_host(path: str | os.PathLike, weights: str | None = None) -> HostModel:
+def load_host(path: str | os.PathLike, weights: str | None = None, draft: str | os.PathLike | None = None) -> HostModel:
     """Read a GGUF file or an HF directory into a host model, or raise ModelFormatError naming what is wrong.
-    `weights`: "fast" or "exact" (see `engine.weights.weight_mode`)."""
+    `weights`: "fast" or "exact" (see `engine.weights.weight_mode`). `draft`: a separate file carrying the model's
+    MTP block (llama.cpp's converter with --mtp writes `mtp-*.gguf`), used instead of the model file's own."""
     mode = weight_mode(weights)
     # The cyclic collector paused meanwhile: the vocabulary's ~500,000 strings and merge pairs are no cycles, and
     # its full passes over them and torch's objects cost ~0.1 s of a 0.8B file's load.
@@ -46,6 +47,10 @@ def load_host(path: str | os.PathLike, weights: str | None = None) -> HostModel:
     try:
         m = open_model(path)
         built = build_weights(m.config, m.source, m.path.name, mode)
+        if draft is not None:
+            d = open_model(draft)
+            built.mtp = draft_weights(m.config, d.source, d.config, d.path.name, built, mode)
+            del d
         host = HostModel(m.path, m.format, m.config, built, m.tokenizer, summaries(m.source), m.file_bytes,
                          m.metadata, mode)
         del m
@@ -60,15 +65,19 @@ _HOSTS: dict[tuple, HostModel] = {}
 _HOSTS_LOCK = threading.Lock()
 
 
-def cached_host(path: str | os.PathLike, weights: str | None = None) -> HostModel:
-    """load_host once per (path, size, mtime, weight mode) in this process: a file rewritten in place is
+def cached_host(path: str | os.PathLike, weights: str | None = None,
+                draft: str | os.PathLike | None = None) -> HostModel:
+    """load_host once per (path, size, mtime, weight mode, draft file) in this process: a file rewritten in place is
     read again."""
     if not Path(path).exists():
         raise ModelFormatError(f"no such model: {path}")
-    key = (*file_identity(Path(path)), weight_mode(weights))
+    if draft is not None and not Path(draft).exists():
+        raise ModelFormatError(f"no such draft file: {draft}")
+    key = (*file_identity(Path(path)), weight_mode(weights),
+           file_identity(Path(draft)) if draft is not None else None)
     with _HOSTS_LOCK:
         host = _HOSTS.get(key)
         if host is None:
-            host = load_host(path, weights)
+            host = load_host(path, weights, draft)
             _HOSTS[key] = host
         return host

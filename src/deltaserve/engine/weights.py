@@ -468,17 +468,47 @@ def build_weights(c: HybridConfig, src: TensorSource, where: str, mode: str | No
     tied = "output.weight" not in src.names()
     head = embed.as_linear() if tied else linear("output.weight")
     final_norm = src.dense("output_norm.weight")
-    mtp = None
-    if mtp_present(c, src, where):
-        p = f"blk.{c.num_layers}."
-        names = src.names()
-        mtp = MtpWeights(
-            eh_proj=linear(p + "nextn.eh_proj.weight"), enorm=src.dense(p + "nextn.enorm.weight"),
-            hnorm=src.dense(p + "nextn.hnorm.weight"),
-            layer=_layer_weights(c, src, p, True, linear),
-            head_norm=src.dense(p + "nextn.shared_head_norm.weight") if p + "nextn.shared_head_norm.weight" in names
-            else final_norm,
-            embed=load_embedding(src, p + "nextn.embed_tokens.weight", mode)
-            if p + "nextn.embed_tokens.weight" in names else embed,
-            head=linear(p + "nextn.shared_head_head.weight") if p + "nextn.shared_head_head.weight" in names else head)
+    mtp = _mtp_weights(c, src, mode, embed, head, final_norm) if mtp_present(c, src, where) else None
     return Weights(embed, layers, final_norm, head, tied, mtp)
+
+
+def _mtp_weights(c: HybridConfig, src: TensorSource, mode: str, embed: Embedding, head: Linear,
+                 final_norm: torch.Tensor) -> MtpWeights:
+    """The MTP block at `blk.{num_layers}` of a source (checked by `mtp_present`); the trunk's embedding, head and
+    final norm where the block has none of its own."""
+    p = f"blk.{c.num_layers}."
+    names = src.names()
+
+    def linear(name: str) -> Linear:
+        return load_linear(src, name, mode)
+
+    return MtpWeights(
+        eh_proj=linear(p + "nextn.eh_proj.weight"), enorm=src.dense(p + "nextn.enorm.weight"),
+        hnorm=src.dense(p + "nextn.hnorm.weight"),
+        layer=_layer_weights(c, src, p, True, linear),
+        head_norm=src.dense(p + "nextn.shared_head_norm.weight") if p + "nextn.shared_head_norm.weight" in names
+        else final_norm,
+        embed=load_embedding(src, p + "nextn.embed_tokens.weight", mode)
+        if p + "nextn.embed_tokens.weight" in names else embed,
+        head=linear(p + "nextn.shared_head_head.weight") if p + "nextn.shared_head_head.weight" in names else head)
+
+
+# what a draft file's config must share with the model it drafts for
+DRAFT_FIELDS = ("hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "vocab_size",
+                "rotary_dim", "rope_theta", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                "shared_expert_intermediate_size", "intermediate_size")
+
+
+def draft_weights(c: HybridConfig, src: TensorSource, draft_config: HybridConfig, where: str, trunk: Weights,
+                  mode: str | None = None) -> MtpWeights:
+    """The MTP block of a separate draft file (llama.cpp's converter with --mtp: `mtp-*.gguf`, the block and the
+    embedding it shares) for the model of `c`: the shapes must be that model's; its embedding and head are the
+    trunk's (one copy in memory), unless the block carries its own nextn ones."""
+    mode = resolve_mode(weight_mode(mode))
+    differ = [f"{k} {getattr(draft_config, k)} (the model: {getattr(c, k)})" for k in DRAFT_FIELDS
+              if getattr(draft_config, k) != getattr(c, k)]
+    if differ:
+        raise ModelFormatError(f"{where} is not a draft for this model: " + "; ".join(differ))
+    if not mtp_present(c, src, where):
+        raise ModelFormatError(f"{where} carries no MTP block (blk.{c.num_layers}.nextn.eh_proj.weight)")
+    return _mtp_weights(c, src, mode, trunk.embed, trunk.lm_head, trunk.final_norm)

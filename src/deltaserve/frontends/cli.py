@@ -60,6 +60,8 @@ def _add_runtime(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mtp", type=int, default=None, metavar="N",
                    help="speculative decoding with the file's MTP block: at most N draft tokens a step (default: on, "
                         "adaptive, where the file carries one; 0: off)")
+    p.add_argument("--draft", default=None, metavar="FILE",
+                   help="the model's MTP block in a file of its own (mtp-*.gguf, llama.cpp's converter with --mtp)")
     p.add_argument("--revalidate", action="store_true", help="run the accelerator parity guard even if a verdict is cached")
     p.add_argument("--guard-max-age", type=float, default=GUARD_MAX_AGE, metavar="SECONDS",
                    help="trust a cached parity verdict this long (default a day); an older one is decided again")
