@@ -219,3 +219,57 @@ def test_ram_and_disk_budgets_hold_when_the_conversations_overflow_both(demo, tm
         assert store["restores"]["ram"] + store["restores"]["disk"] > 0
     finally:
         server.stop()
+
+
+def test_a_serve_process_on_a_state_directory_with_odd_neighbours_starts_answers_right_and_deletes_none(demo, tmp_path):
+    """Issue 32, items 3-5, through `serve` itself: a FIFO named x.state (opening it blocked the server before it
+    listened), a directory named y.state (a crash at start), a symlink to a state outside, files the store did not
+    write (notes.state, .tmp-backup.state, a `chat --resume` state) and a state whose token list was edited. The
+    server starts, answers as a clean one does, uses nothing wrong and removes nothing of anyone else's."""
+    import json
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    args = ("--slots", "1", "--state-dir", str(tmp_path))
+    convs = Conversations(demo, 3, "neighbours")
+    server = ServerProcess(default_model_path(), *args)
+    try:
+        round_robin(convs, client_of(server), range(2))
+    finally:
+        server.stop()
+    states = sorted(tmp_path.glob("*.state"))
+    assert states
+    outside = tmp_path.parent / f"{tmp_path.name}-outside.state"
+    outside.write_bytes(states[0].read_bytes())
+    os.mkfifo(tmp_path / "x.state")
+    (tmp_path / "y.state").mkdir()
+    (tmp_path / "z.state").symlink_to(outside)
+    (tmp_path / "notes.state").write_text("my notes")
+    (tmp_path / ".tmp-backup.state").write_text("a backup")
+    (tmp_path / "mychat.state").write_bytes(states[-1].read_bytes())
+
+    def latest(c):  # the file of conversation c's newest state
+        prompt = convs.results[c][-1]["prompt"]
+        return tmp_path / file_name(prompt[:max(i for i, t in enumerate(prompt) if t == demo.tokenizer.im_start_id)])
+
+    # conversation 0's state under conversation 1's tokens, in the place of conversation 1's own
+    meta = read_header(latest(0))
+    meta["tokens"] = read_header(latest(1))["tokens"]
+    forged = latest(1)
+    save_file(load_file(str(latest(0))), str(forged), metadata=meta)
+    del json
+    theirs = {"x.state", "y.state", "z.state", "notes.state", ".tmp-backup.state", "mychat.state"}
+    server = ServerProcess(default_model_path(), *args)  # came up: the FIFO was never opened
+    try:
+        round_robin(convs, client_of(server), range(2, 3))
+        convs.check(first_turn=2, share=0.6)  # every answer right; the forged conversation resumed from further back
+        now = {p.name for p in tmp_path.iterdir()}
+        assert theirs <= now and outside.exists(), sorted(theirs - now)
+        notices = " ".join(health(server)["notices"])
+        assert "not a regular file" in notices and "not this store's" in notices
+        assert "CRC-32" in notices  # the forged state was read, refused, and never used
+        assert "Traceback" not in server.stderr
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    finally:
+        server.stop()
