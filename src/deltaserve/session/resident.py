@@ -273,8 +273,8 @@ class Session:
         return p
 
     def drafting_stats(self) -> dict | None:
-        """Speculative decoding since the session started (None: it does not draft): drafted and accepted tokens,
-        the acceptance, and the draft count the policy would pick now."""
+        """Speculative decoding since the session started (None: it does not draft): the most drafts a step, drafted
+        and accepted tokens, the acceptance, and the running acceptance per draft position the policy decides on."""
         p = self._policy
         if p is None:
             return None
@@ -683,6 +683,7 @@ class Session:
         rows, drafts, i = [logits], [], 0  # rows[i] follows seq; drafts[i] was fed after it
         verifying: tuple[int, int, float, float] | None = None  # (first position, rows, draft s, verify s)
         drafted = accepted = 0
+        self._turn_drafts = (0, 0)
 
         def settle(kept: int) -> None:
             """Keep `kept` rows of the pending verification, roll back the rest."""
