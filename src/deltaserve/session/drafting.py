@@ -33,6 +33,15 @@ class DraftPolicy:
         if not self.accept:
             self.accept = [0.7] * self.most  # optimistic until measured: the first steps draft
 
+    @classmethod
+    def learned_from(cls, other: "DraftPolicy | None", most: int) -> "DraftPolicy":
+        """A policy for a new session that starts from what another session of the same model measured: its times
+        and acceptances (the counts start at 0)."""
+        if other is None:
+            return cls(most)
+        accept = (list(other.accept) + [other.accept[-1] if other.accept else 0.7] * most)[:most]
+        return cls(most, accept=accept, verify_s=dict(other.verify_s), draft_s=other.draft_s)
+
     def _verify(self, rows: int) -> float | None:
         if rows in self.verify_s:
             return self.verify_s[rows]

@@ -214,7 +214,8 @@ class Session:
                  f"({'as asked' if asked else 'default'}; the count adapts to the measured acceptance, 0 where drafts "
                  f"do not pay), {forward.mtp.why}; every token is the model's own (verified in one pass, rolled back "
                  f"without a second)")
-        return DraftPolicy(most)
+        # what earlier sessions of this model measured (the costs are the model's; the acceptance a first guess)
+        return DraftPolicy.learned_from(getattr(forward.mtp, "learned", None), most)
 
     # -- notices ----------------------------------------------------------------------------------
     def say(self, line: str) -> None:
@@ -702,6 +703,7 @@ class Session:
             drafted += n - 1
             accepted += kept - 1
             self._policy.record(n - 1, kept - 1, draft_s, verify_s)
+            self.backend.forward.mtp.learned = self._policy
 
         try:
             while len(generated) < budget:
