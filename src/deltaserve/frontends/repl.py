@@ -208,9 +208,9 @@ class ChatREPL:
         capped = ", cut by the context" if turn.context_capped else ""
         replay = f" | replayed {turn.replayed} on the CPU" if turn.replayed else ""
         self.out.write(f"[reused {turn.reused} | prefilled {turn.prefilled}{replay} | TTFT {turn.timings.ttft_s * 1000:.0f} ms | "
-                       f"{turn.decode_tok_s:.1f} tok/s | {plural(turn.generated, 'token')}, {turn.finish_reason}{capped} | "
-                       + (f"MTP {turn.accepted}/{turn.drafted} drafts accepted | " if turn.drafted else "")
-                       + f"{turn.start}]\n")
+                       f"{turn.decode_tok_s:.1f} tok/s | {plural(turn.generated, 'token')}, {turn.finish_reason}{capped}"
+                       + (f", MTP {turn.accepted}/{turn.drafted} drafts accepted" if turn.drafted else "")
+                       + f" | {turn.start}]\n")
         self.out.flush()
         if self.resumed is not None and not self.turns_since_resume:
             self.resumed += f"; its first turn reused {turn.reused} tokens ({turn.start})"
