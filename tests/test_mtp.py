@@ -125,9 +125,20 @@ def test_rolling_back_after_every_rejection_position_leaves_the_states_of_a_plai
         assert torch.allclose(f.decode(state, 7), f.decode(ref, 7), atol=1e-5)
 
 
+def drafting(model, most: int, **kw):
+    """A session that drafts `most` tokens every step it may (no adaptation, never given up): the verification and
+    rollback paths run at every step whatever the random block's drafts are worth."""
+    model.host.draft_policy = None  # what other tests' sessions measured on this model is not this test's
+    s = model.session(mtp=most, quiet=True, **kw)
+    if s._policy is not None:
+        s._policy.choose = lambda room: min(most, room)
+        s._policy.record_step = lambda *a: None
+    return s
+
+
 def turns(model, mtp, temperature=0.0, seed=None, max_tokens=48):
     """Two turns of one conversation (the second extends the first), and the session."""
-    s = model.session(mtp=mtp, quiet=True)
+    s = drafting(model, mtp) if mtp else model.session(mtp=mtp, quiet=True)
     first = s.generate(PROMPT, max_tokens=max_tokens, temperature=temperature, seed=seed)
     second = s.generate(PROMPT + first.tokens + [9, 10, 11], max_tokens=max_tokens, temperature=temperature,
                         seed=seed)
@@ -176,8 +187,7 @@ def test_drafts_the_model_agrees_with_are_kept_and_the_others_rolled_back(models
     plain = s0.generate(PROMPT, max_tokens=40)
     oracle = OracleDrafts(plain.tokens, len(PROMPT), wrong_every)
     monkeypatch.setattr(resident.Session, "_draft", lambda self, *a: oracle(self, *a))
-    s = model.session(mtp=4, quiet=True)
-    s._policy.choose = lambda room: min(4, room)  # no adaptation: every step drafts as many as it may
+    s = drafting(model, 4)
     turn = s.generate(PROMPT, max_tokens=40)
     assert turn.tokens == plain.tokens
     assert turn.drafted > 0
@@ -204,8 +214,7 @@ def test_sampling_with_drafts_keeps_the_models_distribution(models, monkeypatch)
         return [int(f.prefill(f.new_state(64), list(self.held) + [token]).argmax())]
 
     monkeypatch.setattr(resident.Session, "_draft", greedy_drafts)
-    s = model.session(mtp=1, quiet=True)
-    s._policy.choose = lambda room: min(1, room)
+    s = drafting(model, 1)
     s0 = model.session(mtp=0, quiet=True)
     counts: dict[int, dict[int, int]] = {}
     n = 240
@@ -244,8 +253,9 @@ def test_a_structured_answer_is_the_same_with_drafts(models):
     model = models("dense", "q8_0")
     fmt = {"type": "json_object"}
     a = model.session(mtp=0, quiet=True).generate(PROMPT, max_tokens=40, response_format=fmt)
-    s = model.session(mtp=3, quiet=True)
+    s = drafting(model, 3)
     b = s.generate(PROMPT, max_tokens=40, response_format=fmt)
+    assert b.drafted > 0
     assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
 
 
@@ -267,7 +277,7 @@ def test_the_mtp_switch_is_checked_and_said(models, capsys):
 def test_the_capacity_plan_counts_the_drafting_buffers(models):
     model = models("dense", "q8_0")
     c = model.config
-    s = model.session(mtp=4, quiet=True)
+    s = drafting(model, 4)
     s.generate(PROMPT, max_tokens=2)
     extra = cap.speculative_bytes(c, s.capacity, 4)
     assert extra == s.capacity * 2 * c.num_kv_heads * c.head_dim * 4 + 4 * c.recurrent_state_bytes()
@@ -331,8 +341,7 @@ def test_llama_cpps_converter_writes_the_mtp_block_as_deltaserve_reads_it_from_t
     model = deltaserve.load(gg)
     ids = list(range(1000, 1012))
     plain = model.session(mtp=0, quiet=True).generate(ids, max_tokens=32)
-    s = model.session(mtp=3, quiet=True)
-    drafted = s.generate(ids, max_tokens=32)
+    drafted = drafting(model, 3).generate(ids, max_tokens=32)
     assert drafted.tokens == plain.tokens and drafted.drafted > 0
 
 
@@ -382,7 +391,7 @@ def test_a_separate_mtp_file_drafts_for_its_model_and_a_wrong_one_is_refused(tmp
     x = torch.randn(2, 2 * whole.config.hidden_size, generator=torch.Generator().manual_seed(4))
     assert torch.allclose(paired.weights.mtp.eh_proj(x), whole.weights.mtp.eh_proj(x), atol=1e-5)
     ids = list(range(2000, 2010))
-    a = deltaserve.load(files["--no-mtp"], draft=files["--mtp"]).session(mtp=2, quiet=True).generate(ids, max_tokens=16)
+    a = drafting(deltaserve.load(files["--no-mtp"], draft=files["--mtp"]), 2).generate(ids, max_tokens=16)
     b = deltaserve.load(with_block).session(mtp=0, quiet=True).generate(ids, max_tokens=16)
     assert a.tokens == b.tokens and a.drafted > 0
     with pytest.raises(DeltaserveError, match="is not a draft for this model"):
@@ -390,3 +399,24 @@ def test_a_separate_mtp_file_drafts_for_its_model_and_a_wrong_one_is_refused(tmp
     out = subprocess.run([sys.executable, "-m", "deltaserve", "run", str(fx.gguf_path("hybrid", "f32")), "--draft",
                           str(files["--mtp"]), "--raw", "-p", "hi"], capture_output=True, text=True, timeout=300)
     assert out.returncode != 0 and "is not a draft for this model" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_the_policy_takes_the_draft_count_that_measured_fastest_and_gives_up_drafts_that_do_not_pay():
+    from deltaserve.session.drafting import OFF_AFTER, DraftPolicy
+
+    p = DraftPolicy(3)
+    for k, tokens, seconds in ((3, 4, 0.010), (2, 3, 0.010), (1, 2, 0.010), (0, 1, 0.004)):
+        assert p.choose(100) == k  # each count measured once, the most drafts first
+        p.record_step(k, tokens, seconds)
+    assert p.choose(100) == 3 and p.choose(2) == 2  # 400 tokens/s with 3 drafts; the room bounds it
+    for _ in range(30):  # the text turns unpredictable: a step with drafts now makes one token
+        for k in (1, 2, 3):
+            p.record_step(k, 1, 0.010)
+    assert p.choose(100) == 0  # plain steps: 250 tokens/s, against ~100 with drafts
+    while p.steps < OFF_AFTER:
+        p.choose(100)
+    p.record_step(0, 1, 0.004)
+    assert p.off and "tokens/s without drafts" in p.why_off()
+    learned = DraftPolicy.learned_from(p, 3)
+    assert learned.off and learned.rate == p.rate
+    assert not DraftPolicy.learned_from(DraftPolicy(2), 3).off

@@ -211,11 +211,15 @@ class Session:
                      f"drafting up to {TOKEN_ROWS - 1}")
             most = TOKEN_ROWS - 1
         self.say(f"[deltaserve] MTP: drafting up to {most} tokens a step with the file's MTP block "
-                 f"({'as asked' if asked else 'default'}; the count adapts to the measured acceptance, 0 where drafts "
-                 f"do not pay), {forward.mtp.why}; every token is the model's own (verified in one pass, rolled back "
-                 f"without a second)")
-        # what earlier sessions of this model measured (the costs are the model's; the acceptance a first guess)
-        return DraftPolicy.learned_from(getattr(forward.mtp, "learned", None), most)
+                 f"({'as asked' if asked else 'default'}; each step takes the count with the most tokens per second "
+                 f"measured, 0 where drafts do not pay), {forward.mtp.why}; every token is the model's own (verified "
+                 f"in one pass, rolled back without a second)")
+        # what earlier sessions of this model measured in this process (the costs are the model's)
+        policy = DraftPolicy.learned_from(getattr(self.host, "draft_policy", None), most)
+        if policy.off:
+            self.say(f"[deltaserve] MTP: drafts did not pay for this model in this process ({policy.why_off()}): "
+                     f"decoding without them")
+        return policy
 
     # -- notices ----------------------------------------------------------------------------------
     def say(self, line: str) -> None:
@@ -275,20 +279,32 @@ class Session:
 
     def drafting_stats(self) -> dict | None:
         """Speculative decoding since the session started (None: it does not draft): the most drafts a step, drafted
-        and accepted tokens, the acceptance, and the running acceptance per draft position the policy decides on."""
+        and accepted tokens, the acceptance, the running acceptance per draft position, and the tokens per second the
+        policy measured for each draft count (what it decides on)."""
         p = self._policy
         if p is None:
             return None
         return {"most": p.most, "drafted": p.drafted, "accepted": p.accepted,
                 "acceptance": round(p.accepted / p.drafted, 4) if p.drafted else None,
-                "per_position": [round(a, 3) for a in p.accept]}
+                "per_position": [round(a, 3) for a in p.accept],
+                "tokens_per_s_by_drafts": {str(k): round(r, 1) for k, r in sorted(p.rate.items())}}
 
     def _speculative_bytes(self, capacity: int) -> int:
         policy = getattr(self, "_policy", None)
         return cap.speculative_bytes(self.host.config, capacity, policy.most) if policy is not None else 0
 
+    def _give_up_drafting(self) -> None:
+        """Drafts measured not to pay (`DraftPolicy.off`): the state's MTP cache is dropped (following it costs a
+        block per token), said once."""
+        if self.state is not None and self.state.mtp is not None:
+            self.state.mtp = None
+            self.say(f"[deltaserve] MTP: drafts do not pay for this model here ({self._policy.why_off()}): decoding "
+                     f"without them from now on")
+
     def _attach_drafting(self) -> None:
         """A new state gets the MTP block's cache and the rollback snapshots (planned with it: `_plan`)."""
+        if self._policy is not None and self._policy.off:
+            return
         if self._policy is not None and self.state is not None and not self.backend.accelerator:
             forward = self.backend.forward
             self.state.mtp = forward.mtp.new_cache(self.state.capacity)
@@ -682,7 +698,8 @@ class Session:
         decode_t0 = time.perf_counter()
         seq = list(prompt)  # the tokens decided so far, the last one fed (with drafts after it while verifying)
         rows, drafts, i = [logits], [], 0  # rows[i] follows seq; drafts[i] was fed after it
-        verifying: tuple[int, int, float, float] | None = None  # (first position, rows, draft s, verify s)
+        verifying: tuple[int, int] | None = None  # the verification to settle: (its first position, its rows)
+        step: tuple[int, float] | None = None  # the step running (its draft count, when it fed), for the policy
         drafted = accepted = 0
         self._turn_drafts = (0, 0)
 
@@ -691,7 +708,7 @@ class Session:
             nonlocal verifying, drafted, accepted
             if verifying is None:
                 return
-            at, n, draft_s, verify_s = verifying
+            at, n = verifying
             verifying = None
             try:
                 if kept < n:
@@ -702,8 +719,7 @@ class Session:
             self.held = self.held[:at + kept]
             drafted += n - 1
             accepted += kept - 1
-            self._policy.record(n - 1, kept - 1, draft_s, verify_s)
-            self.backend.forward.mtp.learned = self._policy
+            self._policy.record_drafts(n - 1, kept - 1)
 
         try:
             while len(generated) < budget:
@@ -745,17 +761,22 @@ class Session:
                     i += 1
                     continue
                 settle(i + 1)
+                now = time.perf_counter()
+                if step is not None:  # the step that ends here made i + 1 tokens (its rows sampled)
+                    self._policy.record_step(step[0], i + 1, now - step[1])
+                    self.host.draft_policy = self._policy  # the next session of this model starts from it
+                    step = None
+                    if self._policy.off:
+                        self._give_up_drafting()
                 k = 0
-                if self._policy is not None and self.backend.drafts_alone():
+                if self._policy is not None and not self._policy.off and self.backend.drafts_alone():
                     # drafts past the budget could not be kept: room for them and the verification's own token
                     k = self._policy.choose(min(budget - len(generated) - 1, self.state.capacity - len(seq)))
+                    step = (k, now)
                 if k > 0:
                     rows, drafts, verifying = self._speculate(seq, k, constraint, stop_ids)
                 else:
-                    step_t0 = time.perf_counter()
                     logits, _ = self._feed(seq, len(seq) - 1, None)
-                    if self._policy is not None:
-                        self._policy.record(0, 0, 0.0, time.perf_counter() - step_t0)
                     rows, drafts = [logits], []
                 i = 0
         finally:
@@ -770,14 +791,12 @@ class Session:
 
     def _speculate(self, seq: list[int], k: int, constraint, stop_ids) -> tuple[list, list[int], tuple]:
         """Feed seq's last token with up to k drafts after it, verified in one chain: the rows' logits, the drafts,
-        and the verification to settle (its first position, rows, and the seconds drafting and verifying took)."""
+        and the verification to settle (its first position and its rows)."""
         state, token = self.state, seq[-1]
         if state.length != len(seq) - 1:
             raise BackendError(f"internal: the state holds {state.length} positions, expected {len(seq) - 1}")
-        t0 = time.perf_counter()
         try:
             drafts = self.backend.run(self._draft, state, token, k, constraint, stop_ids)
-            t1 = time.perf_counter()
             self.held = []  # until the verification completes, what the state holds is not trusted
             logits = self.backend.verify(state, [token] + drafts, self._snaps)
         except DeltaserveError:
@@ -786,9 +805,8 @@ class Session:
         except Exception as e:  # noqa: BLE001 - a half-valid state is never reused
             self._forget()
             raise BackendError(f"the verification at position {len(seq) - 1} failed: {type(e).__name__}: {e}") from e
-        t2 = time.perf_counter()
         self.held = list(seq) + drafts
-        return list(logits), drafts, (len(seq) - 1, len(drafts) + 1, t1 - t0, t2 - t1)
+        return list(logits), drafts, (len(seq) - 1, len(drafts) + 1)
 
     def _draft(self, state: DecodeState, token: int, k: int, constraint, stop_ids) -> list[int]:
         """Up to k greedy drafts after `token` from the MTP block, masked by the grammar where there is one (its
