@@ -47,9 +47,11 @@ class DraftPolicy:
         and acceptances; the counts start at 0)."""
         if other is None:
             return cls(most)
-        accept = (list(other.accept) + [0.0] * most)[:most]
-        return cls(most, rate={k: v for k, v in other.rate.items() if k <= most},
-                   sums={k: v for k, v in other.sums.items() if k <= most}, accept=accept, off=other.off,
+        # dict() and list() copy in one step under the interpreter lock: another slot's session may be recording
+        rate, sums, accept = dict(other.rate), dict(other.sums), list(other.accept)
+        accept = (accept + [0.0] * most)[:most]
+        return cls(most, rate={k: v for k, v in rate.items() if k <= most},
+                   sums={k: v for k, v in sums.items() if k <= most}, accept=accept, off=other.off,
                    steps=other.steps)
 
     def choose(self, room: int) -> int:
