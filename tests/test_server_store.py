@@ -157,20 +157,28 @@ def test_after_a_restart_every_conversation_resumes_from_disk(demo, tmp_path, ho
         server.stop()
 
 
-def test_damaged_and_foreign_state_files_are_refused_with_one_notice_each_and_answers_stay_right(demo, tmp_path):
-    args = ("--slots", "2", "--state-dir", str(tmp_path))
-    convs = Conversations(demo, 4, "damaged")
+def served_then_stopped(convs: Conversations, args: tuple, turns: range) -> None:
+    """The conversations' turns on a server of `args` that is stopped afterwards."""
     server = ServerProcess(default_model_path(), *args)
     try:
-        round_robin(convs, client_of(server), range(3))
+        round_robin(convs, client_of(server), turns)
     finally:
         server.stop()
 
-    def latest(c):  # the file of conversation c's newest state
-        r = convs.results[c][-1]
-        prompt = r["prompt"]
-        cut = max(i for i, t in enumerate(prompt) if t == demo.tokenizer.im_start_id)
-        return tmp_path / file_name(prompt[:cut])
+
+def latest_state(demo, convs: Conversations, directory, c: int):
+    """The file of conversation c's newest state (the store's name for its tokens before the generation header)."""
+    prompt = convs.results[c][-1]["prompt"]
+    return directory / file_name(prompt[:max(i for i, t in enumerate(prompt) if t == demo.tokenizer.im_start_id)])
+
+
+def test_damaged_and_foreign_state_files_are_refused_with_one_notice_each_and_answers_stay_right(demo, tmp_path):
+    args = ("--slots", "2", "--state-dir", str(tmp_path))
+    convs = Conversations(demo, 4, "damaged")
+    served_then_stopped(convs, args, range(3))
+
+    def latest(c):
+        return latest_state(demo, convs, tmp_path, c)
 
     data = bytearray(latest(0).read_bytes())
     data[-50] ^= 0x01
@@ -226,18 +234,13 @@ def test_a_serve_process_on_a_state_directory_with_odd_neighbours_starts_answers
     listened), a directory named y.state (a crash at start), a symlink to a state outside, files the store did not
     write (notes.state, .tmp-backup.state, a `chat --resume` state) and a state whose token list was edited. The
     server starts, answers as a clean one does, uses nothing wrong and removes nothing of anyone else's."""
-    import json
     import os
 
     from safetensors.torch import load_file, save_file
 
     args = ("--slots", "1", "--state-dir", str(tmp_path))
     convs = Conversations(demo, 3, "neighbours")
-    server = ServerProcess(default_model_path(), *args)
-    try:
-        round_robin(convs, client_of(server), range(2))
-    finally:
-        server.stop()
+    served_then_stopped(convs, args, range(2))
     states = sorted(tmp_path.glob("*.state"))
     assert states
     outside = tmp_path.parent / f"{tmp_path.name}-outside.state"
@@ -249,16 +252,14 @@ def test_a_serve_process_on_a_state_directory_with_odd_neighbours_starts_answers
     (tmp_path / ".tmp-backup.state").write_text("a backup")
     (tmp_path / "mychat.state").write_bytes(states[-1].read_bytes())
 
-    def latest(c):  # the file of conversation c's newest state
-        prompt = convs.results[c][-1]["prompt"]
-        return tmp_path / file_name(prompt[:max(i for i, t in enumerate(prompt) if t == demo.tokenizer.im_start_id)])
+    def latest(c):
+        return latest_state(demo, convs, tmp_path, c)
 
     # conversation 0's state under conversation 1's tokens, in the place of conversation 1's own
     meta = read_header(latest(0))
     meta["tokens"] = read_header(latest(1))["tokens"]
     forged = latest(1)
     save_file(load_file(str(latest(0))), str(forged), metadata=meta)
-    del json
     theirs = {"x.state", "y.state", "z.state", "notes.state", ".tmp-backup.state", "mychat.state"}
     server = ServerProcess(default_model_path(), *args)  # came up: the FIFO was never opened
     try:

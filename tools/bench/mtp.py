@@ -18,12 +18,11 @@ from __future__ import annotations
 import json
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from tools.bench.peers import (_cpu_name, _free_port, _wait_up, in_fresh_process, llama_server_binary, median,
+from tools.bench.peers import (_cpu_name, _free_port, in_fresh_process, llama_server_binary, median, serving,
                                use_best_llama)
 
 LAYERS = (4, 8)
@@ -86,9 +85,7 @@ def llama_server_demo(path: Path, threads: int, spec: bool) -> dict:
            "-c", "4096", "-np", "1", "--jinja", "--no-warmup", "--temp", "0"]
     if spec:
         cmd += ["--spec-type", "draft-mtp", "--spec-draft-n-max", "3"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        _wait_up(url, proc)
+    with serving(cmd, url):
         predicted = secs = 0.0
         drafted = accepted = 0
         texts = []
@@ -109,12 +106,6 @@ def llama_server_demo(path: Path, threads: int, spec: bool) -> dict:
                 accepted += t.get("draft_n_accepted", 0) or 0
         return {"tok_s": predicted / secs if secs else 0.0, "drafted": drafted, "accepted": accepted,
                 "acceptance": accepted / drafted if drafted else None, "texts": texts}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 # -- 2. the cost of a verification --------------------------------------------------------------------------------

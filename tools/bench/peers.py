@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -360,6 +361,22 @@ def _wait_up(url: str, proc, seconds: float = 300) -> None:
     raise RuntimeError("the server did not come up")
 
 
+@contextmanager
+def serving(cmd: list[str], url: str):
+    """A server process (`cmd`, its output discarded) up and answering /health at `url` while inside; stopped
+    after (terminated, killed if it has not gone in 30 s)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_up(url, proc)
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def _free_port() -> int:
     import socket
 
@@ -378,9 +395,7 @@ def chat_measure(engine: str, path: Path, threads: int, turns: int = 12, max_tok
     else:
         cmd = [str(llama_server_binary()), "-m", str(path), "--port", str(port), "-t", str(threads), "-tb",
                str(threads), "-c", "8192", "-np", "1", "--jinja", "--no-warmup"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        _wait_up(url, proc)
+    with serving(cmd, url):
         messages: list[dict] = []
         rows = []
         for k in range(1, turns + 1):
@@ -393,12 +408,6 @@ def chat_measure(engine: str, path: Path, threads: int, turns: int = 12, max_tok
         regen, _, usage = _stream_ttft(url, messages, max_tokens)
         return {"turns": rows, "regenerate_ttft_s": regen,
                 "regenerate_cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens")}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def merge_runs(parts: list[dict]) -> dict:

@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 import torch
 
 from deltaserve.formats.config import HybridConfig
-from deltaserve.engine.weights import AttentionWeights, Weights
+from deltaserve.engine.weights import Weights
 from deltaserve.engine import layers as L
 from deltaserve.kernels.linear import amx_bf16
 from deltaserve.kernels.cpu import cpu_stall_seconds, keep_freed_memory
@@ -74,15 +74,8 @@ class Forward:
         return torch.tensor(list(tokens), dtype=torch.long, device=self.device)
 
     def _layers(self, x: torch.Tensor, attention: Callable, deltanet: Callable) -> torch.Tensor:
-        """The one layer loop (prefill, decode and batched decode): norm, mixer, residual, FFN (an MLP or an MoE
-        block), residual per layer;
-        `attention(i, h, weights)` and `deltanet(i, h, weights)` mix a layer's normed input."""
-        w, eps = self.weights, self.config.rms_norm_eps
-        for i, lw in enumerate(w.layers):
-            h = L.rms_norm(x, lw.attn_norm, eps)
-            x = x + (attention(i, h, lw.mixer) if isinstance(lw.mixer, AttentionWeights) else deltanet(i, h, lw.mixer))
-            x = x + L.ffn(L.rms_norm(x, lw.post_norm, eps), lw)
-        return x
+        """The trunk through the one layer loop (`layers.layer_loop`)."""
+        return L.layer_loop(x, self.weights.layers, self.config.rms_norm_eps, attention, deltanet)
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         return self.weights.lm_head(self._normed(x)).float()

@@ -11,6 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from deltaserve.engine.weights import AttentionWeights
 from deltaserve.kernels import native as kernel
 
 CHUNK = 64  # the chunk length of the chunked gated delta rule
@@ -38,6 +39,17 @@ def mlp(x: torch.Tensor, gate_up, down) -> torch.Tensor:
     """down(silu(gate(x)) * up(x)), gate and up as one stacked projection."""
     gate, up = gate_up.split(gate_up(x))
     return down(F.silu(gate) * up)
+
+
+def layer_loop(x: torch.Tensor, layers, eps: float, attention, deltanet) -> torch.Tensor:
+    """The one layer loop (prefill, decode, batched decode, the MTP block): norm, mixer, residual, FFN (an MLP or an
+    MoE block), residual per layer; `attention(i, h, weights)` and `deltanet(i, h, weights)` mix layer i's normed
+    input."""
+    for i, lw in enumerate(layers):
+        h = rms_norm(x, lw.attn_norm, eps)
+        x = x + (attention(i, h, lw.mixer) if isinstance(lw.mixer, AttentionWeights) else deltanet(i, h, lw.mixer))
+        x = x + ffn(rms_norm(x, lw.post_norm, eps), lw)
+    return x
 
 
 def ffn(x: torch.Tensor, lw) -> torch.Tensor:

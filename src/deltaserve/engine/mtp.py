@@ -21,7 +21,8 @@ import torch
 from deltaserve.formats.config import HybridConfig
 from deltaserve.engine import layers as L
 from deltaserve.engine.native_token import NotNative, TokenProgram
-from deltaserve.engine.weights import AttentionWeights, Weights
+from deltaserve.engine.state import Checkpoint
+from deltaserve.engine.weights import Weights
 
 
 # rows of one catch-up: pending rows past this are written at once (a prefill's), never held in memory
@@ -83,31 +84,16 @@ class MtpCache:
 
 
 class Snapshots:
-    """The DeltaNet states after each row of a verify chain but the last, for up to `rows` drafts: conv [Kc-1, C]
-    and ssm [nv, dk, dv] per DeltaNet layer, allocated once per sequence and refilled by every verification."""
+    """The DeltaNet states after each row of a verify chain but the last, for up to `rows` drafts: a checkpoint's
+    conv and ssm per DeltaNet layer (no KV: a rollback never needs it), allocated once per sequence and refilled by
+    every verification."""
 
     def __init__(self, config: HybridConfig, rows: int, device: torch.device):
-        c = config
-        self.rows = [_Snapshot(c, device) for _ in range(rows)]
+        self.rows = [Checkpoint.empty(config, 0, torch.device(device), torch.float32) for _ in range(rows)]
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * 4 for s in self.rows for t in list(s.conv.values()) + list(s.ssm.values()))
-
-
-class _Snapshot:
-    def __init__(self, c: HybridConfig, device):
-        self.conv, self.ssm = {}, {}
-        for i in range(c.num_layers):
-            if not c.is_attention(i):
-                self.conv[i] = torch.empty((c.conv_kernel - 1, c.conv_dim), device=device)
-                self.ssm[i] = torch.empty((c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim),
-                                          device=device)
-
-
-def snapshot_bytes(config: HybridConfig, rows: int) -> int:
-    """What `Snapshots` of `rows` hold: that many copies of the recurrent and conv state."""
-    return rows * config.recurrent_state_bytes()
 
 
 class MtpHead:
@@ -157,12 +143,12 @@ class MtpHead:
             row = self.program.rows(x[-1:].clone(), [cache], [start + n - 1], hidden=last, logits=logits)
             return (row[0] if row is not None else None), last[0]
         c, w, eps = self.config, self.w, self.config.rms_norm_eps
-        lw = w.layer
         rope = L.rope_tables(torch.arange(start, start + n, device=self.device), c.rotary_dim, c.rope_theta)
-        k_cache, v_cache = cache.kv[0]
-        h = L.rms_norm(x, lw.attn_norm, eps)
-        x = x + L.attention_mixer(h, lw.mixer, c, k_cache, v_cache, start, rope, 512, self.attention_dtype)
-        x = x + L.ffn(L.rms_norm(x, lw.post_norm, eps), lw)
+
+        def attention(i, h, mw):
+            return L.attention_mixer(h, mw, c, *cache.kv[0], start, rope, 512, self.attention_dtype)
+
+        x = L.layer_loop(x, [w.layer], eps, attention, None)
         g = L.rms_norm(x[-1:], w.head_norm, eps)
         return (w.head(g).float()[0] if logits else None), g[0].float()
 

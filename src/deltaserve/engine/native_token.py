@@ -246,7 +246,6 @@ class TokenProgram:
                 snap_ptrs.append(ptrs)
             snap_ptrs += [snap_ptrs[-1]] * (b - len(snap_ptrs))  # the last row's entry is never read
             snap_table = (ctypes.c_void_p * b)(*(ctypes.addressof(p) for p in snap_ptrs))
-            keep = snap_ptrs  # noqa: F841 - alive through the call
         posv = (ctypes.c_int * b)(*pos)
         cap = (ctypes.c_int * b)(*(st.capacity for st in states))
         out = torch.empty(b, self.weights.lm_head.out_features) if logits else None

@@ -262,6 +262,13 @@ class Weights:
             parts += self.mtp.parts()
         return self._bytes_of(parts)
 
+    @property
+    def mtp_nbytes(self) -> int:
+        """The MTP block's own bytes (without the trunk's embedding and head where it shares them); 0 without one."""
+        if self.mtp is None:
+            return 0
+        return self._bytes_of([p for p in self.mtp.parts() if p is not self.embed and p is not self.lm_head])
+
     @staticmethod
     def _bytes_of(parts) -> int:
         """The bytes the weights among `parts` hold, each storage (or each view of the file's mapping) once."""

@@ -171,13 +171,6 @@ def cmd_run(a) -> int:
     return 0
 
 
-def mtp_own_bytes(weights) -> int:
-    """The MTP block's bytes, without the trunk's embedding and head where it shares them."""
-    mtp = weights.mtp
-    shared = [p for p in (weights.embed, weights.lm_head)]
-    return weights._bytes_of([p for p in mtp.parts() if not any(p is q for q in shared)])
-
-
 def mtp_arg(a) -> int | None:
     n = getattr(a, "mtp", None)
     if n is not None and n < 0:
@@ -260,7 +253,7 @@ def cmd_inspect(a) -> int:
         own = [n for n, same in (("embedding", mtp.embed is host.weights.embed), ("head", mtp.head is host.weights.lm_head))
                if not same]
         print(f"MTP block: yes (nextn: one full-attention block{' with an MoE FFN' if c.is_moe else ''}, "
-              f"{mtp_own_bytes(host.weights) / (1 << 20):.1f} MiB of its own; "
+              f"{host.weights.mtp_nbytes / (1 << 20):.1f} MiB of its own; "
               f"{'its own ' + ' and '.join(own) if own else 'the trunk embedding and head'}): speculative decoding "
               f"drafts with it (--mtp N, 0 off)")
     else:

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -478,7 +479,8 @@ class Session:
         """
         while True:
             try:
-                logits = self._feed_on_backend(seq, start, ck_at)
+                with self._or_forget(f"the forward failed at position {start}"):
+                    logits = self._feed_on_backend(seq, start, ck_at)
                 self.held = seq
                 return logits, start
             except AcceleratorFailure as e:
@@ -487,12 +489,22 @@ class Session:
                 self.replays += 1
                 self.say(f"[deltaserve] replaying {len(seq)} tokens on the CPU after the fallback")
                 start = 0
-            except DeltaserveError:
-                self._forget()
-                raise
-            except Exception as e:  # noqa: BLE001 - a half-valid state is never reused
-                self._forget()
-                raise BackendError(f"the forward failed at position {start}: {type(e).__name__}: {e}") from e
+
+    @contextmanager
+    def _or_forget(self, what: str):
+        """Work on the state that may leave it half-valid: on a failure the state is forgotten (never reused) and the
+        error raised, ours as it is, any other as a BackendError saying `what`: its type and text. An accelerator's
+        failure passes untouched (the caller moves to the CPU)."""
+        try:
+            yield
+        except AcceleratorFailure:
+            raise
+        except DeltaserveError:
+            self._forget()
+            raise
+        except Exception as e:  # noqa: BLE001 - a half-valid state is never reused
+            self._forget()
+            raise BackendError(f"{what}: {type(e).__name__}: {e}") from e
 
     def _forget(self) -> None:
         self.held = []
@@ -710,12 +722,9 @@ class Session:
                 return
             at, n = verifying
             verifying = None
-            try:
-                if kept < n:
+            if kept < n:
+                with self._or_forget(f"the rollback to position {at + kept} failed"):
                     self.backend.rollback(self.state, self._snaps, kept, n)
-            except Exception as e:  # noqa: BLE001 - a half-rolled-back state is never reused
-                self._forget()
-                raise BackendError(f"the rollback to position {at + kept} failed: {type(e).__name__}: {e}") from e
             self.held = self.held[:at + kept]
             drafted += n - 1
             accepted += kept - 1
@@ -795,16 +804,10 @@ class Session:
         state, token = self.state, seq[-1]
         if state.length != len(seq) - 1:
             raise BackendError(f"internal: the state holds {state.length} positions, expected {len(seq) - 1}")
-        try:
+        with self._or_forget(f"the verification at position {len(seq) - 1} failed"):
             drafts = self.backend.run(self._draft, state, token, k, constraint, stop_ids)
             self.held = []  # until the verification completes, what the state holds is not trusted
             logits = self.backend.verify(state, [token] + drafts, self._snaps)
-        except DeltaserveError:
-            self._forget()
-            raise
-        except Exception as e:  # noqa: BLE001 - a half-valid state is never reused
-            self._forget()
-            raise BackendError(f"the verification at position {len(seq) - 1} failed: {type(e).__name__}: {e}") from e
         self.held = list(seq) + drafts
         return list(logits), drafts, (len(seq) - 1, len(drafts) + 1)
 
