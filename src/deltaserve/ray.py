@@ -11,7 +11,10 @@
   conversation's checkpoints went to (the prefix a turn's state covers: its prompt before the generation header).
   A prompt no replica holds goes where a consistent (rendezvous) hash of the conversation's opening tokens (up to
   its first assistant turn) puts it among the replicas that are up, so a conversation stays put from its first turn
-  and only the conversations of a replica that goes away move. A replica whose slots are all busy sends the request
+  and only the conversations of a replica that goes away move. A Responses API request that names a stored
+  response (a follow-up's `previous_response_id`, a retrieval) goes to the replica that answered it (the router
+  notes each response's id from its answer's `x-deltaserve-response-id`); any other reads the response and its
+  state from the shared directory. A replica whose slots are all busy sends the request
   to one with a free slot; one that is down is skipped.
 - **One state store directory** (`--state-dir`) all replicas share: every turn's checkpoint is written through to
   it, and a replica that gets a conversation it never served restores the state another replica wrote
@@ -157,6 +160,20 @@ def rendezvous(key: bytes, replicas: Sequence[int]) -> int:
     return max(replicas, key=lambda r: hashlib.blake2b(key + b"/" + str(r).encode(), digest_size=8).digest())
 
 
+def named_response(method: str, path: str, body: bytes) -> str | None:
+    """The stored response a request names: a POST /v1/responses's previous_response_id, or the id in
+    /v1/responses/{id}[/input_items]."""
+    if path == "/v1/responses" and method == "POST":
+        try:
+            prev = json.loads(body).get("previous_response_id")
+        except (ValueError, AttributeError, RecursionError):
+            return None
+        return prev if isinstance(prev, str) else None
+    if path.startswith("/v1/responses/"):
+        return path[len("/v1/responses/"):].split("/", 1)[0] or None
+    return None
+
+
 class Routes:
     """The routing policy, apart from Ray (tested on its own): where a prompt goes, given which replicas are up and
     how many requests each has in flight."""
@@ -167,6 +184,7 @@ class Routes:
         self.im_start = im_start
         self.assistant = tuple(assistant)
         self.index = PrefixIndex()
+        self.responses: OrderedDict[str, int] = OrderedDict()  # stored response id -> the replica that answered it
         self.inflight = [0] * replicas
         self.up = [True] * replicas
         self.counts: dict[str, int] = {}
@@ -193,12 +211,28 @@ class Routes:
     def _free(self, r: int) -> bool:
         return self.inflight[r] < self.slots
 
-    def choose(self, prompt: Sequence[int] | None, avoid: Sequence[int] = ()) -> tuple[int | None, str, int]:
-        """(replica, why, tokens its state covers by the index) for a prompt (None: a request without one)."""
+    def answered(self, response_id: str, replica: int) -> None:
+        """A stored response (the Responses API) was answered by `replica`: its state is there."""
+        self.responses[response_id] = replica
+        self.responses.move_to_end(response_id)
+        while len(self.responses) > self.index.limit:
+            self.responses.popitem(last=False)
+
+    def choose(self, prompt: Sequence[int] | None, avoid: Sequence[int] = (),
+               response: str | None = None) -> tuple[int | None, str, int]:
+        """(replica, why, tokens its state covers by the index) for a prompt (None: a request without one), or for
+        a request that names a stored response (`response`: a follow-up by previous_response_id, or a retrieval):
+        the replica that answered it, whose slot or store holds its state, while it is up and has a free slot (any
+        other restores the state from the shared store, or reads the response's items from it)."""
         live = [r for r in range(self.n) if self.up[r] and r not in avoid]
         if not live:
             return None, "none up", 0
         least = min(live, key=lambda r: (self.inflight[r], r))
+        if response is not None and response in self.responses:
+            r = self.responses[response]
+            if r in live and self._free(r):
+                return r, "response", 0
+            return least, "response replica " + ("full" if r in live else "down"), 0
         if not prompt:
             return least, "least busy", 0
         held = self.index.longest(prompt)
@@ -517,9 +551,10 @@ class Router:
         ids = None
         if request.method == "POST":
             ids = await asyncio.get_running_loop().run_in_executor(self.text_pool, self.prompt_ids, path, bytes(body))
+        named = named_response(request.method, path, bytes(body))
         tried: list[int] = []
         while True:
-            r, why, _ = self.routes.choose(ids, avoid=tried)
+            r, why, _ = self.routes.choose(ids, avoid=tried, response=named)
             if r is None:
                 return JSONResponse(_error(503, f"no replica is up ({len(self.handles)} configured; restarting ones "
                                            "come back within seconds): retry shortly", "no_replica"), status_code=503,
@@ -555,6 +590,9 @@ class Router:
                                            "replica_failed"), status_code=500)
             break
         headers = [(k, v) for k, v in first["headers"]] + [("x-deltaserve-replica", str(r))]  # who answered
+        made = next((v for k, v in headers if k.lower() == "x-deltaserve-response-id"), None)
+        if made is not None and first["status"] == 200:
+            self.routes.answered(made, r)
         if not first["more"]:
             self.routes.inflight[r] -= 1
             response = Response(content=first["body"], status_code=first["status"])

@@ -551,15 +551,19 @@ class Session:
                  top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
                  repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                  seed: int | None = None, stop: Sequence[str | int] | None = None,
-                 on_token: OnToken | None = None, response_format=None) -> Turn:
+                 on_token: OnToken | None = None, response_format=None, keep_end: bool = False) -> Turn:
         """One turn from raw prompt ids. `response_format` (OpenAI's: {"type": "json_object"} or {"type":
         "json_schema", "json_schema": {"schema": {...}}}, or a `grammar.CompiledFormat`) constrains every generated
-        token from the first one to the grammar (deltaserve.session.grammar); the turn ends ("stop") when it is complete."""
+        token from the first one to the grammar (deltaserve.session.grammar); the turn ends ("stop") when it is complete.
+
+        `keep_end`: the turn's checkpoint is the state after its last fed token (what `held` is when it ends), not the
+        one before the prompt's generation header: for a conversation that continues from exactly what the state
+        holds (the Responses API's previous_response_id), whose next prompt extends this one's tokens and answer."""
         params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
                                 frequency_penalty, seed)
         grammar = self.compile_format(response_format)
         with self._lock:
-            return self._turn(list(int(t) for t in prompt_ids), max_tokens, params, stop, on_token, grammar)
+            return self._turn(list(int(t) for t in prompt_ids), max_tokens, params, stop, on_token, grammar, keep_end)
 
     def compile_format(self, response_format) -> CompiledFormat | None:
         """`response_format` compiled for this model's tokenizer (cached per schema); None for text / absent. A
@@ -631,7 +635,7 @@ class Session:
         return turn
 
     def _turn(self, prompt: list[int], max_tokens: int, params: SamplingParams, stop, on_token,
-              grammar: CompiledFormat | None = None) -> Turn:
+              grammar: CompiledFormat | None = None, keep_end: bool = False) -> Turn:
         t0 = time.perf_counter()
         n = len(prompt)
         self._replayed = 0
@@ -660,7 +664,8 @@ class Session:
         start_kind, start = self._decide_start(prompt)
 
         prefill_t0 = time.perf_counter()
-        logits, start = self._feed(prompt, start, None if self.one_call else self.checkpoint_position(prompt))
+        logits, start = self._feed(prompt, start,
+                                   None if self.one_call or keep_end else self.checkpoint_position(prompt))
         prefill_s = time.perf_counter() - prefill_t0
         if not bool(torch.isfinite(logits).all()):  # NaN or inf weights: never an answer sampled from garbage
             self._forget()
@@ -674,6 +679,8 @@ class Session:
                 tokens, text, finish, ttft, decode_s = self._decode(prompt, logits, budget, params, stop_ids,
                                                                     stop_texts, on_token, t0, grammar)
         finally:
+            if keep_end and not self.one_call:
+                self._checkpoint_end()
             self._store_checkpoint()
         self.turns += 1
         if n - start >= TRIM_AFTER:  # a long prefill's transients back to the OS (kept, they pile up per length)
@@ -831,6 +838,21 @@ class Session:
         if constraint is not None:
             constraint.rollback(len(drafts))
         return drafts
+
+    def _checkpoint_end(self) -> None:
+        """The state as it stands (all of `held`) as the checkpoint: its own buffers, handed to the store."""
+        if self.state is None or not self.held or self.state.length != len(self.held):
+            return  # a failed or cancelled-before-anything turn: nothing trustworthy to keep
+        if tuple(self.held) == self._checkpoint_tokens:
+            return
+        try:
+            with self._or_forget(f"the state of {len(self.held)} tokens would not copy"):
+                self._checkpoint = self.backend.save(self.state, None, exact=True)
+        except AcceleratorFailure as e:  # the turn stands; the next one finds no copy and prefills (or falls back)
+            self.say(f"[deltaserve] the state after the turn was not kept: {e}")
+            return
+        self._checkpoint_tokens = tuple(self.held)
+        self._checkpoint_stored = False
 
     def _store_checkpoint(self) -> None:
         """Hand this turn's checkpoint (before its generation header) to the store, once: when the slot is taken

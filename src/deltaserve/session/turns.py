@@ -17,6 +17,7 @@ in either, and a call cut by the token budget is no content either (its markup i
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -31,6 +32,7 @@ __all__ = ["TurnRequest", "TurnOutput", "ask", "merge_system", "thinking_flag", 
            "CallArguments", "Finish", "Event"]
 
 SYSTEM_ROLES = ("system", "developer")
+_STAND_IN = f"deltaserve-continuation-{secrets.token_hex(8)}"  # an answer no request can write (see continuation)
 THINK_WORDS = {"on": True, "off": False, "auto": None}  # --think and /think: auto is the model's default
 
 
@@ -117,6 +119,22 @@ class TurnRequest:
             raise DeltaserveError("this model's chat template leaves the model reasoning even with thinking off: "
                                   "a response_format or an enforced tool choice cannot constrain its answer")
         return prompt
+
+    def continuation(self, tokenizer, default_thinking: bool | None = None) -> RenderedPrompt:
+        """The turn's messages rendered as what follows an assistant answer a state already holds: the answer's end
+        of turn, the messages, the generation header. For a conversation continued from exactly the tokens it holds
+        (the Responses API's previous_response_id): its earlier turns are neither rendered nor tokenized again. The
+        template renders the messages after a stand-in exchange, and the text after the stand-in answer is kept, so
+        whatever the template writes between turns is written as it would be in the whole conversation."""
+        mark = _STAND_IN
+        head = [{"role": "user", "content": "."}, {"role": "assistant", "content": mark}]
+        whole = TurnRequest(head + list(self.messages), self.tools, self.choice, self.response_format,
+                            self.enable_thinking).prompt(tokenizer, default_thinking)
+        at = whole.text.find(mark)
+        if at < 0:
+            raise DeltaserveError("this model's chat template does not render an assistant answer as it is: a "
+                                  "conversation cannot be continued from the tokens its state holds")
+        return RenderedPrompt(whole.text[at + len(mark):], whole.literals)
 
     def grammar(self, tokenizer, vocab_size: int | None, stop_ids: Iterable[int]) -> CompiledFormat | None:
         """What constrains the answer (compiled, cached per schema), or None."""

@@ -35,7 +35,12 @@ from deltaserve.session.turns import CallArguments, CallStart, Content, Finish, 
 from deltaserve.frontends.server import connections
 from deltaserve.frontends.server.metrics import Metrics
 from deltaserve.frontends.server.protocol import APIError, GenerationRequest, Limits, bad, parse_chat, parse_completion
+from deltaserve.frontends.server.responses import (Items, ResponsesRequest, frame, parse_responses, previous_not_found,
+                                                    reasoning_tokens, response_object, sse, usage)
 from deltaserve.frontends.server.slots import QueueFull, SlotPool
+from deltaserve.session.responses import ResponseRecord, ResponseStore, new_id
+from deltaserve.session.turns import ask
+from deltaserve.text.toolcalls import ToolError
 from deltaserve.text.chat_template import RenderedPrompt
 
 FINGERPRINT = f"deltaserve-{__version__}"
@@ -150,6 +155,9 @@ class Server:
 
         self.store = model.state_store(ram=state_ram, directory=state_dir, disk=state_disk, slots=slots,
                                        context=context, say=store_say)
+        # the Responses API's stored responses, beside the states (their JSON within a 16th of the store's budget)
+        self.responses = ResponseStore(budget=max(16 << 20, (self.store.disk_budget or self.store.ram_budget) // 16),
+                                       directory=state_dir, say=store_say)
         sessions = model.slots(slots, context=context, device=device, revalidate=revalidate, quiet=quiet,
                                store=self.store, log_prefills=log_prefills and not quiet, guard_max_age=guard_max_age,
                                mtp=mtp)
@@ -324,7 +332,7 @@ class Server:
 
         def work():
             return slot.session.generate(ids, max_tokens=max_tokens, stop=req.stop, on_token=on_token,
-                                         response_format=grammar, **req.sampling())
+                                         response_format=grammar, keep_end=req.keep_end, **req.sampling())
 
         fut = loop.run_in_executor(self.executor, work)
 
@@ -456,6 +464,134 @@ class Server:
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+    # -- the Responses API (frontends/server/responses.py) -------------------------------------------------
+    def responses_prompt(self, req: ResponsesRequest):
+        """(prompt ids, whether they leave the model reasoning, the turn, the conversation's messages before this
+        input, the frame, how it was rendered). A follow-up whose frame (system text, tools) is its previous
+        response's continues from that response's tokens: only its new input is rendered and tokenized (and, where
+        a slot or the store holds the state, prefilled); another frame renders the whole conversation again from
+        its items. Runs off the event loop."""
+        tok = self.model.tokenizer
+        prev = None
+        if req.previous_response_id is not None:
+            prev = self.responses.get(req.previous_response_id)
+            if prev is None:
+                raise previous_not_found(req.previous_response_id)
+            if prev.model_sha256 != self.store.model_sha256:
+                raise bad(f"the previous response {req.previous_response_id!r} was made by another model "
+                          f"({str(prev.response.get('model'))[:100]!r}, another file): its conversation's tokens mean "
+                          f"nothing to {self.model_name!r}", "previous_response_id", "model_mismatch")
+        history = list(prev.messages) if prev is not None else []
+        turn_args = (req.chat_tools, req.tool_choice, req.parallel_tool_calls, req.response_format,
+                     req.enable_thinking)
+        try:
+            turn = ask(req.messages, *turn_args)
+            fr = frame(req.system, turn.rendered_tools)
+            if prev is not None and prev.frame == fr and prev.tokens:
+                prompt = turn.continuation(tok, self.think_default)
+                ids, how = list(prev.tokens) + prompt.encode(tok), "state"
+            else:
+                whole = ask(req.system_messages() + history + turn.messages, *turn_args)
+                prompt = whole.prompt(tok, self.think_default)
+                ids, how = prompt.encode(tok), ("items" if prev is not None else "new")
+        except ToolError as e:
+            raise bad(str(e)[:400], "input") from None
+        except DeltaserveError as e:
+            raise bad(str(e)[:400], "input") from None
+        return ids, prompt.thinking, turn, history, fr, how
+
+    async def respond(self, req: ResponsesRequest, prepared, t0: float, request: Request | None = None):
+        ids, thinking, turn_req, history, fr, how = prepared
+        rid, created = new_id(), int(time.time())
+        gen = GenerationRequest(model=req.model, max_tokens=req.max_output_tokens, temperature=req.temperature,
+                                top_p=req.top_p, top_k=None, min_p=None, seed=req.seed, stop=[], stream=req.stream,
+                                include_usage=False, repetition_penalty=1.0, presence_penalty=0.0,
+                                frequency_penalty=0.0, user=req.user, turn=turn_req, keep_end=req.store)
+        fut, pieces, cancel = await self.generate("chat", gen, ids, thinking, t0, request)
+        output = turn_req.output(thinking)
+        items = Items(rid)
+        headers = {"x-deltaserve-response-id": rid, "x-deltaserve-rendered": how}
+
+        def finished(turn) -> dict:
+            incomplete = "max_output_tokens" if turn.finish_reason == "length" else None
+            used = usage(len(ids), turn.reused, turn.generated,
+                         reasoning_tokens(turn.tokens, thinking, self.model.tokenizer.think_end_id))
+            obj = response_object(rid, created, self.model_name, req, "incomplete" if incomplete else "completed",
+                                  items.output, used, incomplete)
+            if req.store:
+                content, reasoning, calls = items.texts()
+                answer = {"role": "assistant", "content": content}
+                if reasoning is not None:
+                    answer["reasoning_content"] = reasoning
+                if calls:
+                    answer["tool_calls"] = calls
+                self.responses.put(ResponseRecord(rid, created, self.store.model_sha256, obj, req.input_items,
+                                                  history + turn_req.messages + [answer], fr,
+                                                  list(ids) + list(turn.tokens)))
+            return obj
+
+        if not req.stream:
+            try:
+                turn = await until_gone(asyncio.shield(fut), request)
+            except (asyncio.CancelledError, ClientGone):
+                cancel.set()
+                raise
+            except Exception as e:  # noqa: BLE001
+                raise self.turn_error(e) from None
+            items.push(output.push(turn.text))
+            items.push(output.finish(turn.finish_reason))
+            return JSONResponse(finished(turn), headers=headers)
+
+        async def events():
+            sent = 0
+
+            def fresh():
+                nonlocal sent
+                out = "".join(sse(e) for e in items.events[sent:])
+                sent = len(items.events)
+                return out
+
+            try:
+                opening = response_object(rid, created, self.model_name, req, "in_progress", [], None)
+                items.emit("response.created", response=opening)
+                items.emit("response.in_progress", response=opening)
+                yield fresh()
+                while True:
+                    text = await pieces.get()
+                    if text is None:
+                        break
+                    items.push(output.push(text))
+                    if len(items.events) > sent:
+                        yield fresh()
+                try:
+                    turn = await fut
+                except Exception as e:  # noqa: BLE001
+                    err = self.turn_error(e)
+                    items.emit("error", code=err.code or err.type, message=err.message, param=err.param)
+                    items.emit("response.failed", response=response_object(
+                        rid, created, self.model_name, req, "failed", items.output, None,
+                        error={"code": err.code or "server_error", "message": err.message}))
+                    yield fresh()
+                    return
+                items.push(output.finish(turn.finish_reason))
+                obj = finished(turn)
+                items.emit("response.incomplete" if obj["status"] == "incomplete" else "response.completed",
+                           response=obj)
+                yield fresh()
+            finally:
+                if not fut.done():
+                    cancel.set()
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+
+    def stored_response(self, rid: str) -> ResponseRecord:
+        record = self.responses.get(rid)
+        if record is None:
+            raise APIError(404, f"no response found with id {rid[:100]!r} (never stored here, deleted, or left the "
+                                "stored responses' budget)", "invalid_request_error", None, "response_not_found")
+        return record
+
     def health(self) -> dict:
         """/health's details (for a client with the key, or on a server without one)."""
         s0 = self.pool.slots[0].session
@@ -474,6 +610,7 @@ class Server:
             "queue": {"waiting": self.pool.waiting, "limit": self.pool.queue_size},
             "grammar": dict(self.compiles),  # compiles waiting for the grammar thread; ones whose client left
             "store": self.store.snapshot(),
+            "responses": self.responses.snapshot(),
             **({"connections": self.guard.snapshot()} if self.guard is not None else {}),
             "notices": list(dict.fromkeys([n for s in self.pool.slots for n in s.session.notices]
                                           + self.store_notices)),
@@ -485,7 +622,7 @@ class HostsAndCounts:
     kind runs the route in a task of its own behind a receive channel of its own, on which a client's disconnect
     never arrives: `request.is_disconnected()` stayed False and an abandoned request ran to its full budget.)"""
 
-    ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+    ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health", "/metrics")
 
     def __init__(self, app, server: "Server"):
         self.app, self.server = app, server
@@ -559,6 +696,61 @@ def create_app(server: Server) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await run(request, "completion")
+
+    @app.post("/v1/responses")
+    async def responses_create(request: Request):
+        t0 = time.perf_counter()
+        server.check_auth(request)
+        server.check_json(request)
+        try:
+            body = await server.read_json(request)
+            req = parse_responses(body, server.limits)
+            server.check_model(req)
+            prepared = await asyncio.get_running_loop().run_in_executor(server.text_pool, server.responses_prompt, req)
+            try:
+                check_prompt(prepared[0], server.model.config.vocab_size, server.context)
+            except ContextError as e:
+                raise bad(str(e), "input", "context_length_exceeded") from None
+            except DeltaserveError as e:
+                raise bad(str(e), "input") from None
+            return await server.respond(req, prepared, t0, request)
+        except ClientGone:
+            return Response(status_code=499)
+
+    @app.get("/v1/responses/{rid}")
+    async def responses_get(request: Request, rid: str):
+        server.check_auth(request)
+        return server.stored_response(rid).response
+
+    @app.delete("/v1/responses/{rid}")
+    async def responses_delete(request: Request, rid: str):
+        server.check_auth(request)
+        server.stored_response(rid)
+        server.responses.delete(rid)
+        return {"id": rid, "object": "response", "deleted": True}
+
+    @app.get("/v1/responses/{rid}/input_items")
+    async def responses_input_items(request: Request, rid: str):
+        server.check_auth(request)
+        items = list(server.stored_response(rid).input_items)
+        q = request.query_params
+        order = q.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise bad(f"'order' must be asc or desc, got {order[:20]!r}", "order")
+        limit = q.get("limit", "20")
+        if not limit.isdigit() or not 1 <= int(limit) <= 100:
+            raise bad(f"'limit' must be an integer from 1 to 100, got {limit[:20]!r}", "limit")
+        if order == "desc":
+            items.reverse()
+        after = q.get("after")
+        if after is not None:
+            at = next((i for i, it in enumerate(items) if it.get("id") == after), None)
+            if at is None:
+                raise bad(f"'after' names no input item of this response: {after[:100]!r}", "after")
+            items = items[at + 1:]
+        page = items[:int(limit)]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)}
 
     def model_card(name: str) -> dict:
         return {"id": name, "object": "model", "created": int(server.started), "owned_by": "deltaserve",

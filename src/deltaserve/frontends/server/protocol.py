@@ -67,6 +67,7 @@ class GenerationRequest:
     turn: TurnRequest | None = None      # /v1/chat/completions: the chat turn (session.turns), messages to format
     prompt: str | list[int] | None = None  # /v1/completions: raw text or token ids
     response_format: dict | None = None  # deltaserve.session.grammar.normalize's form; None: text
+    keep_end: bool = False               # the session keeps the state after the answer (a stored response's)
 
     def sampling(self) -> dict:
         return dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
