@@ -302,6 +302,26 @@ def test_the_single_process_server_never_imports_ray(tmp_path):
     assert marker.exists() and probe.returncode == 0  # the fake is what `import ray` finds on that path
 
 
+def test_a_request_naming_a_stored_response_goes_to_the_replica_that_answered_it_while_it_is_up_and_free():
+    from deltaserve.ray import Routes, named_response
+
+    routes = Routes(replicas=3, slots=1, im_start=1, assistant=(7,))
+    rid = "resp_" + "1" * 32
+    body = json.dumps({"input": "more", "previous_response_id": rid}).encode()
+    assert named_response("POST", "/v1/responses", body) == rid
+    assert named_response("GET", f"/v1/responses/{rid}/input_items", b"") == rid
+    assert named_response("POST", "/v1/responses", b"not json") is None
+    assert named_response("POST", "/v1/chat/completions", body) is None
+    routes.answered(rid, 2)
+    assert routes.choose(None, response=rid)[:2] == (2, "response")
+    routes.inflight[2] = 1  # its one slot busy: another replica, which restores the state from the shared store
+    assert routes.choose(None, response=rid)[:2] == (0, "response replica full")
+    routes.inflight[2] = 0
+    routes.up[2] = False
+    assert routes.choose(None, response=rid)[:2] == (0, "response replica down")
+    assert routes.choose(None, response="resp_" + "2" * 32)[1] == "least busy"  # one it never saw
+
+
 def test_the_routing_keeps_a_conversation_on_its_replica_and_moves_it_only_when_that_one_is_full_or_down():
     from deltaserve.ray import Routes, rendezvous
 

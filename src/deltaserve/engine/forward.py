@@ -90,10 +90,11 @@ class Forward:
 
     @torch.inference_mode()
     def _run(self, state: DecodeState, ids: torch.Tensor, chunked: bool, all_logits: bool,
-             snaps: list | None = None, hidden_only: bool = False) -> torch.Tensor:
+             snaps: list | None = None, hidden_only: bool = False, images: "ImageSpan | None" = None) -> torch.Tensor:
         """A span of one sequence from the state's position. `snaps` (the recurrent path): the DeltaNet states after
         each row but the last are copied into them (a verification's rollback points). `hidden_only`: the rows after
-        the final norm instead of logits."""
+        the final norm instead of logits. `images`: embeddings in place of the image tokens' rows and the span's 3-D
+        rotary positions (`ImageSpan`); the state's rope_delta moves to where they leave the text."""
         c = self.config
         t, start = int(ids.numel()), state.length
         if t == 0:
@@ -102,7 +103,11 @@ class Forward:
             raise ValueError(f"{start + t} positions do not fit a decode state of {state.capacity}")
         id_list = ids.tolist()
         self._check_ids(id_list)
-        rope = L.rope_tables(torch.arange(start, start + t, device=self.device), c.rotary_dim, c.rope_theta)
+        if images is not None:
+            rope = L.mrope_tables(images.positions.to(self.device), c.rotary_dim, c.rope_theta, c.mrope_section)
+        else:
+            rope = L.rope_tables(torch.arange(start, start + t, device=self.device) + state.rope_delta,
+                                 c.rotary_dim, c.rope_theta)
 
         def attention(i, h, mw):
             k_cache, v_cache = state.kv[i]
@@ -112,8 +117,13 @@ class Forward:
             return L.deltanet_mixer(h, mw, c, state.conv[i], state.ssm[i], chunked, self.native,
                                     snaps=[(s.conv[i], s.ssm[i]) for s in snaps] if snaps else None)
 
-        x = self._layers(self.weights.embed.lookup(ids), attention, deltanet)
+        x = self.weights.embed.lookup(ids)
+        if images is not None:
+            x = images.placed(x, ids)
+        x = self._layers(x, attention, deltanet)
         state.length = start + t
+        if images is not None:
+            state.rope_delta = images.next_position - state.length
         if hidden_only:
             return self._normed(x)
         if getattr(state, "mtp", None) is not None and self.mtp is not None:
@@ -172,11 +182,14 @@ class Forward:
         if getattr(state, "mtp", None) is not None:
             state.mtp.truncate(state.length)
 
-    def prefill(self, state: DecodeState, tokens, all_logits: bool = False) -> torch.Tensor:
+    def prefill(self, state: DecodeState, tokens, all_logits: bool = False,
+                images: "ImageSpan | None" = None) -> torch.Tensor:
         """Feed a span at the state's current position through the chunked path, `state.prefill_rows` tokens per
-        call. Returns logits [T, vocab] when `all_logits`, else the last position's [vocab]."""
+        call. Returns logits [T, vocab] when `all_logits`, else the last position's [vocab]. `images`: the span's
+        image embeddings and 3-D positions (`ImageSpan`, for a span that holds image tokens)."""
         ids, rows = self._ids(tokens), state.prefill_rows
-        pieces = [self._run(state, ids[i:i + rows], chunked=True, all_logits=all_logits)
+        pieces = [self._run(state, ids[i:i + rows], chunked=True, all_logits=all_logits,
+                            images=images.rows(i, min(i + rows, ids.numel()), ids) if images is not None else None)
                   for i in range(0, ids.numel(), rows)]
         return torch.cat(pieces) if all_logits else pieces[-1][0]
 
@@ -190,7 +203,9 @@ class Forward:
         if not self.one_call or len(states) > TokenProgram.MAX_BATCH:
             return None
         program = self.token_program()[0]
-        return program if program is not None and all(program.takes(st) for st in states) else None
+        # a state past an image (rope_delta) takes the torch step: the native one ropes at the cache index
+        return program if program is not None and all(program.takes(st) and not st.rope_delta for st in states) \
+            else None
 
     def _check_ids(self, ids: list[int]) -> None:
         vocab = self.config.vocab_size
@@ -233,12 +248,13 @@ class Forward:
             for j in following:
                 self._follow(states[j], states[j].length - 1, [ids[j]], hidden[j:j + 1])
             return logits
-        if b == 1 and self.graphs is not None:  # one sequence on a CUDA device: the step's graph
+        if b == 1 and self.graphs is not None and not states[0].rope_delta:  # one sequence on a CUDA device: the graph
             return self.graphs.decode(states[0], ids[0])[None]
         if b == 1:  # one sequence: the span path with one token (its recurrent step)
             return self._run(states[0], self._ids(ids), chunked=False, all_logits=False)
         starts = [st.length for st in states]
-        rope = L.rope_tables(torch.tensor(starts, device=self.device), c.rotary_dim, c.rope_theta)
+        rope = L.rope_tables(torch.tensor([st.length + st.rope_delta for st in states], device=self.device),
+                             c.rotary_dim, c.rope_theta)
 
         def attention(i, h, mw):
             return L.attention_mixer_batch(h, mw, c, [st.kv[i] for st in states], starts, rope)

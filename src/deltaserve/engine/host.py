@@ -34,6 +34,16 @@ class HostModel:
         """The model's content hash, computed once per process per (path, size, mtime)."""
         return model_sha256(self.path)
 
+    @property
+    def vision(self):
+        """The checkpoint's vision side (deltaserve.vision.model.Vision: encoder, processor, image tokens), read on
+        first use; None for a model without one (a GGUF file, a text-only checkpoint)."""
+        if "vision" not in self.__dict__:
+            from deltaserve.vision.model import load_vision
+
+            self.__dict__["vision"] = load_vision(self.path) if self.format == "hf" else None
+        return self.__dict__["vision"]
+
 
 def load_host(path: str | os.PathLike, weights: str | None = None, draft: str | os.PathLike | None = None) -> HostModel:
     """Read a GGUF file or an HF directory into a host model, or raise ModelFormatError naming what is wrong.

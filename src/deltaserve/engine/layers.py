@@ -333,6 +333,24 @@ def rope_tables(positions: torch.Tensor, rotary_dim: int, theta: float) -> tuple
     return emb.cos(), emb.sin()
 
 
+def mrope_tables(positions: torch.Tensor, rotary_dim: int, theta: float,
+                 section: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, rotary_dim] for 3-D positions [3, T] (time, height, width), interleaved as transformers'
+    Qwen3_5TextRotaryEmbedding does: frequency j takes the height row where j % 3 == 1 and j < 3 * section[1], the
+    width row where j % 3 == 2 and j < 3 * section[2], the time row otherwise. Three equal rows give rope_tables'."""
+    half = rotary_dim // 2
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=positions.device)
+                                / rotary_dim))
+    j = torch.arange(half, device=positions.device)
+    row = torch.zeros(half, dtype=torch.long, device=positions.device)
+    row[(j % 3 == 1) & (j < 3 * section[1])] = 1
+    row[(j % 3 == 2) & (j < 3 * section[2])] = 2
+    chosen = positions.float()[row, :].T  # [T, half]: each frequency's own row of the position
+    freqs = chosen * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, hd]; rotates the first rotary_dim dims (rotate-half), the rest pass through."""
     r = cos.shape[-1]

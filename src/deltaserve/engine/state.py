@@ -30,6 +30,9 @@ class DecodeState:
         self.device = torch.device(device)
         self.kv_dtype = kv_dtype
         self.length = 0
+        # where the rotary position of the next token stands against its index: 0 for text; after an image (whose
+        # tokens advance the 3-D positions by its larger side, not its token count) the difference, negative
+        self.rope_delta = 0
         # the prefill plan of this state's session (capacity.py): tokens per forward call of a long prefill, and
         # attention queries per score matrix
         self.prefill_rows, self.query_rows = prefill_rows, query_rows
@@ -64,6 +67,7 @@ class DecodeState:
         for t in self.ssm.values():
             t.zero_()
         self.length = 0
+        self.rope_delta = 0
         if self.mtp is not None:
             self.mtp.resync(0)
 
@@ -87,6 +91,7 @@ class DecodeState:
         for i, t in self.ssm.items():
             ck.ssm[i].copy_(t)
         ck.length = n
+        ck.rope_delta = self.rope_delta
         return ck
 
     def restore(self, ck: "Checkpoint", valid_prefix: int = 0) -> None:
@@ -104,6 +109,7 @@ class DecodeState:
         for i, t in self.ssm.items():
             t.copy_(ck.ssm[i])
         self.length = n
+        self.rope_delta = ck.rope_delta
         if self.mtp is not None:  # its entries in valid_prefix..n are another conversation's: drafts only, never tokens
             self.mtp.resync(n)
 
@@ -119,6 +125,7 @@ class Checkpoint:
     conv: dict
     ssm: dict
     length: int = 0
+    rope_delta: int = 0
 
     @classmethod
     def empty(cls, config: HybridConfig, kv_capacity: int, device: torch.device, kv_dtype: torch.dtype) -> "Checkpoint":

@@ -59,6 +59,10 @@ class HybridConfig:
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     eos_token_ids: tuple[int, ...] = field(default=())
+    # the rotary frequencies' split among the (time, height, width) rows of a position, interleaved (j % 3), as
+    # transformers' Qwen3_5TextRotaryEmbedding reads rope_parameters.mrope_section and llama.cpp
+    # {arch}.rope.dimension_sections: text gives three equal rows, so only image tokens see the difference
+    mrope_section: tuple[int, ...] = (11, 11, 10)
     # what the reader noticed and the user should hear (printed once at load by formats/source.py); not part of
     # the model's identity
     notices: tuple[str, ...] = field(default=(), compare=False, repr=False)
@@ -212,6 +216,7 @@ class HybridConfig:
             value_head_order="grouped",
             arch="qwen35moe" if moe else "qwen35",
             eos_token_ids=eos_ids,
+            mrope_section=tuple(int(v) for v in rope.get("mrope_section", (11, 11, 10))[:3]),
             **experts,
         )
 
@@ -272,6 +277,7 @@ class HybridConfig:
             value_head_order="tiled",
             arch=arch,
             eos_token_ids=(int(eos),) if eos is not None else (),
+            mrope_section=tuple(int(v) for v in (meta.get(f"{arch}.rope.dimension_sections") or (11, 11, 10))[:3]),
             notices=notices,
             **experts,
         )

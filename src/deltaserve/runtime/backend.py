@@ -132,8 +132,8 @@ class Backend:
         self._on_compute(state.restore, ck, valid_prefix)
 
     # -- forward ----------------------------------------------------------------------------------
-    def prefill(self, state: DecodeState, tokens, all_logits: bool = False) -> torch.Tensor:
-        return self._on_compute(self.forward.prefill, state, tokens, all_logits)
+    def prefill(self, state: DecodeState, tokens, all_logits: bool = False, images=None) -> torch.Tensor:
+        return self._on_compute(self.forward.prefill, state, tokens, all_logits, images)
 
     def decode(self, state: DecodeState, token: int) -> torch.Tensor:
         if self.batcher is not None:
@@ -242,8 +242,9 @@ class CUDABackend(Backend):
     def restore(self, state, ck, valid_prefix):
         return self._guarded("the checkpoint restore", super().restore, state, ck, valid_prefix)
 
-    def prefill(self, state, tokens, all_logits=False):
-        return self._guarded(f"the prefill at position {state.length}", super().prefill, state, tokens, all_logits)
+    def prefill(self, state, tokens, all_logits=False, images=None):
+        return self._guarded(f"the prefill at position {state.length}", super().prefill, state, tokens, all_logits,
+                             images)
 
     def decode(self, state, token):
         return self._guarded(f"the decode step at position {state.length}", super().decode, state, token)
@@ -310,9 +311,9 @@ class FaultyBackend(Backend):
         self._hit("restore")
         return super().restore(state, ck, valid_prefix)
 
-    def prefill(self, state, tokens, all_logits=False):
+    def prefill(self, state, tokens, all_logits=False, images=None):
         self._hit("prefill")
-        out = super().prefill(state, tokens, all_logits)
+        out = super().prefill(state, tokens, all_logits, images)
         return out
 
     def decode(self, state, token):

@@ -90,13 +90,14 @@ class Turn:
         return steps / self.timings.decode_s if self.timings.decode_s > 0 else 0.0
 
 
-def check_prompt(prompt: Sequence[int], vocab_size: int, context: int) -> None:
+def check_prompt(prompt: Sequence[int], vocab_size: int, context: int, images: bool = False) -> None:
     """The one check of a prompt before a turn (the session's, and the server's before a request takes a slot):
-    not empty, every id in the vocabulary, and shorter than the context, or refused whole with the numbers."""
+    not empty, every id in the vocabulary (with `images`, an image's placeholder ids past it too:
+    deltaserve.vision.inputs), and shorter than the context, or refused whole with the numbers."""
     n = len(prompt)
     if n == 0:
         raise ContextError("the prompt is empty: a turn needs at least one token")
-    if min(prompt) < 0 or max(prompt) >= vocab_size:
+    if min(prompt) < 0 or (max(prompt) >= vocab_size and not images):
         raise DeltaserveError(f"the prompt holds a token id outside 0..{vocab_size - 1}")
     if n >= context:
         raise ContextError(overflow_message(context, n))
@@ -177,6 +178,8 @@ class Session:
         self._replayed = 0  # tokens replayed on the CPU in the current turn
         self.replays = 0  # fallbacks that replayed a turn's tokens, since the session started
         self.batched_prefills = 0
+        self.image_prefills = 0  # prefills that encoded and fed images
+        self._images: dict[int, object] = {}  # a turn's images, by their first placeholder id
         self.prefill_lines: deque[str] = deque(maxlen=16)  # the last batched prefills, one stats line each
         self.turns = 0
         if self.per_token:
@@ -529,7 +532,42 @@ class Session:
             self._checkpoint_stored = False
         return self._span(seq[cut if cut is not None else start:])
 
+    def _image_rows(self, tokens: list[int]):
+        """A span's ids with its images' placeholder ids as the image token, and their `ImageSpan` (the images
+        encoded now: only those whose rows this span feeds); (tokens, None) for text."""
+        vocab = self.host.config.vocab_size
+        if max(tokens) < vocab:
+            return tokens, None
+        vision = self.host.vision
+        if vision is None:
+            raise DeltaserveError("this prompt holds image tokens and the model has no vision encoder")
+        real, images = [], []
+        for i, t in enumerate(tokens):
+            if t < vocab:
+                real.append(t)
+                continue
+            real.append(vision.image_token_id)
+            if i == 0 or tokens[i - 1] < vocab:  # an image's first token: which image it is
+                image = self._images.get(t)
+                if image is None:
+                    raise DeltaserveError("the prompt holds an image this turn was not given (one an earlier turn "
+                                          "sent, whose state is no longer held): send the image again")
+                images.append(image.image)
+        return real, vision.span(real, images, self.state.length + self.state.rope_delta)
+
     def _span(self, tokens: list[int]) -> torch.Tensor:
+        tokens, images = self._image_rows(tokens)
+        if images is not None:  # image rows go through the prefill, whatever their count
+            state, start, t0 = self.state, self.state.length, time.perf_counter()
+            logits = self.backend.prefill(state, tokens, images=images)
+            ms = (time.perf_counter() - t0) * 1000
+            self.batched_prefills += 1
+            self.image_prefills += 1
+            self.prefill_lines.append(f"prefill with images: {len(tokens)} tokens ({images.embeds.shape[0]} of them "
+                                      f"image patches) in {ms:.0f} ms, from position {start}")
+            if self.log_prefills:
+                self._print(f"[deltaserve] {self.prefill_lines[-1]}")
+            return logits
         if len(tokens) > 1 and not self.per_token and (not self._one_token or self._batched_fits_again()):
             state, start, t0 = self.state, self.state.length, time.perf_counter()
             logits = self.backend.prefill(state, tokens)
@@ -551,19 +589,28 @@ class Session:
                  top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
                  repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                  seed: int | None = None, stop: Sequence[str | int] | None = None,
-                 on_token: OnToken | None = None, response_format=None, keep_end: bool = False) -> Turn:
+                 on_token: OnToken | None = None, response_format=None, keep_end: bool = False,
+                 images: Sequence = ()) -> Turn:
         """One turn from raw prompt ids. `response_format` (OpenAI's: {"type": "json_object"} or {"type":
         "json_schema", "json_schema": {"schema": {...}}}, or a `grammar.CompiledFormat`) constrains every generated
         token from the first one to the grammar (deltaserve.session.grammar); the turn ends ("stop") when it is complete.
 
         `keep_end`: the turn's checkpoint is the state after its last fed token (what `held` is when it ends), not the
         one before the prompt's generation header: for a conversation that continues from exactly what the state
-        holds (the Responses API's previous_response_id), whose next prompt extends this one's tokens and answer."""
+        holds (the Responses API's previous_response_id), whose next prompt extends this one's tokens and answer.
+
+        `images` (deltaserve.vision.inputs.ImageInput): the images whose placeholder ids the prompt holds
+        (`TurnRequest.encode` writes them); those the state does not hold yet are encoded and prefilled in place."""
         params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
                                 frequency_penalty, seed)
         grammar = self.compile_format(response_format)
         with self._lock:
-            return self._turn(list(int(t) for t in prompt_ids), max_tokens, params, stop, on_token, grammar, keep_end)
+            self._images = {im.ids(self.host.config.vocab_size, 1)[0]: im for im in images}
+            try:
+                return self._turn(list(int(t) for t in prompt_ids), max_tokens, params, stop, on_token, grammar,
+                                  keep_end)
+            finally:
+                self._images = {}
 
     def compile_format(self, response_format) -> CompiledFormat | None:
         """`response_format` compiled for this model's tokenizer (cached per schema); None for text / absent. A
@@ -574,8 +621,10 @@ class Session:
         """The prompt ids of a conversation rendered with the model's chat template (generation header added),
         and whether it leaves the model reasoning. `enable_thinking` None: the model's default. `tools`: the
         functions offered (OpenAI's list), rendered by the template. As `chat` renders them (`turns.ask`)."""
-        prompt = ask(messages, tools, enable_thinking=enable_thinking).prompt(self.tokenizer, self.thinking_default)
-        return prompt.encode(self.tokenizer), prompt.thinking
+        request = ask(messages, tools, enable_thinking=enable_thinking, image_files=True)
+        prompt = request.prompt(self.tokenizer, self.thinking_default)
+        return request.encode(prompt, self.tokenizer, self.host.vision if request.images else None,
+                              self.host.config.vocab_size), prompt.thinking
 
     def chat(self, messages, max_tokens: int = 256, enable_thinking: bool | None = None,
              on_token: OnToken | None = None, on_reasoning: Callable[[str], None] | None = None,
@@ -590,6 +639,11 @@ class Session:
         With a `response_format` (see `generate`) the answer is constrained and thinking is off for the turn
         (rendered with enable_thinking=False whatever was asked): only the answer is ever constrained.
 
+        Images: a message's content may hold image parts ({"type": "image", "image": a PIL image, bytes or a path},
+        or OpenAI's {"type": "image_url", "image_url": {"url": "data:..."}}) on a model with a vision encoder (an HF
+        checkpoint directory with model.visual.*). Each is encoded once, when its rows are first prefilled; a later
+        turn that extends the conversation prefills only its new text (deltaserve.vision.inputs).
+
         `tools` (OpenAI's list of functions) are offered through the template; the calls the model writes come
         back parsed in `turn.tool_calls` (`text.toolcalls`: offered functions only, arguments typed by their
         schemas), the rest of the answer in `text`, and `finish_reason` is "tool_calls". `tool_choice`: "auto"
@@ -599,10 +653,12 @@ class Session:
         call the budget cut is dropped (never content). Assistant messages may carry `tool_calls` (arguments as
         JSON strings or objects, or the ToolCalls of an earlier turn) and `tool` messages the results; several or
         late system messages are merged, in order, into the leading one."""
-        request = ask(messages, tools, tool_choice, parallel_tool_calls, response_format, enable_thinking)
+        request = ask(messages, tools, tool_choice, parallel_tool_calls, response_format, enable_thinking,
+                      image_files=True)
         prompt = request.prompt(self.tokenizer, self.thinking_default)
-        return self.run_turn(request, prompt.encode(self.tokenizer), prompt.thinking, max_tokens, on_token,
-                             on_reasoning, on_event, **sampling)
+        ids = request.encode(prompt, self.tokenizer, self.host.vision if request.images else None,
+                             self.host.config.vocab_size)
+        return self.run_turn(request, ids, prompt.thinking, max_tokens, on_token, on_reasoning, on_event, **sampling)
 
     def run_turn(self, request: TurnRequest, prompt_ids: Sequence[int], thinking: bool, max_tokens: int = 256,
                  on_token: OnToken | None = None, on_reasoning: Callable[[str], None] | None = None,
@@ -625,7 +681,7 @@ class Session:
 
         turn = self.generate(prompt_ids, max_tokens=max_tokens,
                              on_token=lambda tid, piece: hand_out(output.push(piece), tid), response_format=grammar,
-                             **sampling)
+                             images=request.images, **sampling)
         events = output.finish(turn.finish_reason)
         if turn.finish_reason != "cancelled":
             hand_out(events)  # what was held back (a tail that might have begun </think> or <tool_call>)
@@ -639,7 +695,7 @@ class Session:
         t0 = time.perf_counter()
         n = len(prompt)
         self._replayed = 0
-        check_prompt(prompt, self.host.config.vocab_size, self.context)
+        check_prompt(prompt, self.host.config.vocab_size, self.context, images=bool(self._images))
         if max_tokens < 1:
             raise DeltaserveError(f"max_tokens must be at least 1, got {max_tokens}")
         budget = min(max_tokens, self.context - n)
@@ -656,7 +712,8 @@ class Session:
         if self._guard is not None and self.backend.accelerator:
             guard, self._guard = self._guard, None  # once per session
             try:
-                rejection = guard(self.backend, self.host, prompt, self.say)
+                rejection = guard(self.backend, self.host,
+                                  [t for t in prompt if t < self.host.config.vocab_size], self.say)
             except AcceleratorFailure as e:
                 rejection = f"the parity probe failed: {e}"
             if rejection is not None:
@@ -709,6 +766,8 @@ class Session:
         rolls the state back to the rows kept. Every token is sampled from the model's own logits, so the output
         is the plain loop's (greedy: token for token; sampled: the same distribution, each token one draw)."""
         sampler = Sampler(params)
+        vocab = self.host.config.vocab_size
+        seen = prompt if not self._images else [t for t in prompt if t < vocab]  # a penalty's ids: text only
         constraint = grammar.constraint() if grammar is not None else None
         stream = _TextStream(self.tokenizer, stop_texts)
         generated: list[int] = []
@@ -745,7 +804,7 @@ class Session:
                         finish = "stop"
                         break
                     logits = constraint.mask(logits)
-                token = sampler(logits, prompt, generated)
+                token = sampler(logits, seen, generated)
                 if not generated:
                     ttft = time.perf_counter() - t0
                     decode_t0 = time.perf_counter()

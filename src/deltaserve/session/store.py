@@ -145,7 +145,8 @@ CRC_FIELDS = ("format", "model_sha256", "deltaserve", "tokens", "length")  # wha
 def _crc(tensors: dict[str, torch.Tensor], meta: dict) -> str:
     """CRC-32 of the tensors and of the header's fields that say what the state is for (an edited token list, length
     or identity fails it as a flipped tensor byte does)."""
-    crc = zlib.crc32(json.dumps({k: meta.get(k) for k in CRC_FIELDS}, sort_keys=True).encode())
+    fields = CRC_FIELDS + (("rope_delta",) if "rope_delta" in meta else ())  # a state past an image says its delta
+    crc = zlib.crc32(json.dumps({k: meta.get(k) for k in fields}, sort_keys=True).encode())
     for name in sorted(tensors):
         crc = zlib.crc32(tensors[name].reshape(-1).view(torch.uint8).numpy(), crc)
     return f"{crc:08x}"
@@ -174,6 +175,8 @@ def write_state(path: Path, tokens: Sequence[int], ck: Checkpoint, model_sha256:
     tensors = checkpoint_tensors(ck)
     meta = {"format": FORMAT, "model_sha256": model_sha256, "deltaserve": __version__,
             "tokens": json.dumps(list(map(int, tokens)), separators=(",", ":")), "length": str(ck.length)}
+    if ck.rope_delta:
+        meta["rope_delta"] = str(ck.rope_delta)
     meta["crc32"] = _crc(tensors, meta)
     data = save(tensors, metadata=meta)
     path = Path(path)
@@ -226,6 +229,7 @@ def read_state(path: Path, config: HybridConfig, model_sha256: str) -> tuple[tup
     try:
         tokens = tuple(int(t) for t in json.loads(meta["tokens"]))
         n = int(meta["length"])
+        delta = int(meta.get("rope_delta", 0))
         with safe_open(str(path), framework="pt") as f:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:  # noqa: BLE001
@@ -245,7 +249,7 @@ def read_state(path: Path, config: HybridConfig, model_sha256: str) -> tuple[tup
     kv = {i: (tensors[f"kv.{i}.k"], tensors[f"kv.{i}.v"]) for i in range(config.num_layers) if config.is_attention(i)}
     conv = {i: tensors[f"conv.{i}"] for i in config.deltanet_layers}
     ssm = {i: tensors[f"ssm.{i}"] for i in config.deltanet_layers}
-    return tokens, Checkpoint(config, torch.device("cpu"), n, kv, conv, ssm, length=n)
+    return tokens, Checkpoint(config, torch.device("cpu"), n, kv, conv, ssm, length=n, rope_delta=delta)
 
 
 def file_name(tokens: Sequence[int]) -> str:
@@ -742,4 +746,4 @@ def _to_cpu(ck: Checkpoint) -> Checkpoint:
     kv = {i: (k[:, :n].to("cpu"), v[:, :n].to("cpu")) for i, (k, v) in ck.kv.items()}
     conv = {i: t.to("cpu") for i, t in ck.conv.items()}
     ssm = {i: t.to("cpu") for i, t in ck.ssm.items()}
-    return Checkpoint(ck.config, torch.device("cpu"), n, kv, conv, ssm, length=n)
+    return Checkpoint(ck.config, torch.device("cpu"), n, kv, conv, ssm, length=n, rope_delta=ck.rope_delta)

@@ -89,6 +89,7 @@ class TurnRequest:
     choice: ToolChoice = field(default_factory=lambda: ToolChoice("none"))
     response_format: Any = None   # grammar.normalize's form, or a CompiledFormat; None: text
     enable_thinking: bool | None = None
+    images: list = field(default_factory=list)  # vision.inputs.ImageInput, in the order the template renders them
 
     @property
     def offers_tools(self) -> bool:
@@ -129,12 +130,30 @@ class TurnRequest:
         mark = _STAND_IN
         head = [{"role": "user", "content": "."}, {"role": "assistant", "content": mark}]
         whole = TurnRequest(head + list(self.messages), self.tools, self.choice, self.response_format,
-                            self.enable_thinking).prompt(tokenizer, default_thinking)
+                            self.enable_thinking, self.images).prompt(tokenizer, default_thinking)
         at = whole.text.find(mark)
         if at < 0:
             raise DeltaserveError("this model's chat template does not render an assistant answer as it is: a "
                                   "conversation cannot be continued from the tokens its state holds")
         return RenderedPrompt(whole.text[at + len(mark):], whole.literals)
+
+    def encode(self, prompt: RenderedPrompt, tokenizer, vision=None, vocab_size: int = 0) -> list[int]:
+        """A rendered prompt's ids; with images, each image's one <|image_pad|> as its placeholder ids, one per merged
+        patch (deltaserve.vision.inputs: ids past the vocabulary that say which image it is). `vision`: the model's
+        (`HostModel.vision`), which an image needs."""
+        ids = prompt.encode(tokenizer)
+        if not self.images:
+            return ids
+        if vision is None:
+            raise DeltaserveError(f"the conversation holds {len(self.images)} image(s) and this model has no vision "
+                                  "encoder (load the checkpoint's HF directory, which holds model.visual.*)")
+        from deltaserve.vision.inputs import expand
+
+        pad = tokenizer.token_to_id("<|image_pad|>") if hasattr(tokenizer, "token_to_id") else None
+        if pad != vision.image_token_id:
+            raise DeltaserveError(f"the tokenizer's <|image_pad|> is {pad}, the checkpoint's image token "
+                                  f"{vision.image_token_id}: they must agree")
+        return expand(ids, self.images, pad, vocab_size, vision.tokens)
 
     def grammar(self, tokenizer, vocab_size: int | None, stop_ids: Iterable[int]) -> CompiledFormat | None:
         """What constrains the answer (compiled, cached per schema), or None."""
@@ -150,7 +169,8 @@ class TurnRequest:
 
 
 def ask(messages: Iterable[Any], tools: Any = None, tool_choice: Any = None, parallel_tool_calls: bool | None = True,
-        response_format: Any = None, enable_thinking: bool | None = None) -> TurnRequest:
+        response_format: Any = None, enable_thinking: bool | None = None, max_image_pixels: int | None = None,
+        image_files: bool = False) -> TurnRequest:
     """A chat turn's request, validated: tools (OpenAI's list) and the tool choice (text.toolcalls raises ToolError
     naming the problem), the response format (grammar.GrammarError), the messages as the template renders them."""
     offered = normalize_tools(tools)
@@ -159,7 +179,11 @@ def ask(messages: Iterable[Any], tools: Any = None, tool_choice: Any = None, par
     if isinstance(fmt, CompiledFormat) and offered and choice.mode != "none":
         raise DeltaserveError("a compiled response_format cannot be combined with tools: pass the response_format "
                               "itself (OpenAI's object) to have the answer be a call or the schema")
-    return TurnRequest(merge_system(template_messages(messages)), offered, choice, fmt, enable_thinking)
+    from deltaserve.vision.inputs import DEFAULT_MAX_PIXELS, take_images
+
+    rendered, images = take_images([m.model_dump() if hasattr(m, "model_dump") else m for m in messages],
+                                   max_image_pixels or DEFAULT_MAX_PIXELS, image_files)
+    return TurnRequest(merge_system(template_messages(rendered)), offered, choice, fmt, enable_thinking, images)
 
 
 class TurnOutput:
