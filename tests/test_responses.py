@@ -119,13 +119,16 @@ def test_a_function_call_round_trip_by_previous_response_id_sends_only_the_resul
     assert r2.usage.input_tokens_details.cached_tokens == r.usage.input_tokens + r.usage.output_tokens
 
 
+PNG = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"
 BAD = [  # (body, status, param, code)
     ({"model": MODEL, "input": "hi", "previous_response_id": "resp_" + "0" * 32}, 400, "previous_response_id",
      "previous_response_not_found"),
     ({"model": MODEL, "input": [{"type": "computer_call_output", "call_id": "x"}]}, 400, "input[0].type",
      "unsupported_item"),
-    ({"model": MODEL, "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]},
+    ({"model": MODEL, "input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
      400, "input[0].content[0]", "unsupported_content"),
+    ({"model": MODEL, "input": [{"role": "user", "content": [{"type": "input_image", "image_url": PNG}]}]},
+     400, "input", None),  # the demo model has no vision encoder: said
     ({"model": MODEL, "input": "hi", "tools": [{"type": "web_search"}]}, 400, "tools[0].type", "unsupported_tool"),
     ({"model": MODEL, "input": "hi", "background": True}, 400, "background", "unsupported_parameter"),
     ({"model": MODEL, "input": "hi", "include": ["reasoning.encrypted_content"]}, 400, "include",

@@ -63,7 +63,7 @@ BAD = [
      "messages[0].content"),
     ("image content", "POST", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, AUTH, 400,
-     "messages[0].content"),
+     "messages[0].content[0]"),  # read (images are served), and this one is no data URL
     ("too many messages", "POST", "/v1/chat/completions", {"messages": OK_MSGS * 65}, AUTH, 400, "messages"),
     ("n > 1", "POST", "/v1/chat/completions", {"messages": OK_MSGS, "n": 2}, AUTH, 400, "n"),
     ("n a string", "POST", "/v1/chat/completions", {"messages": OK_MSGS, "n": "1"}, AUTH, 400, "n"),

@@ -492,3 +492,81 @@ def deltaserve_text_model():
     from tests.fixtures import models as fx
 
     return deltaserve.load(fx.gguf_path("hybrid", "f32"))
+
+
+# --- images through the server: chat completions and the Responses API, the bad-image table ----------------------
+
+def _data_url(image: Image.Image, fmt: str = "PNG") -> str:
+    import base64
+
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(encoded(image, fmt)).decode()
+
+
+@pytest.fixture(scope="module")
+def vision_server():
+    from tests.fixtures import models as fx
+    from tests.server_proc import ServerProcess
+
+    s = ServerProcess(fx.hf_dir("vision"), "--slots", "1", "--max-image-pixels", "250000")
+    yield s
+    s.stop()
+
+
+def test_an_image_url_part_is_answered_and_a_follow_up_prefills_only_its_new_text(vision_server):
+    import openai
+
+    client = openai.OpenAI(base_url=vision_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    parts = [{"type": "image_url", "image_url": {"url": _data_url(_picture(70, 42, 1))}},
+             {"type": "text", "text": "Describe it."}]
+    messages = [{"role": "user", "content": parts}]
+    first = client.chat.completions.create(model="hf", messages=messages, max_tokens=4, temperature=0,
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And again?"}]
+    second = client.chat.completions.create(model="hf", messages=messages, max_tokens=4, temperature=0,
+                                            extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    image_end = 4 + 1 + 4 + 1  # system-less prompt: <|im_start|>user\n, the image's 4 merged patches, its markers
+    assert second.usage.prompt_tokens_details.cached_tokens >= image_end
+    assert vision_server.stderr.count("prefill with images") == 1  # the follow-up did not encode the image again
+    # the Responses API: an input_image, then a follow-up by previous_response_id (only the new text prefilled)
+    r = client.responses.create(model="hf", input=[{"role": "user", "content": [
+        {"type": "input_image", "image_url": _data_url(_picture(30, 58, 2))},
+        {"type": "input_text", "text": "What is it?"}]}], max_output_tokens=4, temperature=0)
+    r2 = client.responses.create(model="hf", input="More?", previous_response_id=r.id, max_output_tokens=4,
+                                 temperature=0)
+    # everything before: the image's prompt and its answer (all but the last token where max_output_tokens cut it)
+    held = r.usage.input_tokens + r.usage.output_tokens - (r.status == "incomplete")
+    assert r2.usage.input_tokens_details.cached_tokens == held
+
+
+def _truncated_png() -> str:
+    import base64
+
+    return "data:image/png;base64," + base64.b64encode(encoded(_picture(40, 40, 4), "PNG")[:60]).decode()
+
+
+BAD_IMAGES = [
+    ("truncated", _truncated_png, "could not be"),
+    ("not an image", lambda: "data:image/png;base64," + __import__("base64").b64encode(b"hello, not pixels").decode(),
+     "not an image"),
+    ("too many pixels", lambda: _data_url(_picture(600, 500, 5)), "600x500 pixels (300000), over the limit of 250000"),
+    ("a decompression bomb", lambda: "data:image/png;base64," + __import__("base64").b64encode(
+        png_bomb(20000, 20000, False)).decode(), "20000x20000 pixels"),
+    ("a link", lambda: "https://example.com/cat.png", "not fetched"),
+    ("not base64", lambda: "data:image/png;base64,@@@", "not valid base64"),
+]
+
+
+@pytest.mark.parametrize("what,url,says", BAD_IMAGES, ids=[b[0] for b in BAD_IMAGES])
+def test_a_bad_image_gets_a_400_that_says_what_is_wrong_and_the_server_goes_on(vision_server, what, url, says):
+    import httpx
+
+    body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url()}},
+                                                      {"type": "text", "text": "Describe it."}]}], "max_tokens": 2}
+    r = httpx.post(vision_server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "messages[0].content[0]" and says in err["message"]
+    ok = httpx.post(vision_server.url + "/v1/chat/completions", timeout=60,
+                    json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+    assert ok.status_code == 200

@@ -367,6 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask for")
     s.add_argument("--max-body", type=int, default=4 << 20, help="largest request body in bytes")
     s.add_argument("--max-messages", type=int, default=512, help="most messages in one request")
+    s.add_argument("--max-image-pixels", type=positive_int, default=16_777_216, metavar="N",
+                   help="largest image a request may send, in pixels (width x height, default 16777216), checked "
+                        "from its header before it is decoded")
     s.add_argument("--model-name", default=None, help="the model id reported by /v1/models")
     s.add_argument("--allowed-hosts", default=None, metavar="NAMES",
                    help="Host names to answer to besides loopback ones, comma-separated ('*.example.com' for the "

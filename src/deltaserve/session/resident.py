@@ -695,7 +695,10 @@ class Session:
         t0 = time.perf_counter()
         n = len(prompt)
         self._replayed = 0
-        check_prompt(prompt, self.host.config.vocab_size, self.context, images=bool(self._images))
+        # an image's placeholder ids: this turn's images, or earlier ones the state holds (_image_rows says where not)
+        check_prompt(prompt, self.host.config.vocab_size, self.context,
+                     images=bool(self._images) or (max(prompt, default=0) >= self.host.config.vocab_size
+                                                   and self.host.vision is not None))
         if max_tokens < 1:
             raise DeltaserveError(f"max_tokens must be at least 1, got {max_tokens}")
         budget = min(max_tokens, self.context - n)

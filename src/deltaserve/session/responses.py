@@ -49,15 +49,20 @@ def valid_id(value: str) -> bool:
 
 
 def pack_tokens(tokens) -> str:
-    """Token ids as base64 of little-endian uint32 (a quarter of their JSON's size)."""
-    return base64.b64encode(b"".join(int(t).to_bytes(4, "little") for t in tokens)).decode("ascii")
+    """Token ids as base64 of little-endian uint32 (a quarter of their JSON's size); "8:" and uint64 where an image's
+    placeholder ids (past 2**32: deltaserve.vision.inputs) are among them."""
+    tokens = [int(t) for t in tokens]
+    width = 8 if tokens and max(tokens) >= 1 << 32 else 4
+    data = base64.b64encode(b"".join(t.to_bytes(width, "little") for t in tokens)).decode("ascii")
+    return ("8:" if width == 8 else "") + data
 
 
 def unpack_tokens(text: str) -> list[int]:
-    raw = base64.b64decode(text.encode("ascii"), validate=True)
-    if len(raw) % 4:
-        raise ValueError(f"the token bytes are {len(raw)}, not a multiple of 4")
-    return [int.from_bytes(raw[i:i + 4], "little") for i in range(0, len(raw), 4)]
+    width = 8 if text.startswith("8:") else 4
+    raw = base64.b64decode(text[2:] if width == 8 else text, validate=True)
+    if len(raw) % width:
+        raise ValueError(f"the token bytes are {len(raw)}, not a multiple of {width}")
+    return [int.from_bytes(raw[i:i + width], "little") for i in range(0, len(raw), width)]
 
 
 @dataclass

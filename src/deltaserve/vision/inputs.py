@@ -33,7 +33,10 @@ MAX_IMAGE_BYTES = 20 << 20           # an encoded image's bytes
 
 
 class ImageInputError(DeltaserveError):
-    """An image part that cannot be read (malformed, not an image, too large, a link not allowed)."""
+    """An image part that cannot be read (malformed, not an image, too large, a link not allowed). `where`: the part
+    (`messages[i].content[j]`) where one is known."""
+
+    where: str | None = None
 
 
 @dataclass
@@ -131,12 +134,15 @@ def take_images(messages: list, max_pixels: int = DEFAULT_MAX_PIXELS,
         for j, p in enumerate(content):
             if isinstance(p, dict) and p.get("type") in IMAGE_PARTS:
                 source = part_source(p)
-                if source is None:
-                    raise ImageInputError(f"messages[{i}].content[{j}]: an image part without its image")
+                where = f"messages[{i}].content[{j}]"
                 try:
+                    if source is None:
+                        raise ImageInputError("an image part without its image")
                     images.append(decode(source, max_pixels, allow_files))
                 except ImageInputError as e:
-                    raise ImageInputError(f"messages[{i}].content[{j}]: {e}") from None
+                    err = ImageInputError(f"{where}: {e}")
+                    err.where = where
+                    raise err from None
                 parts.append({"type": "image"})
             else:
                 parts.append(p)

@@ -256,6 +256,9 @@ class Server:
             least = self.model.tokenizer.fewest_tokens(prompt.display)
             if least >= self.context:
                 raise ContextError(overflow_message(self.context, least, at_least=True))
+            if req.turn is not None and req.turn.images:  # each image's placeholder ids (vision.inputs)
+                host = self.model.host
+                return req.turn.encode(prompt, self.model.tokenizer, host.vision, host.config.vocab_size), thinking
             return prompt.encode(self.model.tokenizer), thinking
         except ContextError as e:
             raise bad(str(e), param, "context_length_exceeded") from None
@@ -271,11 +274,11 @@ class Server:
                            f"{self.model_name!r}" + (f" (it also answers to {also})" if also else ""),
                            "invalid_request_error", "model", "model_not_found")
 
-    def check(self, ids: list[int], endpoint: str) -> None:
+    def check(self, ids: list[int], endpoint: str, images: bool = False) -> None:
         """The session's own prompt check, before the request takes a slot: a 400 naming the parameter."""
         param = "messages" if endpoint == "chat" else "prompt"
         try:
-            check_prompt(ids, self.model.config.vocab_size, self.context)
+            check_prompt(ids, self.model.config.vocab_size, self.context, images)
         except ContextError as e:
             raise bad(str(e), param, "context_length_exceeded" if ids else None) from None
         except DeltaserveError as e:
@@ -332,7 +335,8 @@ class Server:
 
         def work():
             return slot.session.generate(ids, max_tokens=max_tokens, stop=req.stop, on_token=on_token,
-                                         response_format=grammar, keep_end=req.keep_end, **req.sampling())
+                                         response_format=grammar, keep_end=req.keep_end,
+                                         images=req.turn.images if req.turn is not None else (), **req.sampling())
 
         fut = loop.run_in_executor(self.executor, work)
 
@@ -483,17 +487,28 @@ class Server:
                           f"nothing to {self.model_name!r}", "previous_response_id", "model_mismatch")
         history = list(prev.messages) if prev is not None else []
         turn_args = (req.chat_tools, req.tool_choice, req.parallel_tool_calls, req.response_format,
-                     req.enable_thinking)
+                     req.enable_thinking, self.limits.max_image_pixels)
+        host = self.model.host
         try:
             turn = ask(req.messages, *turn_args)
+            vision = host.vision if turn.images else None
             fr = frame(req.system, turn.rendered_tools)
             if prev is not None and prev.frame == fr and prev.tokens:
                 prompt = turn.continuation(tok, self.think_default)
-                ids, how = list(prev.tokens) + prompt.encode(tok), "state"
+                ids = list(prev.tokens) + turn.encode(prompt, tok, vision, host.config.vocab_size)
+                how = "state"
             else:
-                whole = ask(req.system_messages() + history + turn.messages, *turn_args)
+                if any(isinstance(m.get("content"), list) and any(isinstance(p, dict) and p.get("type") == "image"
+                                                                  for p in m["content"]) for m in history):
+                    raise DeltaserveError("the previous responses' images are not kept with them, only their state: a "
+                                          "follow-up whose instructions or tools differ renders the conversation "
+                                          "again and cannot (send the whole conversation, images included)")
+                whole = ask(req.system_messages() + history + turn.messages[:0], *turn_args)
+                whole.messages = whole.messages + turn.messages
+                whole.images = turn.images  # the history's images are placeholders only: its state holds them
                 prompt = whole.prompt(tok, self.think_default)
-                ids, how = prompt.encode(tok), ("items" if prev is not None else "new")
+                ids = whole.encode(prompt, tok, vision, host.config.vocab_size)
+                how = "items" if prev is not None else "new"
         except ToolError as e:
             raise bad(str(e)[:400], "input") from None
         except DeltaserveError as e:
@@ -680,10 +695,13 @@ def create_app(server: Server) -> FastAPI:
         server.check_json(request)
         try:
             body = await server.read_json(request)
-            req = parse_chat(body, server.limits) if endpoint == "chat" else parse_completion(body, server.limits)
-            ids, thinking = await asyncio.get_running_loop().run_in_executor(server.text_pool, server.prompt_ids,
-                                                                             req)
-            server.check(ids, endpoint)
+            loop = asyncio.get_running_loop()
+            if endpoint == "chat":  # off the event loop: a message's images are decoded as it is read
+                req = await loop.run_in_executor(server.text_pool, parse_chat, body, server.limits)
+            else:
+                req = parse_completion(body, server.limits)
+            ids, thinking = await loop.run_in_executor(server.text_pool, server.prompt_ids, req)
+            server.check(ids, endpoint, images=req.turn is not None and bool(req.turn.images))
             server.check_model(req)
             return await server.complete(endpoint, req, ids, thinking, t0, request)
         except ClientGone:
@@ -708,7 +726,8 @@ def create_app(server: Server) -> FastAPI:
             server.check_model(req)
             prepared = await asyncio.get_running_loop().run_in_executor(server.text_pool, server.responses_prompt, req)
             try:
-                check_prompt(prepared[0], server.model.config.vocab_size, server.context)
+                check_prompt(prepared[0], server.model.config.vocab_size, server.context,
+                             bool(prepared[2].images) or server.model.host.vision is not None)
             except ContextError as e:
                 raise bad(str(e), "input", "context_length_exceeded") from None
             except DeltaserveError as e:
@@ -829,7 +848,8 @@ def main(a) -> int:
     load_s = model.load_seconds
     think = thinking_flag(a.think)  # None: the model's default (model.thinking_default)
     server = Server(model, slots=a.slots, queue=a.queue, api_key=a.api_key, model_name=a.model_name,
-                    limits=Limits(max_tokens=a.max_tokens_limit, max_messages=a.max_messages, max_body=a.max_body),
+                    limits=Limits(max_tokens=a.max_tokens_limit, max_messages=a.max_messages, max_body=a.max_body,
+                                  max_image_pixels=getattr(a, "max_image_pixels", Limits.max_image_pixels)),
                     device=a.device, think_default=think, context=a.ctx, revalidate=a.revalidate,
                     state_ram=a.state_ram, state_dir=a.state_dir, state_disk=a.state_disk, hosts=hosts,
                     request_timeout=request_timeout, log_prefills=getattr(a, "prefill_log", "on") == "on",

@@ -20,6 +20,7 @@ from deltaserve.errors import DeltaserveError
 from deltaserve.session.grammar import GrammarError, normalize
 from deltaserve.session.turns import TurnRequest, ask
 from deltaserve.text.toolcalls import ToolChoice, ToolError, normalize_tool_choice, normalize_tools
+from deltaserve.vision.inputs import ImageInputError
 
 
 class APIError(Exception):
@@ -45,6 +46,7 @@ class Limits:
     max_messages: int = 512
     max_body: int = 4 << 20
     max_stop: int = 4
+    max_image_pixels: int = 16_777_216
 
 
 @dataclass
@@ -134,7 +136,8 @@ def _text_parts(v, handler):
     except ValidationError as e:
         if isinstance(v, list):
             j = next((loc[1] for err in e.errors() if len(loc := err["loc"]) > 1 and isinstance(loc[1], int)), 0)
-            raise _problem(f"must hold text parts only, and part {j} is not one (this server reads text only)") from None
+            raise _problem(f"must hold text and image_url parts only, and part {j} is neither (this server reads "
+                           "text and images)") from None
         raise _problem(f"must be a string or a list of text parts, got {_kind(v)}") from None
 
 
@@ -172,6 +175,17 @@ class TextPart(_Strict):
     text: str
 
 
+class ImageURL(_Strict):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Strict):
+    """An image, as a data URL (deltaserve.vision.inputs decodes it; links are not fetched)."""
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class FunctionCall(_Strict):
     name: Annotated[str, Field(min_length=1, max_length=200)]
     arguments: str | dict = "{}"
@@ -186,7 +200,8 @@ class ToolCallIn(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal[ROLES]
-    content: Annotated[str | list[TextPart] | None, WrapValidator(_text_parts)] = Field(None, validate_default=True)
+    content: Annotated[str | list[TextPart | ImagePart] | None, WrapValidator(_text_parts)] = \
+        Field(None, validate_default=True)
     reasoning_content: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
@@ -201,8 +216,14 @@ class ChatMessage(_Strict):
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
+            return "".join(p.text for p in self.content if isinstance(p, TextPart))
         return self.content or ""
+
+    def rendered(self):
+        """The content as the turn pipeline takes it: the text, or the parts where there are images."""
+        if isinstance(self.content, list) and any(isinstance(p, ImagePart) for p in self.content):
+            return [p.model_dump(exclude_none=True) for p in self.content]
+        return self.text()
 
 
 class ChatTemplateKwargs(_Strict):
@@ -303,6 +324,7 @@ class ChatCompletionRequest(_Request):
     functions: Annotated[Any, _refused_unless(None, message=LEGACY_FUNCTIONS)] = None
     function_call: Annotated[Any, _refused_unless(None, message=LEGACY_FUNCTIONS)] = None
     _choice: ToolChoice = PrivateAttr(default_factory=lambda: ToolChoice("none"))
+    _max_image_pixels: int = PrivateAttr(default=Limits.max_image_pixels)
 
     @model_validator(mode="after")
     def _tool_choice_fits(self):
@@ -325,7 +347,7 @@ class ChatCompletionRequest(_Request):
     def generation(self) -> GenerationRequest:
         messages = []
         for m in self.messages:
-            entry = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            entry = {"role": "system" if m.role == "developer" else m.role, "content": m.rendered()}
             if m.reasoning_content is not None:
                 entry["reasoning_content"] = m.reasoning_content
             if m.tool_calls:
@@ -339,7 +361,9 @@ class ChatCompletionRequest(_Request):
         try:  # the one turn policy (session.turns): calls' arguments as objects, system messages merged, ...
             turn = ask(messages, tuple(self.tools or ()), self.tool_choice, self.parallel_tool_calls,
                        response_format=self.response_format,
-                       enable_thinking=thinking)
+                       enable_thinking=thinking, max_image_pixels=self._max_image_pixels)
+        except ImageInputError as e:
+            raise bad(str(e)[:300], e.where or "messages") from None
         except ToolError as e:
             raise bad(str(e)[:300], "messages") from None
         except DeltaserveError as e:
@@ -406,7 +430,10 @@ def api_error(e: ValidationError) -> APIError:
 
 def _parse(model: type[_Request], body: Any, limits: Limits) -> GenerationRequest:
     try:
-        return model.model_validate(body, context={"limits": limits}).generation()
+        req = model.model_validate(body, context={"limits": limits})
+        if isinstance(req, ChatCompletionRequest):
+            req._max_image_pixels = limits.max_image_pixels
+        return req.generation()
     except ValidationError as e:
         raise api_error(e) from None
 

@@ -94,8 +94,9 @@ def _number(body: dict, key: str, lo: float, hi: float, default, integer: bool =
     return v
 
 
-def _text_of(parts: Any, where: str, allowed: tuple[str, ...]) -> str:
-    """A message's content (a string, or text parts) as its text; any other part refused by name."""
+def _text_of(parts: Any, where: str, allowed: tuple[str, ...], images: list | None = None) -> str:
+    """A message's content (a string, or text parts) as its text; any other part refused by name. With `images` (a
+    user message's), its parts in order are appended to it as ("text", text) and ("image", image_url)."""
     if isinstance(parts, str):
         return parts
     _need(isinstance(parts, list), f"'{where}' must be a string or an array of content parts, got {_kind(parts)}",
@@ -105,6 +106,12 @@ def _text_of(parts: Any, where: str, allowed: tuple[str, ...]) -> str:
         at = f"{where}[{j}]"
         _need(isinstance(p, dict), f"'{at}' must be an object, got {_kind(p)}", at)
         t = p.get("type")
+        if t == "input_image" and images is not None:
+            url = p.get("image_url")
+            _need(isinstance(url, str) and bool(url), f"'{at}.image_url' must be a data URL (data:image/...;base64,"
+                  f"...), got {_kind(url)}", f"{at}.image_url", "unsupported_content")
+            images.append(("image", url))
+            continue
         if t in ("input_image", "input_file", "input_audio"):
             raise bad(f"'{at}' is an {t} part: this server reads text parts only ({', '.join(allowed)})", at,
                       "unsupported_content")
@@ -112,6 +119,8 @@ def _text_of(parts: Any, where: str, allowed: tuple[str, ...]) -> str:
         text = p.get("text", p.get("refusal"))
         _need(isinstance(text, str), f"'{at}.text' must be a string, got {_kind(text)}", f"{at}.text")
         out.append(text)
+        if images is not None:
+            images.append(("text", text))
     return "".join(out)
 
 
@@ -145,7 +154,9 @@ def input_items(value: Any, limits: Limits) -> tuple[list, list[str], list]:
             _need(role in ("user", "system", "developer", "assistant"), f"'{where}.role' must be user, system, "
                   f"developer or assistant, got {str(role)[:40]!r}", f"{where}.role")
             allowed = ("output_text", "refusal") if role == "assistant" else ("input_text",)
-            text = _text_of(item.get("content"), f"{where}.content", allowed + ("text",))
+            pictures: list = []
+            text = _text_of(item.get("content"), f"{where}.content", allowed + ("text",),
+                            pictures if role == "user" else None)
             if role in ("system", "developer"):
                 systems.append(text)
             elif role == "assistant":
@@ -154,6 +165,10 @@ def input_items(value: Any, limits: Limits) -> tuple[list, list[str], list]:
                     entry["reasoning_content"] = "\n".join(reasoning)
                     reasoning.clear()
                 messages.append(entry)
+            elif any(kind == "image" for kind, _ in pictures):  # the parts in their order
+                messages.append({"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": v}} if kind == "image" else {"type": "text", "text": v}
+                    for kind, v in pictures]})
             else:
                 messages.append({"role": "user", "content": text})
             part = "output_text" if role == "assistant" else "input_text"
