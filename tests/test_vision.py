@@ -570,3 +570,34 @@ def test_a_bad_image_gets_a_400_that_says_what_is_wrong_and_the_server_goes_on(v
     ok = httpx.post(vision_server.url + "/v1/chat/completions", timeout=60,
                     json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
     assert ok.status_code == 200
+
+
+def test_the_one_call_native_decode_after_an_image_ropes_at_the_shifted_position(vision_model, monkeypatch):
+    """On the file's blocks (Q8_0 everywhere) the decode after an image runs in the one native call, at its rotary
+    position (index + rope_delta): it follows the torch step there, and not where the shift is left out."""
+    from deltaserve.engine.forward import Forward
+    from tests.test_native_avx2 import blocks_everywhere, need
+
+    need("ds_decode_tokens")
+    model, vision, oracle = vision_model
+    f = Forward(model.config, blocks_everywhere(model, False))
+    program = f.token_program()[0]
+    assert program is not None
+    calls = []
+    real_rows = type(program).rows
+    monkeypatch.setattr(type(program), "rows", lambda self, *a, **kw: calls.append(kw.get("rope")) or
+                        real_rows(self, *a, **kw))
+    images = [_picture(70, 42, 1), _picture(30, 58, 2)]
+    ids = _image_prompt(vision, images)
+    states = [f.new_state(len(ids) + 2) for _ in range(3)]
+    for st in states:
+        f.prefill(st, ids, images=vision.span(ids, images, 0))
+    assert states[0].rope_delta < 0
+    native = f.decode(states[0], 33)                                             # one native call
+    assert calls == [[len(ids) + states[1].rope_delta]]
+    torch_step = f._run(states[1], torch.tensor([33]), chunked=False, all_logits=False)[0]  # the torch step
+    states[2].rope_delta = 0                                                    # the shift left out
+    unshifted = f.decode(states[2], 33)
+    near = (native - torch_step).abs().max().item()
+    assert near < 0.02 and int(native.argmax()) == int(torch_step.argmax())
+    assert (unshifted - torch_step).abs().max().item() > 5 * near

@@ -160,7 +160,9 @@ class Forward:
             x = self.weights.embed.lookup(torch.tensor(ids)).reshape(t, -1).float().clone()
             hidden = torch.empty(t, self.config.hidden_size)
             logits = program.rows(x, [state] * t, list(range(start, start + t)), torch.get_num_threads(),
-                                  chain=True, snaps=rows, hidden=hidden)
+                                  chain=True, snaps=rows, hidden=hidden,
+                                  rope=list(range(start + state.rope_delta, start + state.rope_delta + t))
+                                  if state.rope_delta else None)
             state.length = start + t
             self._follow(state, start, ids, hidden)
             return logits
@@ -203,9 +205,7 @@ class Forward:
         if not self.one_call or len(states) > TokenProgram.MAX_BATCH:
             return None
         program = self.token_program()[0]
-        # a state past an image (rope_delta) takes the torch step: the native one ropes at the cache index
-        return program if program is not None and all(program.takes(st) and not st.rope_delta for st in states) \
-            else None
+        return program if program is not None and all(program.takes(st) for st in states) else None
 
     def _check_ids(self, ids: list[int]) -> None:
         vocab = self.config.vocab_size

@@ -210,18 +210,20 @@ class TokenProgram:
         advances by one. The caller checked the positions and the token ids. `hidden` [B, hidden_size], when given,
         receives the rows after the final norm (what an MTP block reads)."""
         x = self.weights.embed.lookup(torch.tensor(tokens)).reshape(len(states), -1).float().clone()
-        logits = self.rows(x, states, [st.length for st in states], nthreads, hidden=hidden)
+        shifted = [st.length + st.rope_delta for st in states] if any(st.rope_delta for st in states) else None
+        logits = self.rows(x, states, [st.length for st in states], nthreads, hidden=hidden, rope=shifted)
         for st in states:
             st.length += 1
         return logits
 
     def rows(self, x: torch.Tensor, states: list, pos: list[int], nthreads: int | None = None, *,
              chain: bool = False, snaps: list | None = None, hidden: torch.Tensor | None = None,
-             logits: bool = True) -> torch.Tensor | None:
+             logits: bool = True, rope: list[int] | None = None) -> torch.Tensor | None:
         """ds_decode_tokens on input rows x [B, hidden_size] (overwritten), row b at pos[b] of states[b]; logits
         [B, vocab] (None with `logits=False`: the head is not run). `chain`: the rows are consecutive positions of
         one sequence (states[b] the same state); `snaps[b]` (chain only, b < B-1): a state-like object (conv, ssm
-        dicts) receiving the DeltaNet states after row b. Lengths are not changed here."""
+        dicts) receiving the DeltaNet states after row b. `rope`: each row's rotary position where it is not its
+        position (a state past an image: its rope_delta). Lengths are not changed here."""
         b, n = len(states), len(self.weights.layers)
 
         def table_of(st) -> ctypes.Array:
@@ -255,6 +257,7 @@ class TokenProgram:
         if self.lib.ds_decode_tokens(ctypes.byref(self.model), b, x.data_ptr(), table, posv, cap,
                                      out.data_ptr() if out is not None else None,
                                      nthreads or torch.get_num_threads(), int(chain), snap_table,
-                                     hidden.data_ptr() if hidden is not None else None) != 0:
+                                     hidden.data_ptr() if hidden is not None else None,
+                                     (ctypes.c_int * b)(*rope) if rope is not None else None) != 0:
             raise MemoryError("the native token decode could not allocate its scratch (or refused its rows)")
         return out

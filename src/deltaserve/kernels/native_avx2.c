@@ -390,15 +390,16 @@ static size_t scratch_bytes(int kind, int M, int K) {
     return blk_scratch_bytes(M, K);
 }
 
-/* q/k RMS norm per head, rotary embedding (rotate-half over the first `rotary` dims) at `pos`, k and v
- * written at `pos` of the caches [nkv, cap, hd]; the rotated queries to qout [nh, hd]. Serial. */
+/* q/k RMS norm per head, rotary embedding (rotate-half over the first `rotary` dims) at rotary position `rpos`, k
+ * and v written at `pos` of the caches [nkv, cap, hd]; the rotated queries to qout [nh, hd]. Serial. (rpos is pos
+ * for text; after an image the positions fall behind the cache index: engine/images.py.) */
 static void attn_prepare(const model_t *m, const layer_t *L, const float *qkv, float *kc, float *vc, int pos,
-                         int cap, float *qout) {
+                         int rpos, int cap, float *qout) {
     int nh = m->nh, nkv = m->nkv, hd = m->hd, r = m->rotary, half = r / 2;
     float cs[half + 1], sn[half + 1];
     for (int i = 0; i < half; i++) {
         float inv = 1.0f / powf(m->theta, (float)(2 * i) / (float)r);
-        float f = (float)pos * inv;
+        float f = (float)rpos * inv;
         cs[i] = cosf(f);
         sn[i] = sinf(f);
     }
@@ -732,11 +733,13 @@ int ds_moe_experts(const experts_t *G, const experts_t *U, const experts_t *D, i
  * and delta rule run the rows in order (heads in parallel). `snap` (chain only, may be NULL): snap[b][2i],
  * snap[b][2i+1] receive DeltaNet layer i's conv and ssm state after row b, for b < B-1 (the state after the last
  * row is the live one): a rejected draft rolls back to one of them without a second pass. `hidden` (may be NULL):
- * [B, hidden] out, the rows after the final norm (what an MTP layer reads).
+ * [B, hidden] out, the rows after the final norm (what an MTP layer reads). `rope` (may be NULL: pos): row b's
+ * rotary position, where it is not its cache index (a conversation past an image).
  * Returns 0, or -1 (nothing touched) where a product's segments are not taken, a shape is not supported or
  * memory ran out. */
 int ds_decode_tokens(const model_t *m, int B, float *x, float *const *const *state, const int *pos, const int *cap,
-                     float *logits, int nthreads, int chain, float *const *const *snap, float *hidden) {
+                     float *logits, int nthreads, int chain, float *const *const *snap, float *hidden,
+                     const int *rope) {
     int H = m->hidden, C = 2 * m->nk * m->dk + m->nv * m->dv, nh = m->nh, nv = m->nv;
     if (B < 1 || B > MAXM || m->nk <= 0 || nv % m->nk || m->nkv <= 0 || nh % m->nkv || m->hd % 8
         || m->rotary > m->hd || m->rotary % 2 || !lin_ok(&m->head)) return -1;
@@ -798,7 +801,8 @@ int ds_decode_tokens(const model_t *m, int B, float *x, float *const *const *sta
                 if (L->attention) {
                     #pragma omp for schedule(static)
                     for (int b = 0; b < B; b++)
-                        attn_prepare(m, L, big + (size_t)b * nin, state[b][2 * i], state[b][2 * i + 1], pos[b], cap[b],
+                        attn_prepare(m, L, big + (size_t)b * nin, state[b][2 * i], state[b][2 * i + 1], pos[b],
+                                     rope ? rope[b] : pos[b], cap[b],
                                      qr + (size_t)b * nh * m->hd);
                     #pragma omp for schedule(static)
                     for (int t = 0; t < B * nh; t++) {
