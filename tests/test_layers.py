@@ -20,6 +20,7 @@ LAYERS = [
     ("text", ["deltaserve.text.*"]),
     ("formats", ["deltaserve.formats.*"]),
     ("kernels", ["deltaserve.kernels.*"]),
+    ("vision", ["deltaserve.vision.*"]),
     ("engine", ["deltaserve.engine.*"]),
     ("runtime", ["deltaserve.runtime.*"]),
     ("session", ["deltaserve.session.*"]),

@@ -507,9 +507,26 @@ def vision_server():
     from tests.fixtures import models as fx
     from tests.server_proc import ServerProcess
 
-    s = ServerProcess(fx.hf_dir("vision"), "--slots", "1", "--max-image-pixels", "250000")
+    s = ServerProcess(fx.hf_dir("vision"), "--slots", "1", "--max-image-pixels", "250000", "--allow-image-urls")
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="module")
+def image_site(tmp_path_factory):
+    """A local web server for image links: picture.png, and a 404 for anything else."""
+    import functools
+    import http.server
+    import threading
+
+    root = tmp_path_factory.mktemp("site")
+    _picture(70, 42, 1).save(root / "picture.png")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
+    handler.log_message = lambda *a: None
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
 
 
 def test_an_image_url_part_is_answered_and_a_follow_up_prefills_only_its_new_text(vision_server):
@@ -552,7 +569,8 @@ BAD_IMAGES = [
     ("too many pixels", lambda: _data_url(_picture(600, 500, 5)), "600x500 pixels (300000), over the limit of 250000"),
     ("a decompression bomb", lambda: "data:image/png;base64," + __import__("base64").b64encode(
         png_bomb(20000, 20000, False)).decode(), "20000x20000 pixels"),
-    ("a link", lambda: "https://example.com/cat.png", "not fetched"),
+    ("a link to nothing", lambda: "http://127.0.0.1:9/missing.png", "could not be fetched"),
+    ("an ftp link", lambda: "ftp://127.0.0.1/x.png", "must be a data URL"),
     ("not base64", lambda: "data:image/png;base64,@@@", "not valid base64"),
 ]
 
@@ -601,3 +619,54 @@ def test_the_one_call_native_decode_after_an_image_ropes_at_the_shifted_position
     near = (native - torch_step).abs().max().item()
     assert near < 0.02 and int(native.argmax()) == int(torch_step.argmax())
     assert (unshifted - torch_step).abs().max().item() > 5 * near
+
+
+# --- the command line: run --image, and the REPL's /image --------------------------------------------------------
+
+def test_run_answers_about_an_image_file_and_the_repl_attaches_one_to_the_next_message(vision_model, tmp_path):
+    import io
+    import subprocess
+    import sys
+
+    from deltaserve.frontends.repl import ChatREPL
+    from tests.fixtures import models as fx
+
+    path = tmp_path / "picture.png"
+    _picture(70, 42, 1).save(path)
+    run = subprocess.run([sys.executable, "-m", "deltaserve", "run", str(fx.hf_dir("vision")), "--image", str(path),
+                          "-p", "Describe it.", "-n", "3", "--think", "off", "--device", "cpu"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "prefill with images" in run.stderr and "[stats] prompt" in run.stderr
+    model, vision, oracle = vision_model
+    out = io.StringIO()
+    repl = ChatREPL(model, model.session(quiet=True), {}, 3, None, False, out=out)
+    lines = iter([f"/image {path}", "/image missing.png", "Describe it.", "And again?"])
+
+    def read(prompt):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    repl.loop(read=read)
+    said = out.getvalue()
+    assert f"[image {path} (70x42) goes with your next message]" in said and "[image not attached:" in said
+    assert repl.session.image_prefills == 1 and repl.session.turns == 2  # the follow-up did not encode it again
+    assert repl.messages[0]["content"][0] == {"type": "image", "image": str(path)}
+
+
+def test_with_allow_image_urls_a_link_is_fetched_and_answered_as_its_data_url_is(vision_server, image_site):
+    import httpx
+
+    def ask(url):
+        body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                          {"type": "text", "text": "Describe it."}]}],
+                "max_tokens": 3, "temperature": 0, "chat_template_kwargs": {"enable_thinking": False}}
+        return httpx.post(vision_server.url + "/v1/chat/completions", json=body, timeout=60)
+
+    linked, inline = ask(image_site + "/picture.png"), ask(_data_url(_picture(70, 42, 1)))
+    assert linked.status_code == inline.status_code == 200
+    assert linked.json()["choices"][0]["message"] == inline.json()["choices"][0]["message"]
+    missing = ask(image_site + "/nothing.png")
+    assert missing.status_code == 400 and "could not be fetched" in missing.json()["error"]["message"]

@@ -90,11 +90,12 @@ class Forward:
 
     @torch.inference_mode()
     def _run(self, state: DecodeState, ids: torch.Tensor, chunked: bool, all_logits: bool,
-             snaps: list | None = None, hidden_only: bool = False, images: "ImageSpan | None" = None) -> torch.Tensor:
+             snaps: list | None = None, hidden_only: bool = False, images=None) -> torch.Tensor:
         """A span of one sequence from the state's position. `snaps` (the recurrent path): the DeltaNet states after
         each row but the last are copied into them (a verification's rollback points). `hidden_only`: the rows after
         the final norm instead of logits. `images`: embeddings in place of the image tokens' rows and the span's 3-D
-        rotary positions (`ImageSpan`); the state's rope_delta moves to where they leave the text."""
+        rotary positions (deltaserve.vision.span.ImageSpan); the state's rope_delta moves to where they leave the
+        text."""
         c = self.config
         t, start = int(ids.numel()), state.length
         if t == 0:
@@ -185,7 +186,7 @@ class Forward:
             state.mtp.truncate(state.length)
 
     def prefill(self, state: DecodeState, tokens, all_logits: bool = False,
-                images: "ImageSpan | None" = None) -> torch.Tensor:
+                images=None) -> torch.Tensor:
         """Feed a span at the state's current position through the chunked path, `state.prefill_rows` tokens per
         call. Returns logits [T, vocab] when `all_logits`, else the last position's [vocab]. `images`: the span's
         image embeddings and 3-D positions (`ImageSpan`, for a span that holds image tokens)."""

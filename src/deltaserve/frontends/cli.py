@@ -136,18 +136,23 @@ def cmd_run(a) -> int:
         elif len(prompts) > 1:
             raise DeltaserveError(f"{len(prompts)} prompts given: several -p are the turns of one conversation and "
                                   "this model carries no chat template (pass --chat to use ChatML)")
+    images = getattr(a, "image", None) or []
+    if images and not a.chat:
+        raise DeltaserveError("--image needs the chat template (leave out --raw)")
     if len(prompts) > 1:
-        return _run_turns(a, model, prompts, load_s, response_format)
+        return _run_turns(a, model, prompts, load_s, response_format, images)
     text = prompts[0] if prompts else None
     if text is None:
         if sys.stdin.isatty():
             raise DeltaserveError("no prompt: pass -p TEXT (or pipe text on stdin)")
         text = sys.stdin.read()
-    messages = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": text}]
+    messages = ([{"role": "system", "content": a.system}] if a.system else []) + \
+        [{"role": "user", "content": _with_images(text, images)}]
     if a.chat:  # rendered once by the turn pipeline (session.turns): its ids plan the memory, then the turn runs
-        request = ask(messages, response_format=response_format, enable_thinking=thinking(a))
+        request = ask(messages, response_format=response_format, enable_thinking=thinking(a), image_files=True)
         prompt = request.prompt(model.tokenizer, model.thinking_default)
-        ids = prompt.encode(model.tokenizer)
+        ids = request.encode(prompt, model.tokenizer, model.host.vision if request.images else None,
+                             model.config.vocab_size)
     else:
         ids = model.tokenizer.encode(text)
     context = min(a.ctx or model.config.context_length, model.config.context_length)
@@ -186,14 +191,22 @@ def drafts_said(session, turn) -> str:
     return f", MTP accepted {turn.accepted} of {plural(turn.drafted, 'draft')}{rate}"
 
 
-def _run_turns(a, model, prompts: list[str], load_s: float, response_format: dict | None = None) -> int:
+def _with_images(text: str, images: list[str]):
+    """A user message's content: the text, or the images (files) and then the text."""
+    if not images:
+        return text
+    return [{"type": "image", "image": path} for path in images] + [{"type": "text", "text": text}]
+
+
+def _run_turns(a, model, prompts: list[str], load_s: float, response_format: dict | None = None,
+               images: list[str] | None = None) -> int:
     """Several -p: the user turns of one conversation on one resident session, each reply streamed,
     each turn's reuse said on stderr (a later turn prefills only what the history added)."""
     session = model.session(context=a.ctx, device=a.device, revalidate=a.revalidate, guard_max_age=a.guard_max_age,
                             mtp=mtp_arg(a))
     messages = [{"role": "system", "content": a.system}] if a.system else []
     for k, text in enumerate(prompts, 1):
-        messages.append({"role": "user", "content": text})
+        messages.append({"role": "user", "content": _with_images(text, images if k == 1 else None)})
         print(f"> {text}", flush=True)
         turn = session.chat(messages, max_tokens=a.max_tokens, enable_thinking=thinking(a), on_token=_stream,
                             on_reasoning=lambda r: _show(r, ""), response_format=response_format, **sampling_kwargs(a))
@@ -326,6 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "whose file carries a template)")
     mode.add_argument("--raw", dest="chat", action="store_false", help="the prompt as plain text, no chat template")
     r.add_argument("--system", default=None, help="a system message (chat only)")
+    r.add_argument("--image", action="append", default=None, metavar="FILE",
+                   help="an image the (first) prompt asks about; give it again for more (chat only, a checkpoint "
+                        "with a vision encoder: an HF directory holding model.visual.*)")
     r.add_argument("--json-schema", default=None, metavar="FILE",
                    help="constrain the answer to the JSON schema in FILE (structured outputs: it parses and "
                         "validates whatever the weights; thinking is off for the turn)")
@@ -370,6 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-image-pixels", type=positive_int, default=16_777_216, metavar="N",
                    help="largest image a request may send, in pixels (width x height, default 16777216), checked "
                         "from its header before it is decoded")
+    s.add_argument("--allow-image-urls", action="store_true",
+                   help="fetch http(s) image links in requests (at most 20 MiB, 10 s each); off: images come as "
+                        "data URLs only (a server that fetches links reaches what its host can reach)")
     s.add_argument("--model-name", default=None, help="the model id reported by /v1/models")
     s.add_argument("--allowed-hosts", default=None, metavar="NAMES",
                    help="Host names to answer to besides loopback ones, comma-separated ('*.example.com' for the "

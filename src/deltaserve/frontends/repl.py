@@ -1,7 +1,7 @@
 """`deltaserve chat`: a conversation on one resident session.
 
 Each turn renders the whole history with the model's template; the session prefills only what its state
-does not already hold. Commands: /clear, /system TEXT, /regenerate, /think on|off, /stats, /help, /quit.
+does not already hold. Commands: /clear, /system TEXT, /regenerate, /think on|off, /image FILE, /stats, /help, /quit.
 Multi-line input: end a line with a backslash to continue, or wrap a block in triple quotes.
 
 `--resume NAME` keeps the conversation under a name, in the cache directory (`chats/NAME.json`: the messages,
@@ -34,6 +34,7 @@ HELP = """commands:
   /system TEXT    set the system message (clears the conversation)
   /regenerate     answer the last message again (resumes from the checkpoint)
   /think on|off   thinking in the chat template
+  /image FILE     attach an image to your next message (a checkpoint with a vision encoder)
   /stats          the session: held tokens, capacity, checkpoint, backend, notices
   /help           this text
   /quit           leave (also Ctrl-D)
@@ -156,6 +157,7 @@ class ChatREPL:
         self.system = system
         self.thinking = thinking
         self.messages: list[dict] = list(messages or [])
+        self.images: list[str] = []  # files /image attached to the next message
         self.out = out
         self.saved = saved                  # --resume NAME: written after every turn
         self.resumed: str | None = None     # what /stats says about the resume
@@ -268,6 +270,25 @@ class ChatREPL:
                 self.out.write(f"[thinking {'on' if self.thinking else 'off'}]\n")
                 if self.saved is not None:
                     self.persist()
+        elif name == "image":
+            path = arg.strip()
+            if not path:
+                self.out.write("[usage: /image FILE]\n")
+            else:
+                from deltaserve.vision.inputs import ImageInputError, decode
+
+                try:
+                    image = decode(path, allow_files=True)
+                except ImageInputError as e:
+                    self.out.write(f"[image not attached: {e}]\n")
+                else:
+                    if self.session.host.vision is None:
+                        self.out.write("[image not attached: this model has no vision encoder (an HF checkpoint "
+                                       "directory holding model.visual.* has one)]\n")
+                    else:
+                        self.images.append(path)
+                        w, h = image.image.size
+                        self.out.write(f"[image {path} ({w}x{h}) goes with your next message]\n")
         elif name == "stats":
             s = self.session
             self.out.write(f"[turns {s.turns} | held {len(s.held)} tokens | capacity {s.capacity} positions | "
@@ -304,7 +325,10 @@ class ChatREPL:
                     return
                 continue
             text = self.read_message(line, read)
-            self.messages.append({"role": "user", "content": text})
+            content = [{"type": "image", "image": p} for p in self.images] + [{"type": "text", "text": text}] \
+                if self.images else text
+            self.images = []
+            self.messages.append({"role": "user", "content": content})
             try:
                 self.answer()
             except KeyboardInterrupt:

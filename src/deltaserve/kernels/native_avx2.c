@@ -392,7 +392,7 @@ static size_t scratch_bytes(int kind, int M, int K) {
 
 /* q/k RMS norm per head, rotary embedding (rotate-half over the first `rotary` dims) at rotary position `rpos`, k
  * and v written at `pos` of the caches [nkv, cap, hd]; the rotated queries to qout [nh, hd]. Serial. (rpos is pos
- * for text; after an image the positions fall behind the cache index: engine/images.py.) */
+ * for text; after an image the positions fall behind the cache index: vision/span.py.) */
 static void attn_prepare(const model_t *m, const layer_t *L, const float *qkv, float *kc, float *vc, int pos,
                          int rpos, int cap, float *qout) {
     int nh = m->nh, nkv = m->nkv, hd = m->hd, r = m->rotary, half = r / 2;

@@ -11,7 +11,7 @@ In the prompt's ids, an image's one <|image_pad|> becomes one id per merged patc
 is: `vocab_size + (the first 48 bits of the pixels' sha256 + k) mod 2**48` for its k-th token. So the tokens a state
 covers cover its images' content: two conversations whose text is equal and whose images differ never share a state
 (in a slot or the state store), and the same image sent again matches. The trunk never sees these ids: the session
-embeds their rows from the vision encoder (`engine.images.ImageSpan`).
+embeds their rows from the vision encoder (`vision.span.ImageSpan`).
 """
 
 from __future__ import annotations
@@ -71,8 +71,49 @@ def _data_url(url: str) -> bytes:
         raise ImageInputError("the image data URL's payload is not valid base64") from None
 
 
-def decode(source: Any, max_pixels: int = DEFAULT_MAX_PIXELS, allow_files: bool = False) -> ImageInput:
-    """A PIL image, bytes, a data URL, or (the Python API: `allow_files`) a path, decoded and checked."""
+URL_TIMEOUT_S = 10.0
+
+
+def fetch_url(url: str, limit: int = MAX_IMAGE_BYTES, timeout: float = URL_TIMEOUT_S) -> bytes:
+    """An image link's bytes (`serve --allow-image-urls`): http(s) only, at most `limit` bytes, within `timeout`
+    seconds for the whole transfer; ImageInputError saying which limit a link broke."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    if not url.startswith(("http://", "https://")):
+        raise ImageInputError("an image link must be http:// or https://")
+    start = time.monotonic()
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers={"User-Agent": "deltaserve"}),
+                                    timeout=timeout) as r:
+            if not r.geturl().startswith(("http://", "https://")):
+                raise ImageInputError("the image link redirected off http(s)")
+            size = r.headers.get("Content-Length")
+            if size is not None and size.isdigit() and int(size) > limit:
+                raise ImageInputError(f"the image link's body is {size} bytes, over the limit of {limit}")
+            data = bytearray()
+            while len(data) <= limit:
+                chunk = r.read(65536)
+                if not chunk:
+                    break
+                data += chunk
+                if time.monotonic() - start > timeout:
+                    raise ImageInputError(f"the image link did not arrive within {timeout:g} s")
+            if len(data) > limit:
+                raise ImageInputError(f"the image link's body is over the limit of {limit} bytes")
+            return bytes(data)
+    except ImageInputError:
+        raise
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        reason = getattr(e, "reason", None) or e
+        raise ImageInputError(f"the image link could not be fetched: {str(reason)[:200]}") from None
+
+
+def decode(source: Any, max_pixels: int = DEFAULT_MAX_PIXELS, allow_files: bool = False,
+           fetch=None) -> ImageInput:
+    """A PIL image, bytes, a data URL, or (the Python API: `allow_files`) a path, decoded and checked; an http(s)
+    link only with `fetch` (`fetch_url`, where the server allows links)."""
     from deltaserve.vision.preprocess import ImageError, decode_image
 
     if hasattr(source, "mode") and hasattr(source, "size"):  # a PIL image already
@@ -84,8 +125,10 @@ def decode(source: Any, max_pixels: int = DEFAULT_MAX_PIXELS, allow_files: bool 
         if source.startswith("data:"):
             data = _data_url(source)
         elif source.startswith(("http://", "https://")):
-            raise ImageInputError("image links are not fetched: send the image as a data URL "
-                                  "(data:image/png;base64,...)")
+            if fetch is None:
+                raise ImageInputError("image links are not fetched (the server's --allow-image-urls fetches them): "
+                                      "send the image as a data URL (data:image/png;base64,...)")
+            data = fetch(source)
         elif allow_files:
             path = Path(source)
             try:
@@ -99,7 +142,7 @@ def decode(source: Any, max_pixels: int = DEFAULT_MAX_PIXELS, allow_files: bool 
     elif isinstance(source, (bytes, bytearray, memoryview)):
         data = bytes(source)
     elif isinstance(source, os.PathLike) and allow_files:
-        return decode(os.fspath(source), max_pixels, allow_files)
+        return decode(os.fspath(source), max_pixels, allow_files, fetch)
     else:
         raise ImageInputError(f"an image must be a data URL, bytes or a PIL image, not {type(source).__name__}")
     try:
@@ -119,8 +162,8 @@ def part_source(part: dict) -> Any | None:
     return None
 
 
-def take_images(messages: list, max_pixels: int = DEFAULT_MAX_PIXELS,
-                allow_files: bool = False) -> tuple[list, list[ImageInput]]:
+def take_images(messages: list, max_pixels: int = DEFAULT_MAX_PIXELS, allow_files: bool = False,
+                fetch=None) -> tuple[list, list[ImageInput]]:
     """The messages with each image part as {"type": "image"}, and the images, in order. ImageInputError names the
     part (`messages[i].content[j]`) and what is wrong with it."""
     out, images = [], []
@@ -138,7 +181,7 @@ def take_images(messages: list, max_pixels: int = DEFAULT_MAX_PIXELS,
                 try:
                     if source is None:
                         raise ImageInputError("an image part without its image")
-                    images.append(decode(source, max_pixels, allow_files))
+                    images.append(decode(source, max_pixels, allow_files, fetch))
                 except ImageInputError as e:
                     err = ImageInputError(f"{where}: {e}")
                     err.where = where

@@ -4,7 +4,7 @@
 `Qwen3_5MoeForConditionalGeneration`): `model.visual.*` from its safetensors (sharded or not), `vision_config` and the
 image token ids from config.json, the processor's settings from preprocessor_config.json (its defaults where the
 directory has none). `Vision.encode(images)` preprocesses Pillow images and encodes them; `Vision.span(ids, images,
-start_position)` gives the trunk what it needs for a span holding their placeholder tokens (`engine.images.ImageSpan`).
+start_position)` gives the trunk what it needs for a span holding their placeholder tokens (`vision.span.ImageSpan`).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class Vision:
 
     def span(self, ids, images: Sequence, start_position: int):
         """The `ImageSpan` of a span of prompt ids whose image placeholders are `images`' (in order)."""
-        from deltaserve.engine.images import ImageSpan
+        from deltaserve.vision.span import ImageSpan
 
         embeds, grids = self.encode(images)
         return ImageSpan.build(ids, grids, embeds, image_token_id=self.image_token_id,

@@ -40,6 +40,7 @@ from deltaserve.frontends.server.responses import (Items, ResponsesRequest, fram
 from deltaserve.frontends.server.slots import QueueFull, SlotPool
 from deltaserve.session.responses import ResponseRecord, ResponseStore, new_id
 from deltaserve.session.turns import ask
+from deltaserve.vision.inputs import fetch_url
 from deltaserve.text.toolcalls import ToolError
 from deltaserve.text.chat_template import RenderedPrompt
 
@@ -487,7 +488,8 @@ class Server:
                           f"nothing to {self.model_name!r}", "previous_response_id", "model_mismatch")
         history = list(prev.messages) if prev is not None else []
         turn_args = (req.chat_tools, req.tool_choice, req.parallel_tool_calls, req.response_format,
-                     req.enable_thinking, self.limits.max_image_pixels)
+                     req.enable_thinking, self.limits.max_image_pixels, False,
+                     fetch_url if self.limits.image_urls else None)
         host = self.model.host
         try:
             turn = ask(req.messages, *turn_args)
@@ -849,7 +851,8 @@ def main(a) -> int:
     think = thinking_flag(a.think)  # None: the model's default (model.thinking_default)
     server = Server(model, slots=a.slots, queue=a.queue, api_key=a.api_key, model_name=a.model_name,
                     limits=Limits(max_tokens=a.max_tokens_limit, max_messages=a.max_messages, max_body=a.max_body,
-                                  max_image_pixels=getattr(a, "max_image_pixels", Limits.max_image_pixels)),
+                                  max_image_pixels=getattr(a, "max_image_pixels", Limits.max_image_pixels),
+                                  image_urls=getattr(a, "allow_image_urls", False)),
                     device=a.device, think_default=think, context=a.ctx, revalidate=a.revalidate,
                     state_ram=a.state_ram, state_dir=a.state_dir, state_disk=a.state_disk, hosts=hosts,
                     request_timeout=request_timeout, log_prefills=getattr(a, "prefill_log", "on") == "on",

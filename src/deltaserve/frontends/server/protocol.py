@@ -20,7 +20,7 @@ from deltaserve.errors import DeltaserveError
 from deltaserve.session.grammar import GrammarError, normalize
 from deltaserve.session.turns import TurnRequest, ask
 from deltaserve.text.toolcalls import ToolChoice, ToolError, normalize_tool_choice, normalize_tools
-from deltaserve.vision.inputs import ImageInputError
+from deltaserve.vision.inputs import ImageInputError, fetch_url
 
 
 class APIError(Exception):
@@ -47,6 +47,7 @@ class Limits:
     max_body: int = 4 << 20
     max_stop: int = 4
     max_image_pixels: int = 16_777_216
+    image_urls: bool = False      # --allow-image-urls: http(s) image links are fetched (size and time bounded)
 
 
 @dataclass
@@ -324,7 +325,7 @@ class ChatCompletionRequest(_Request):
     functions: Annotated[Any, _refused_unless(None, message=LEGACY_FUNCTIONS)] = None
     function_call: Annotated[Any, _refused_unless(None, message=LEGACY_FUNCTIONS)] = None
     _choice: ToolChoice = PrivateAttr(default_factory=lambda: ToolChoice("none"))
-    _max_image_pixels: int = PrivateAttr(default=Limits.max_image_pixels)
+    _server_limits: Limits = PrivateAttr(default_factory=Limits)
 
     @model_validator(mode="after")
     def _tool_choice_fits(self):
@@ -361,7 +362,8 @@ class ChatCompletionRequest(_Request):
         try:  # the one turn policy (session.turns): calls' arguments as objects, system messages merged, ...
             turn = ask(messages, tuple(self.tools or ()), self.tool_choice, self.parallel_tool_calls,
                        response_format=self.response_format,
-                       enable_thinking=thinking, max_image_pixels=self._max_image_pixels)
+                       enable_thinking=thinking, max_image_pixels=self._server_limits.max_image_pixels,
+                       image_fetch=fetch_url if self._server_limits.image_urls else None)
         except ImageInputError as e:
             raise bad(str(e)[:300], e.where or "messages") from None
         except ToolError as e:
@@ -432,7 +434,7 @@ def _parse(model: type[_Request], body: Any, limits: Limits) -> GenerationReques
     try:
         req = model.model_validate(body, context={"limits": limits})
         if isinstance(req, ChatCompletionRequest):
-            req._max_image_pixels = limits.max_image_pixels
+            req._server_limits = limits
         return req.generation()
     except ValidationError as e:
         raise api_error(e) from None
