@@ -670,3 +670,39 @@ def test_with_allow_image_urls_a_link_is_fetched_and_answered_as_its_data_url_is
     assert linked.json()["choices"][0]["message"] == inline.json()["choices"][0]["message"]
     missing = ask(image_site + "/nothing.png")
     assert missing.status_code == 400 and "could not be fetched" in missing.json()["error"]["message"]
+
+
+def test_after_a_restart_a_follow_up_to_an_image_resumes_from_the_state_file_at_its_shifted_position(tmp_path):
+    """--state-dir: the state after the image's turn (its rope_delta in the file) comes back in a new process, and
+    the follow-up prefills only its text and answers as the first process would have."""
+    import openai
+
+    from tests.fixtures import models as fx
+    from tests.server_proc import ServerProcess
+
+    first = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(_picture(30, 58, 2))}},
+                                          {"type": "text", "text": "Describe it."}]}]
+    kw = dict(model="hf", max_tokens=4, temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    answers = []
+    for restart in (False, True):
+        d = tmp_path / ("restart" if restart else "same")
+        with ServerProcess(fx.hf_dir("vision"), "--slots", "1", "--state-dir", str(d)) as s:
+            c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+            one = c.chat.completions.create(messages=first, **kw)
+            follow = first + [{"role": "assistant", "content": one.choices[0].message.content},
+                              {"role": "user", "content": "And again?"}]
+            if restart:
+                s.stop()
+                with ServerProcess(fx.hf_dir("vision"), "--slots", "1", "--state-dir", str(d)) as s2:
+                    c2 = openai.OpenAI(base_url=s2.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+                    two = c2.chat.completions.create(messages=follow, **kw)
+                    assert "prefill with images" not in s2.stderr  # the image came back with the state
+                from deltaserve.session.store import read_header
+
+                deltas = {read_header(f).get("rope_delta") for f in d.glob("*.state")}
+                assert deltas and all(int(v) < 0 for v in deltas)  # written with the shift it holds
+            else:
+                two = c.chat.completions.create(messages=follow, **kw)
+        assert two.usage.prompt_tokens_details.cached_tokens >= 10
+        answers.append(two.choices[0].message.content)
+    assert answers[0] == answers[1]
