@@ -638,6 +638,9 @@ def test_run_answers_about_an_image_file_and_the_repl_attaches_one_to_the_next_m
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "prefill with images" in run.stderr and "[stats] prompt" in run.stderr
+    inspect = subprocess.run([sys.executable, "-m", "deltaserve", "inspect", str(fx.hf_dir("vision"))],
+                             capture_output=True, text=True, timeout=300)
+    assert "vision encoder: yes (model.visual.*: 2 blocks of 32, patch 14, merge 2" in inspect.stdout
     model, vision, oracle = vision_model
     out = io.StringIO()
     repl = ChatREPL(model, model.session(quiet=True), {}, 3, None, False, out=out)

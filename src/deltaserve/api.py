@@ -162,14 +162,16 @@ class Model:
 
 
 def load(path: str | os.PathLike | None = None, device: str = "cpu", threads: int | None = None, cache: bool = True,
-         weights: str | None = None, compute_thread: bool = False, draft: str | os.PathLike | None = None) -> Model:
+         weights: str | None = None, compute_thread: bool = False, draft: str | os.PathLike | None = None,
+         mmproj: str | os.PathLike | None = None) -> Model:
     """Load a Qwen3.5 GGUF file or HF directory (no path: the embedded demo model). `threads`: CPU threads for
     the forwards (default: one for a model too small to split, else the cores this process may use; see
     kernels/cpu.py). `weights`: "fast" (default: a GGUF's tensors held as the file's own blocks, see
     engine/weights.py), "blocks", "tables" (int8 tables) or "exact" (all f32). `compute_thread`: the load and
     every CPU forward on one thread of their own (for callers that run sessions on several threads, as the server
     does; see runtime/compute.py). `draft`: a separate file with the model's MTP block (`mtp-*.gguf`, as llama.cpp's
-    converter writes it with --mtp) for speculative decoding."""
+    converter writes it with --mtp) for speculative decoding. `mmproj`: llama.cpp's projector GGUF (its converter with
+    --mmproj) for a GGUF model's images (an HF directory carries its own vision encoder)."""
     if path is None:
         path = default_model_path()
     if threads is not None and int(threads) < 1:
@@ -178,7 +180,7 @@ def load(path: str | os.PathLike | None = None, device: str = "cpu", threads: in
     compute = ComputeThread() if compute_thread else None
 
     def build() -> tuple[HostModel, str]:
-        host = cached_host(path, weights, draft) if cache else load_host(path, weights, draft)
+        host = cached_host(path, weights, draft, mmproj) if cache else load_host(path, weights, draft, mmproj)
         n, why = plan_threads(host.weights.active_nbytes, int(threads) if threads is not None else None)
         torch.set_num_threads(n)  # on the thread that runs the forwards (OpenMP's count is per thread)
         return host, why

@@ -70,7 +70,7 @@ DEFAULTS = dict(model=None, replicas=2, slots=2, queue=16, threads=None, ctx=Non
                 api_key=None, model_name=None, allowed_hosts=None, host="127.0.0.1", max_tokens_limit=4096,
                 max_body=4 << 20, max_messages=512, max_image_pixels=16_777_216, allow_image_urls=False,
                 state_ram=None, state_dir=None, state_disk=None, compute_thread="auto", revalidate=False,
-                request_timeout=30.0, mtp=None, draft=None)
+                request_timeout=30.0, mtp=None, draft=None, mmproj=None)
 INDEX_ENTRIES = 1 << 16      # saved prefixes the router remembers (least recently used forgotten first)
 OPENING_TOKENS = 64          # the opening of a prompt with no assistant turn marker: its first tokens
 PROBE_S = 1.0                # how often the router checks its replicas
@@ -285,7 +285,8 @@ class ReplicaServer:
             size = 0
         threads, why = replica_threads(size, replicas_here, cores or available_cores(), a.threads)
         a.model = path
-        model = load(path, device=a.device, threads=threads, compute_thread=wants_compute_thread(a), draft=a.draft)
+        model = load(path, device=a.device, threads=threads, compute_thread=wants_compute_thread(a), draft=a.draft,
+                     mmproj=a.mmproj)
         model.threads_why = f"replica {index}: {why}"
         self.threads = threads
         think = thinking_flag(a.think)

@@ -62,6 +62,9 @@ def _add_runtime(p: argparse.ArgumentParser) -> None:
                         "adaptive, where the file carries one; 0: off)")
     p.add_argument("--draft", default=None, metavar="FILE",
                    help="the model's MTP block in a file of its own (mtp-*.gguf, llama.cpp's converter with --mtp)")
+    p.add_argument("--mmproj", default=None, metavar="FILE",
+                   help="the vision encoder of a GGUF model: llama.cpp's projector file (mmproj-*.gguf, its converter "
+                        "with --mmproj); an HF directory carries its own")
     p.add_argument("--revalidate", action="store_true", help="run the accelerator parity guard even if a verdict is cached")
     p.add_argument("--guard-max-age", type=float, default=GUARD_MAX_AGE, metavar="SECONDS",
                    help="trust a cached parity verdict this long (default a day); an older one is decided again")
@@ -243,7 +246,7 @@ def cmd_inspect(a) -> int:
     from deltaserve.engine.host import load_host
     from deltaserve.session.store import saved_state_bytes
 
-    host = load_host(resolve_model(a.model))
+    host = load_host(resolve_model(a.model), mmproj=getattr(a, "mmproj", None))
     c = host.config
     print(f"model: {host.path} ({host.format}, {host.file_bytes / (1 << 20):.1f} MiB)")
     print(f"arch: {c.arch}, {c.num_layers} layers ({len(c.deltanet_layers)} Gated DeltaNet, "
@@ -271,6 +274,18 @@ def cmd_inspect(a) -> int:
               f"drafts with it (--mtp N, 0 off)")
     else:
         print("MTP block: no (the file carries no nextn tensors: decoding without drafts)")
+    try:
+        vision = host.vision
+    except DeltaserveError as e:
+        print(f"vision encoder: refused ({e})")
+    else:
+        if vision is not None:
+            vc = vision.encoder.config
+            print(f"vision encoder: yes ({'--mmproj ' + host.mmproj.name if host.mmproj else 'model.visual.*'}: "
+                  f"{vc.depth} blocks of {vc.hidden_size}, patch {vc.patch_size}, merge {vc.spatial_merge_size}, "
+                  f"{vision.encoder.parameters_bytes() / (1 << 20):.1f} MiB): images are read")
+        else:
+            print("vision encoder: no (images need an HF checkpoint directory with model.visual.*, or --mmproj FILE)")
     print(f"KV cache: {c.kv_bytes_per_position() / 1024:.1f} KiB per position (f32); "
           f"recurrent + conv state: {c.recurrent_state_bytes() / (1 << 20):.2f} MiB")
     print("one saved conversation state (serve's state store, chat --resume): "
@@ -439,6 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(i)
     i.add_argument("--ctx", type=positive_int, default=None,
                    help="plan memory for this many positions (at most the declared context)")
+    i.add_argument("--mmproj", default=None, metavar="FILE", help="a projector GGUF to describe with the model")
     i.set_defaults(func=cmd_inspect)
 
     b = sub.add_parser("bench", help="benchmarks against llama.cpp and transformers",

@@ -21,7 +21,7 @@ def resolve_model(path: str | None) -> str:
 def load_model(a, compute_thread: bool = False) -> Model:
     """The model of a command's arguments (MODEL, --device, --threads); `model.load_seconds` says how long it took."""
     return load(resolve_model(a.model), device=a.device, threads=a.threads, compute_thread=compute_thread,
-                draft=getattr(a, "draft", None))
+                draft=getattr(a, "draft", None), mmproj=getattr(a, "mmproj", None))
 
 
 def sampling_kwargs(a) -> dict:
