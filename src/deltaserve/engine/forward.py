@@ -191,9 +191,13 @@ class Forward:
         call. Returns logits [T, vocab] when `all_logits`, else the last position's [vocab]. `images`: the span's
         image embeddings and 3-D positions (`ImageSpan`, for a span that holds image tokens)."""
         ids, rows = self._ids(tokens), state.prefill_rows
-        pieces = [self._run(state, ids[i:i + rows], chunked=True, all_logits=all_logits,
-                            images=images.rows(i, min(i + rows, ids.numel()), ids) if images is not None else None)
-                  for i in range(0, ids.numel(), rows)]
+        if images is None:
+            pieces = [self._run(state, ids[i:i + rows], chunked=True, all_logits=all_logits)
+                      for i in range(0, ids.numel(), rows)]
+        else:
+            pieces = [self._run(state, ids[i:i + rows], chunked=True, all_logits=all_logits,
+                                images=images.rows(i, min(i + rows, ids.numel()), ids))
+                      for i in range(0, ids.numel(), rows)]
         return torch.cat(pieces) if all_logits else pieces[-1][0]
 
     def decode(self, state: DecodeState, token: int) -> torch.Tensor:

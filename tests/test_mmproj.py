@@ -1,0 +1,156 @@
+"""deltaserve.vision.mmproj: the vision tower from llama.cpp's projector GGUF (`convert_hf_to_gguf.py --mmproj`)
+against the same tower read from the HF checkpoint (deltaserve.vision.model.load_vision).
+
+The converter (taken once from the llama-cpp-python sdist, as tests/test_gguf_conformance.py does) runs on a copy
+of the `vision` fixture that has a preprocessor_config.json (the converter needs the image mean and std from it):
+the settings written there are the ones load_vision falls back to for the fixture itself, which has none.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from deltaserve.errors import ModelFormatError
+from deltaserve.vision.mmproj import load_mmproj
+from deltaserve.vision.model import load_vision
+from deltaserve.vision.preprocess import ProcessorConfig
+from tests.fixtures import models as fx
+from tests.test_gguf_conformance import llama_cpp_converter
+
+TOLERANCE = {"f32": 1e-5, "f16": 2e-3}
+
+
+def _token_ids(directory: Path) -> tuple[int, int, int]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    ids = tuple(tok.token_to_id(t) for t in ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>"))
+    assert None not in ids
+    return ids  # type: ignore[return-value]
+
+
+@pytest.fixture(scope="module")
+def hf_vision():
+    return load_vision(fx.hf_dir("vision"))
+
+
+@pytest.fixture(scope="module")
+def projectors(tmp_path_factory) -> dict[str, Path]:
+    """The fixture converted by llama.cpp's converter with --mmproj, f32 and f16 (the two runs side by side)."""
+    script = llama_cpp_converter()
+    src = fx.hf_dir("vision")
+    work = tmp_path_factory.mktemp("mmproj")
+    hf = work / "hf"
+    hf.mkdir()
+    for f in src.iterdir():
+        if f.is_file() and not f.name.startswith("."):
+            (hf / f.name).symlink_to(f)
+    d = ProcessorConfig()
+    (hf / "preprocessor_config.json").write_text(json.dumps({
+        "image_mean": list(d.mean), "image_std": list(d.std), "patch_size": d.patch_size,
+        "temporal_patch_size": d.temporal_patch_size, "merge_size": d.merge_size,
+        "size": {"shortest_edge": d.min_pixels, "longest_edge": d.max_pixels}}))
+    env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}  # its own gguf-py, as shipped
+    out = {t: work / f"mmproj-{t}.gguf" for t in TOLERANCE}
+    runs = {t: subprocess.Popen([sys.executable, str(script), str(hf), "--mmproj", "--outfile", str(path),
+                                 "--outtype", t], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=env, cwd=script.parent)
+            for t, path in out.items()}
+    for t, proc in runs.items():
+        said, _ = proc.communicate(timeout=300)
+        if proc.returncode != 0 or not out[t].exists():
+            raise AssertionError(f"convert_hf_to_gguf.py --mmproj --outtype {t} failed (rc {proc.returncode}):\n"
+                                 f"{said[-4000:]}")
+    return out
+
+
+def _picture(w: int, h: int, seed: int) -> Image.Image:
+    g = np.random.default_rng(seed)
+    return Image.fromarray(g.integers(0, 256, (h, w, 3), dtype=np.uint8), "RGB")
+
+
+@pytest.mark.parametrize("out_type", list(TOLERANCE))
+def test_the_projector_gguf_from_llama_cpps_converter_encodes_as_the_hf_tower(projectors, hf_vision, out_type):
+    vision = load_mmproj(projectors[out_type], *_token_ids(fx.hf_dir("vision")))
+    images = [_picture(150, 90, 1), _picture(70, 200, 2)]
+    want, want_grids = hf_vision.encode(images)
+    got, grids = vision.encode(images)
+    assert grids == want_grids == [(1, 6, 10), (1, 14, 4)]
+    assert vision.encoder.config == hf_vision.encoder.config
+    assert got.shape == want.shape
+    assert (got - want).abs().max().item() <= TOLERANCE[out_type]
+    assert (vision.image_token_id, vision.vision_start_token_id, vision.vision_end_token_id) == \
+        (hf_vision.image_token_id, hf_vision.vision_start_token_id, hf_vision.vision_end_token_id)
+
+
+def test_every_f32_projector_tensor_is_the_checkpoints_with_the_patch_kernel_stacked_back_in_temporal_order(
+        projectors, hf_vision):
+    # a still image repeats itself over the temporal patch, so swapped temporal kernels would encode the same: the
+    # weights themselves are compared
+    vision = load_mmproj(projectors["f32"], *_token_ids(fx.hf_dir("vision")))
+    assert sorted(vision.encoder.w) == sorted(hf_vision.encoder.w)
+    for name, want in hf_vision.encoder.w.items():
+        assert torch.equal(vision.encoder.w[name], want), name
+
+
+def test_the_projectors_processor_settings_are_the_checkpoints(projectors, hf_vision):
+    got = asdict(load_mmproj(projectors["f16"], *_token_ids(fx.hf_dir("vision"))).processor)
+    want = asdict(hf_vision.processor)
+    for key in ("mean", "std"):  # the GGUF holds them as float32, which is how preprocess uses them
+        assert np.array_equal(np.float32(got.pop(key)), np.float32(want.pop(key))), key
+    assert got == want
+
+
+def test_pixel_bounds_given_by_the_caller_override_the_defaults(projectors):
+    vision = load_mmproj(projectors["f32"], 1, None, None, min_pixels=65536, max_pixels=16777216)
+    assert (vision.processor.min_pixels, vision.processor.max_pixels) == (65536, 16777216)
+
+
+def test_a_model_gguf_is_refused_as_no_projector():
+    with pytest.raises(ModelFormatError, match=r"not a projector GGUF \(general.architecture is 'qwen35'"):
+        load_mmproj(fx.gguf_path("hybrid", "f32"), 1, 2, 3)
+
+
+@pytest.mark.parametrize("projector_type, deepstack, message", [
+    ("qwen2.5vl_merger", [False, False], r"projector type 'qwen2.5vl_merger', not a Qwen3.5"),
+    ("qwen3vl_merger", [False, True], r"deepstack mergers \(layers \[1\]\)"),
+])
+def test_a_projector_of_another_tower_is_refused(tmp_path, projector_type, deepstack, message):
+    path = tmp_path / "other.gguf"
+    w = gguf.GGUFWriter(str(path), "clip")
+    w.add_string("clip.projector_type", projector_type)
+    w.add_bool("clip.has_vision_encoder", True)
+    w.add_array("clip.vision.is_deepstack_layers", deepstack)
+    w.add_tensor("v.post_ln.weight", np.ones(4, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelFormatError, match=message):
+        load_mmproj(path, 1, 2, 3)
+
+
+def test_a_gguf_model_with_llama_cpps_projector_answers_about_an_image_as_the_hf_directory_does(projectors):
+    """The model as a GGUF file (deltaserve convert; llama.cpp's converter does not know the fixture's small
+    tokenizer) and its projector as llama.cpp's converter writes it (`--mmproj`), loaded together: a chat turn with
+    an image gives the HF directory's tokens."""
+    import deltaserve
+
+    pair = deltaserve.load(fx.gguf_path("vision", "f32"), mmproj=projectors["f32"], cache=False)
+    hf = deltaserve.load(fx.hf_dir("vision"), cache=False)
+    messages = [{"role": "user", "content": [{"type": "image", "image": _picture(150, 90, 3)},
+                                             {"type": "text", "text": "Describe it."}]}]
+    turns = [m.session(quiet=True).chat(messages, max_tokens=5, enable_thinking=False) for m in (pair, hf)]
+    assert turns[0].tokens == turns[1].tokens and turns[0].prompt_tokens == turns[1].prompt_tokens
+    assert pair.host.vision.encoder.config == hf.host.vision.encoder.config
