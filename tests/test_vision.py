@@ -458,6 +458,11 @@ def test_a_session_answers_about_an_image_as_a_one_call_turn_does_and_a_follow_u
     # reused from the checkpoint before the first answer's header (the history renders the answer anew): the image
     # is in what was reused, only the text after it was prefilled
     assert second.reused > ids.index(vision.vision_end_token_id) and second.start == "checkpoint"
+    # raw ids that extend the conversation the state holds (its image's placeholders among them), no image given:
+    # only the new text is fed, and a repetition penalty reads the text ids alone
+    held = list(session.held)
+    third = session.generate(held + [33, 44], max_tokens=2, repetition_penalty=1.3)
+    assert third.reused == len(held) and len(encoded) == 2
 
 
 def test_two_conversations_with_equal_text_and_different_images_never_share_a_state(vision_model):

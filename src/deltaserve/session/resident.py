@@ -770,7 +770,8 @@ class Session:
         is the plain loop's (greedy: token for token; sampled: the same distribution, each token one draw)."""
         sampler = Sampler(params)
         vocab = self.host.config.vocab_size
-        seen = prompt if not self._images else [t for t in prompt if t < vocab]  # a penalty's ids: text only
+        # a penalty's ids: text only (an image's placeholder ids, this turn's or the state's, are past the vocabulary)
+        seen = [t for t in prompt if t < vocab] if max(prompt) >= vocab else prompt
         constraint = grammar.constraint() if grammar is not None else None
         stream = _TextStream(self.tokenizer, stop_texts)
         generated: list[int] = []

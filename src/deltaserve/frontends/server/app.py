@@ -505,9 +505,9 @@ class Server:
                     raise DeltaserveError("the previous responses' images are not kept with them, only their state: a "
                                           "follow-up whose instructions or tools differ renders the conversation "
                                           "again and cannot (send the whole conversation, images included)")
-                whole = ask(req.system_messages() + history + turn.messages[:0], *turn_args)
-                whole.messages = whole.messages + turn.messages
-                whole.images = turn.images  # the history's images are placeholders only: its state holds them
+                whole = ask(req.system_messages() + history, *turn_args)  # the new input is `turn`'s, taken once:
+                whole.messages = whole.messages + turn.messages           # its images decoded, placeholders left
+                whole.images = turn.images
                 prompt = whole.prompt(tok, self.think_default)
                 ids = whole.encode(prompt, tok, vision, host.config.vocab_size)
                 how = "items" if prev is not None else "new"
