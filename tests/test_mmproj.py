@@ -109,6 +109,9 @@ def test_the_projectors_processor_settings_are_the_checkpoints(projectors, hf_vi
     want = asdict(hf_vision.processor)
     for key in ("mean", "std"):  # the GGUF holds them as float32, which is how preprocess uses them
         assert np.array_equal(np.float32(got.pop(key)), np.float32(want.pop(key))), key
+    # the file carries no pixel bounds: llama.cpp's for these projectors, 8 to 4096 merged tokens of 28 x 28 pixels
+    assert (got.pop("min_pixels"), got.pop("max_pixels")) == (8 * 28 * 28, 4096 * 28 * 28)
+    want.pop("min_pixels"), want.pop("max_pixels")
     assert got == want
 
 

