@@ -32,12 +32,6 @@ from deltaserve.text.toolcalls import ToolError, normalize_tool_choice, normaliz
 
 BUILT_IN_TOOLS = ("web_search", "web_search_preview", "file_search", "computer_use_preview", "computer",
                   "code_interpreter", "image_generation", "mcp", "local_shell", "shell", "apply_patch", "custom")
-KNOWN_FIELDS = {"model", "input", "instructions", "previous_response_id", "store", "stream", "stream_options",
-                "tools", "tool_choice", "parallel_tool_calls", "text", "reasoning", "max_output_tokens",
-                "temperature", "top_p", "metadata", "user", "safety_identifier", "prompt_cache_key", "service_tier",
-                "background", "include", "truncation", "top_logprobs", "max_tool_calls", "conversation", "prompt",
-                "prompt_cache_retention", "seed", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                "frequency_penalty"}
 THINKING_OFF = ("none", "minimal")
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
