@@ -19,7 +19,6 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from deltaserve.errors import ModelFormatError
 from deltaserve.vision.mmproj import load_mmproj
@@ -27,6 +26,7 @@ from deltaserve.vision.model import load_vision
 from deltaserve.vision.preprocess import ProcessorConfig
 from tests.fixtures import models as fx
 from tests.test_gguf_conformance import llama_cpp_converter
+from tests.test_vision import _picture
 
 TOLERANCE = {"f32": 1e-5, "f16": 2e-3}
 
@@ -73,11 +73,6 @@ def projectors(tmp_path_factory) -> dict[str, Path]:
             raise AssertionError(f"convert_hf_to_gguf.py --mmproj --outtype {t} failed (rc {proc.returncode}):\n"
                                  f"{said[-4000:]}")
     return out
-
-
-def _picture(w: int, h: int, seed: int) -> Image.Image:
-    g = np.random.default_rng(seed)
-    return Image.fromarray(g.integers(0, 256, (h, w, 3), dtype=np.uint8), "RGB")
 
 
 @pytest.mark.parametrize("out_type", list(TOLERANCE))

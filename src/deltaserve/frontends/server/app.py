@@ -363,6 +363,17 @@ class Server:
             return bad(str(e))
         return APIError(500, f"the generation failed: {type(e).__name__}: {e}"[:500], "server_error")
 
+    async def whole_turn(self, fut, cancel: threading.Event, request: Request | None):
+        """The turn of a request that is not streamed, once it is done; a client that left cancels it (the generation
+        stops at its next token and frees the slot)."""
+        try:
+            return await until_gone(asyncio.shield(fut), request)
+        except (asyncio.CancelledError, ClientGone):
+            cancel.set()
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise self.turn_error(e) from None
+
     def usage(self, n_prompt: int, turn) -> dict:
         return {"prompt_tokens": n_prompt, "completion_tokens": turn.generated,
                 "total_tokens": n_prompt + turn.generated,
@@ -374,13 +385,7 @@ class Server:
         rid = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if not req.stream:
-            try:
-                turn = await until_gone(asyncio.shield(fut), request)
-            except (asyncio.CancelledError, ClientGone):
-                cancel.set()  # the client left: the generation stops at its next token and frees the slot
-                raise
-            except Exception as e:  # noqa: BLE001
-                raise self.turn_error(e) from None
+            turn = await self.whole_turn(fut, cancel, request)
             if endpoint == "chat":  # the turn pipeline's output half, as the stream reads it (session.turns)
                 done = req.turn.output(thinking).whole(turn.text, turn.finish_reason)
                 message = {"role": "assistant", "content": done.content, "refusal": None}
@@ -548,13 +553,7 @@ class Server:
             return obj
 
         if not req.stream:
-            try:
-                turn = await until_gone(asyncio.shield(fut), request)
-            except (asyncio.CancelledError, ClientGone):
-                cancel.set()
-                raise
-            except Exception as e:  # noqa: BLE001
-                raise self.turn_error(e) from None
+            turn = await self.whole_turn(fut, cancel, request)
             items.push(output.push(turn.text))
             items.push(output.finish(turn.finish_reason))
             return JSONResponse(finished(turn), headers=headers)
