@@ -42,15 +42,12 @@ def _token_ids(directory: Path) -> tuple[int, int, int]:
 
 @pytest.fixture(scope="module")
 def hf_vision():
-    return load_vision(fx.hf_dir("vision"))
+    return load_vision(fx.hf_dir("vision"), products="f32")  # the file's values compared: the exact route
 
 
-@pytest.fixture(scope="module")
-def projectors(tmp_path_factory) -> dict[str, Path]:
-    """The fixture converted by llama.cpp's converter with --mmproj, f32 and f16 (the two runs side by side)."""
-    script = llama_cpp_converter()
-    src = fx.hf_dir("vision")
-    work = tmp_path_factory.mktemp("mmproj")
+def _with_preprocessor(src: Path, work: Path) -> Path:
+    """`src`'s files linked into work/hf with a preprocessor_config.json (the converter reads the image mean and
+    std from it): the settings load_vision falls back to for a fixture that has none."""
     hf = work / "hf"
     hf.mkdir()
     for f in src.iterdir():
@@ -61,23 +58,37 @@ def projectors(tmp_path_factory) -> dict[str, Path]:
         "image_mean": list(d.mean), "image_std": list(d.std), "patch_size": d.patch_size,
         "temporal_patch_size": d.temporal_patch_size, "merge_size": d.merge_size,
         "size": {"shortest_edge": d.min_pixels, "longest_edge": d.max_pixels}}))
+    return hf
+
+
+def _llama_convert(hf: Path, jobs: dict[Path, list[str]]) -> None:
+    """llama.cpp's converter on `hf`, one run per output file and its arguments, side by side."""
+    script = llama_cpp_converter()
     env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}  # its own gguf-py, as shipped
-    out = {t: work / f"mmproj-{t}.gguf" for t in TOLERANCE}
-    runs = {t: subprocess.Popen([sys.executable, str(script), str(hf), "--mmproj", "--outfile", str(path),
-                                 "--outtype", t], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=env, cwd=script.parent)
-            for t, path in out.items()}
-    for t, proc in runs.items():
+    runs = {out: subprocess.Popen([sys.executable, str(script), str(hf), "--outfile", str(out), *args],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                  cwd=script.parent)
+            for out, args in jobs.items()}
+    for out, proc in runs.items():
         said, _ = proc.communicate(timeout=300)
-        if proc.returncode != 0 or not out[t].exists():
-            raise AssertionError(f"convert_hf_to_gguf.py --mmproj --outtype {t} failed (rc {proc.returncode}):\n"
+        if proc.returncode != 0 or not out.exists():
+            raise AssertionError(f"convert_hf_to_gguf.py {' '.join(jobs[out])} failed (rc {proc.returncode}):\n"
                                  f"{said[-4000:]}")
+
+
+@pytest.fixture(scope="module")
+def projectors(tmp_path_factory) -> dict[str, Path]:
+    """The fixture converted by llama.cpp's converter with --mmproj, f32 and f16 (the two runs side by side)."""
+    work = tmp_path_factory.mktemp("mmproj")
+    hf = _with_preprocessor(fx.hf_dir("vision"), work)
+    out = {t: work / f"mmproj-{t}.gguf" for t in TOLERANCE}
+    _llama_convert(hf, {path: ["--mmproj", "--outtype", t] for t, path in out.items()})
     return out
 
 
 @pytest.mark.parametrize("out_type", list(TOLERANCE))
 def test_the_projector_gguf_from_llama_cpps_converter_encodes_as_the_hf_tower(projectors, hf_vision, out_type):
-    vision = load_mmproj(projectors[out_type], *_token_ids(fx.hf_dir("vision")))
+    vision = load_mmproj(projectors[out_type], *_token_ids(fx.hf_dir("vision")), products="f32")
     images = [_picture(150, 90, 1), _picture(70, 200, 2)]
     want, want_grids = hf_vision.encode(images)
     got, grids = vision.encode(images)
@@ -93,7 +104,7 @@ def test_every_f32_projector_tensor_is_the_checkpoints_with_the_patch_kernel_sta
         projectors, hf_vision):
     # a still image repeats itself over the temporal patch, so swapped temporal kernels would encode the same: the
     # weights themselves are compared
-    vision = load_mmproj(projectors["f32"], *_token_ids(fx.hf_dir("vision")))
+    vision = load_mmproj(projectors["f32"], *_token_ids(fx.hf_dir("vision")), products="f32")
     assert sorted(vision.encoder.w) == sorted(hf_vision.encoder.w)
     for name, want in hf_vision.encoder.w.items():
         assert torch.equal(vision.encoder.w[name], want), name
@@ -152,3 +163,30 @@ def test_a_gguf_model_with_llama_cpps_projector_answers_about_an_image_as_the_hf
     turns = [m.session(quiet=True).chat(messages, max_tokens=5, enable_thinking=False) for m in (pair, hf)]
     assert turns[0].tokens == turns[1].tokens and turns[0].prompt_tokens == turns[1].prompt_tokens
     assert pair.host.vision.encoder.config == hf.host.vision.encoder.config
+
+
+def test_the_gguf_pair_both_from_llama_cpps_converter_answers_about_an_image_as_transformers_does(tmp_path):
+    """Both files as llama.cpp's converter writes them for a checkpoint with the real vocabulary (the model with
+    --no-mtp, its projector with --mmproj): an image turn's tokens are the HF directory's, and its first one is
+    transformers' argmax over the same prompt."""
+    import deltaserve
+    from tests.test_vision import _reference
+
+    src = fx.hf_dir("vision_real_vocab")
+    hf = _with_preprocessor(src, tmp_path)
+    model, mmproj = tmp_path / "model-f32.gguf", tmp_path / "mmproj-f32.gguf"
+    _llama_convert(hf, {model: ["--outtype", "f32", "--no-mtp"], mmproj: ["--mmproj", "--outtype", "f32"]})
+    pair = deltaserve.load(model, mmproj=mmproj, cache=False)
+    ref = deltaserve.load(src, cache=False)
+    image = _picture(150, 90, 4)
+    messages = [{"role": "user", "content": [{"type": "image", "image": image},
+                                             {"type": "text", "text": "What is in this picture?"}]}]
+    turns = [m.session(quiet=True).chat(messages, max_tokens=4, enable_thinking=False) for m in (pair, ref)]
+    assert turns[0].tokens == turns[1].tokens and turns[0].prompt_tokens == turns[1].prompt_tokens
+    session = pair.session(quiet=True)
+    ids, _ = session.render(messages, enable_thinking=False)
+    vision = pair.host.vision
+    real = [vision.image_token_id if t >= pair.config.vocab_size else t for t in ids]
+    assert real.count(vision.image_token_id) == vision.tokens(image)
+    want = _reference(fx.load_hf_model("vision_real_vocab"), vision, real, [image])[-1]
+    assert int(want.argmax()) == turns[0].tokens[0]

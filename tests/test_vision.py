@@ -11,8 +11,10 @@ import zlib
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from PIL import Image
 
+from deltaserve.kernels import native
 from deltaserve.vision.encoder import VisionEncoder
 from deltaserve.vision.positions import rope_positions, text_positions
 from deltaserve.vision.preprocess import ImageError, ProcessorConfig, decode_image, preprocess
@@ -252,6 +254,60 @@ def test_a_multi_frame_grid_attends_frame_by_frame_as_transformers(hf_vision, en
     assert (encoder.encode(pixel_values, grids) - ref).abs().max().item() <= 2e-3
 
 
+def _sdpa_within(q, k, v, scale, segments):
+    outs, start = [], 0
+    for n in segments:
+        q_, k_, v_ = (t[start:start + n].float().transpose(0, 1) for t in (q, k, v))
+        outs.append(F.scaled_dot_product_attention(q_, k_, v_, scale=scale).transpose(0, 1))
+        start += n
+    return torch.cat(outs)
+
+
+@pytest.mark.skipif(not native.has("ds_attention_bf16"), reason="attention.c is built where the CPU has AVX512-BF16")
+@pytest.mark.parametrize("n, heads, dim, segments", [(37, 2, 8, [37]), (100, 3, 72, [100]), (65, 4, 18, [20, 45]),
+                                                     (300, 1, 16, [100, 33, 167])])
+def test_the_bf16_attention_kernel_is_sdpa_over_the_same_inputs_within_each_image(n, heads, dim, segments):
+    g = torch.Generator().manual_seed(n)
+    q, k, v = (torch.randn(n, heads, dim, generator=g).bfloat16() for _ in range(3))
+    k = (k * 3).bfloat16()  # peaked rows: the running maximum moves as the keys go by
+    got = native.attention_bf16(q, k, v, dim ** -0.5, segments)
+    want = _sdpa_within(q, k, v, dim ** -0.5, segments)
+    assert got.dtype == torch.float32 and got.shape == (n, heads, dim)
+    assert (got - want).abs().max().item() <= 5e-3  # the probabilities enter the product with v as bf16
+    # and only within each image: the first image's rows alone give its rows
+    first = native.attention_bf16(q[:segments[0]], k[:segments[0]], v[:segments[0]], dim ** -0.5)
+    assert torch.equal(first, got[:segments[0]])
+
+
+def test_the_bf16_tower_stays_within_bf16_of_transformers(hf_vision, two_images):
+    tensors = {"model.visual." + k: v for k, v in hf_vision.state_dict().items()}
+    tower = VisionEncoder(tensors, {"vision_config": hf_vision.config.to_dict()}, products="bf16")
+    assert all(w.dtype == torch.bfloat16 for k, w in tower.w.items() if k.endswith("qkv.weight"))
+    pixel_values, grids = two_images
+    with torch.no_grad():
+        ref = hf_vision(pixel_values, grid_thw=torch.tensor(grids)).pooler_output
+    ours = tower.encode(pixel_values, grids)
+    assert ours.dtype == torch.float32
+    # bf16 keeps 8 bits of each product's inputs: 1.3e-2 here on features of 2.2 (the f32 route: 1.3e-6)
+    assert (ours - ref).abs().max().item() <= 3e-2
+    assert F.cosine_similarity(ours.flatten(), ref.flatten(), dim=0).item() >= 0.9999
+    assert "products bf16" in tower.route()
+
+
+def test_the_towers_products_follow_the_setting_and_else_the_cpus_bf16(monkeypatch):
+    from deltaserve.vision.encoder import vision_products
+
+    monkeypatch.setenv("DELTASERVE_VISION", "f32")
+    assert vision_products() == "f32"
+    monkeypatch.setenv("DELTASERVE_VISION", "bf16")
+    assert vision_products() == "bf16"
+    monkeypatch.delenv("DELTASERVE_VISION")
+    monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2", "fma", "f16c"})  # a Zen 3: bf16 GEMMs are emulated
+    assert vision_products() == "f32"
+    monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
+    assert vision_products() == "bf16"
+
+
 def test_the_encoder_refuses_missing_or_misshaped_tensors(hf_vision):
     from deltaserve.errors import ModelFormatError
 
@@ -365,7 +421,7 @@ def vision_model():
 
     d = fx.hf_dir("vision")
     model = deltaserve.load(d)
-    return model, load_vision(d), fx.load_hf_model("vision")
+    return model, load_vision(d, products="f32"), fx.load_hf_model("vision")  # the exact route against transformers
 
 
 def _picture(w: int, h: int, seed: int) -> Image.Image:
@@ -452,6 +508,7 @@ def test_a_session_answers_about_an_image_as_a_one_call_turn_does_and_a_follow_u
     real = [vision.image_token_id if t >= model.config.vocab_size else t for t in ids]
     want = _reference(oracle, vision, real, [image])[-1]
     assert int(want.argmax()) == first.tokens[0]
+    vision_route = session.host.vision.encoder.route()
     follow = messages + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And again?"}]
     second = session.chat(follow, max_tokens=4, enable_thinking=False)
     assert len(encoded) == 2  # the session's follow-up did not encode the image again
@@ -463,6 +520,8 @@ def test_a_session_answers_about_an_image_as_a_one_call_turn_does_and_a_follow_u
     held = list(session.held)
     third = session.generate(held + [33, 44], max_tokens=2, repetition_penalty=1.3)
     assert third.reused == len(held) and len(encoded) == 2
+    # the tower's route is said once, the first time an image is encoded
+    assert [n for n in session.notices if "vision tower:" in n] == [f"[deltaserve] vision tower: {vision_route}"]
 
 
 def test_two_conversations_with_equal_text_and_different_images_never_share_a_state(vision_model):

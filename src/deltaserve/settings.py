@@ -41,6 +41,8 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "route there)"),
     Variable("DELTASERVE_NATIVE", "on", "off: the C kernels and the C tokenizer are not built or loaded (the torch "
              "and tokenizers fallbacks run, and say so)"),
+    Variable("DELTASERVE_VISION", "auto", "the vision tower's products: auto (bf16 where the CPU multiplies bf16 "
+             "natively: AVX512-BF16 or AMX; else f32), f32 (exact weights, as transformers computes), bf16"),
     Variable("DELTASERVE_CUDA_GRAPH", "off", "on: a CUDA session records its decode step as a CUDA graph and replays "
              "it"),
     Variable("DELTASERVE_API_KEY", "", "the bearer token `serve` requires (empty: none)", "--api-key"),
@@ -68,6 +70,7 @@ class Settings:
     amx: bool
     native: bool
     cuda_graph: bool
+    vision: str
     api_key: str | None
     debug: bool
     cache_dir: str | None
@@ -90,6 +93,7 @@ def read(environ=None) -> Settings:
         amx=get("DELTASERVE_AMX").strip().lower() != "off",
         native=_not_off(get("DELTASERVE_NATIVE")),
         cuda_graph=_on(get("DELTASERVE_CUDA_GRAPH")),
+        vision=get("DELTASERVE_VISION").strip().lower() or "auto",
         api_key=get("DELTASERVE_API_KEY") or None,
         debug=bool(get("DELTASERVE_DEBUG")),
         cache_dir=get("DELTASERVE_CACHE_DIR") or None,

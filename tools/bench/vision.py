@@ -107,7 +107,7 @@ def ours(path: Path, mmproj: Path, threads: int, repeats: int) -> dict:
 
     model = deltaserve.load(path, mmproj=mmproj, threads=threads)
     vision = model.host.vision
-    out = {}
+    out = {"route": vision.encoder.route()}
     for side in SIZES:
         image = _image(side)
         vision.encode([image])  # the first call's one-time work out of the figures
@@ -181,7 +181,10 @@ def main(a) -> None:
                                 "mrope_interleaved": True}}
     del m
     mmproj = projector(text, c.hidden_size)
+    from tools.bench.peers import _cpu_name
+
     result = {"model": path.name, "projector": mmproj.name, "tower": TOWER, "threads": threads, "repeats": repeats,
+              "cpu": _cpu_name(), "date": time.strftime("%Y-%m-%d %H:%M"),
               "deltaserve": ours(path, mmproj, threads, repeats), "command": a.command_line}
     try:
         result["llama-server"] = llama(path, mmproj, threads, repeats)
@@ -192,7 +195,8 @@ def main(a) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(result, indent=1, default=str))
     lines = [f"# An image's encoding and first token ({path.name} + {mmproj.name}, random weights, {threads} threads,"
-             f" medians of {repeats})", "", f"`{a.command_line}`", "",
+             f" medians of {repeats})", "", f"`{a.command_line}` ({result['cpu']}, {result['date']})", "",
+             f"deltaserve's vision tower: {result['deltaserve']['route']}", "",
              "| image | merged patches | deltaserve encode (ms) | deltaserve first token (ms), prompt tokens | "
              "llama-server first token (ms), prompt tokens | its prompt_ms | llama-server / deltaserve |",
              "|---|---|---|---|---|---|---|"]

@@ -283,7 +283,8 @@ def cmd_inspect(a) -> int:
             vc = vision.encoder.config
             print(f"vision encoder: yes ({'--mmproj ' + host.mmproj.name if host.mmproj else 'model.visual.*'}: "
                   f"{vc.depth} blocks of {vc.hidden_size}, patch {vc.patch_size}, merge {vc.spatial_merge_size}, "
-                  f"{vision.encoder.parameters_bytes() / (1 << 20):.1f} MiB): images are read")
+                  f"{vision.encoder.parameters_bytes() / (1 << 20):.1f} MiB): images are read; "
+                  f"{vision.encoder.route()}")
         else:
             print("vision encoder: no (images need an HF checkpoint directory with model.visual.*, or --mmproj FILE)")
     print(f"KV cache: {c.kv_bytes_per_position() / 1024:.1f} KiB per position (f32); "

@@ -1,4 +1,5 @@
-"""The native CPU kernels (`native.c`, `blocks.c`, `native_avx2.c`), built for this CPU and loaded with ctypes.
+"""The native CPU kernels (`native.c`, `blocks.c`, `native_avx2.c`, `attention.c`), built for this CPU, loaded
+with ctypes.
 
 They are compiled once per machine with the system C compiler (`cc`, or `$CC`; `-march=native`) into deltaserve's
 cache directory (`$DELTASERVE_CACHE_DIR`, else `~/.cache/deltaserve`); torch stays the fallback for every product
@@ -13,6 +14,8 @@ they do not take. What is compiled depends on the CPU, and the library's symbols
   and K-quant blocks takes the prefill's products without AMX (`ds_gemm_blocks`, kernels/linear.py's block_gemm);
 - `native_avx2.c`: the one-call token decode and the decode's DeltaNet step on every CPU (each product on
   blocks.c's or, for int8 tables, native.c's), and the prefill's delta rule and causal conv for CPUs without AVX512.
+- `attention.c`: the vision tower's attention over an image's patches (bf16 q, k, v; f32 scores, softmax and output;
+  one pass over the keys): AVX512-BF16 only (a Zen 4/5, a Sapphire Rapids); elsewhere torch's SDPA in f32.
 
 `DELTASERVE_NATIVE=off` turns all of it off; a CPU without AVX2/FMA/F16C, no compiler or a failed build: torch's
 kernels, with the reason.
@@ -37,7 +40,7 @@ from deltaserve.cbuild import build_library, compiler
 from deltaserve import settings
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "native.c", HERE / "blocks.c", HERE / "native_avx2.c"]
+SOURCES = [HERE / "native.c", HERE / "blocks.c", HERE / "native_avx2.c", HERE / "attention.c"]
 HEADER = HERE / "native.h"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC"]
 # blocks.c dequantizes bit for bit as gguf does: no a * b + c contracted into one rounding there
@@ -129,6 +132,7 @@ SIGNATURES = {
     "ds_gemm_blocks": [_I, _P, _I, _I, _L, _P, _I, _P, _L, _I],
     "ds_moe_experts": [_P, _P, _P, _I, _I, _P, _P, _P, _P, _P, _P, _I, _P, _I],
     "ds_set_tables": [_P] * 7,
+    "ds_attention_bf16": [_P, _P, _P, _P, _I, _I, _I, _F, _I],
 }
 
 
@@ -391,6 +395,32 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor)
     if lib.ds_causal_conv(x.data_ptr(), conv_state.data_ptr(), weight.data_ptr(), out.data_ptr(), t, c,
                           weight.shape[1], torch.get_num_threads()) != 0:
         raise MemoryError("the native causal conv could not allocate its scratch")
+    return out
+
+
+def attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                   segments: list[int] | None = None) -> torch.Tensor | None:
+    """softmax(q k^T * scale) v per head, within each segment of rows (one image each), for bf16 q, k, v
+    [n, heads, dim] -> f32 [n, heads, dim]; None where attention.c's kernel is not in this build (no AVX512-BF16) or
+    cannot take these tensors (an odd head width, not the CPU)."""
+    lib = library()
+    n, heads, dim = q.shape
+    if not has("ds_attention_bf16") or dim % 2 or any(t.device.type != "cpu" or t.shape != q.shape
+                                                       for t in (q, k, v)):
+        return None
+    q, k, v = (t.to(torch.bfloat16).contiguous() for t in (q, k, v))
+    out = torch.empty(n, heads, dim)
+    row = heads * dim
+    start = 0
+    for length in segments or [n]:
+        rc = lib.ds_attention_bf16(q.data_ptr() + 2 * start * row, k.data_ptr() + 2 * start * row,
+                                   v.data_ptr() + 2 * start * row, out.data_ptr() + 4 * start * row, length, heads,
+                                   dim, float(scale), torch.get_num_threads())
+        if rc:
+            raise MemoryError(f"the native attention could not allocate its scratch for {length} rows")
+        start += length
+    if start != n:
+        raise ValueError(f"segments {segments} do not add up to {n} rows")
     return out
 
 

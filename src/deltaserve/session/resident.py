@@ -541,6 +541,9 @@ class Session:
         vision = self.host.vision
         if vision is None:
             raise DeltaserveError("this prompt holds image tokens and the model has no vision encoder")
+        line = f"[deltaserve] vision tower: {vision.encoder.route()}"
+        if line not in self.notices:
+            self.say(line)
         real, images = [], []
         for i, t in enumerate(tokens):
             if t < vocab:

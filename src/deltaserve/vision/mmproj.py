@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from deltaserve.errors import ModelFormatError
-from deltaserve.vision.encoder import PREFIX, VisionConfig, VisionEncoder
+from deltaserve.vision.encoder import PREFIX, VisionConfig, VisionEncoder, vision_products
 from deltaserve.vision.model import Vision
 from deltaserve.vision.preprocess import ProcessorConfig
 
@@ -70,11 +70,12 @@ def _hf_name(name: str) -> str | None:
 
 def load_mmproj(path: str | os.PathLike, image_token_id: int, vision_start_token_id: int | None,
                 vision_end_token_id: int | None, *, min_pixels: int | None = None,
-                max_pixels: int | None = None) -> Vision:
+                max_pixels: int | None = None, products: str | None = None) -> Vision:
     """The Qwen3.5 / Qwen3-VL vision tower of a projector GGUF, with the text model's image token ids.
 
     `min_pixels` / `max_pixels` bound the processor's resize; left out, the file's `clip.vision.image_min_pixels`
-    / `image_max_pixels` where it has them, else llama.cpp's bounds for these projectors (8 to 4096 merged tokens)."""
+    / `image_max_pixels` where it has them, else llama.cpp's bounds for these projectors (8 to 4096 merged tokens).
+    `products`: the tower's ("f32" or "bf16"; left out, vision_products(): what this CPU runs fastest)."""
     import gguf
 
     try:
@@ -138,7 +139,7 @@ def load_mmproj(path: str | os.PathLike, image_token_id: int, vision_start_token
         num_position_embeddings=int(positions.shape[0]),
         hidden_act="gelu_pytorch_tanh",
     )
-    encoder = VisionEncoder(tensors, vc, dtype=torch.float32)
+    encoder = VisionEncoder(tensors, vc, dtype=torch.float32, products=products or vision_products())
 
     # the file carries no pixel bounds: llama.cpp's clip takes 8 to 4096 merged tokens for these projectors, and so do
     # we, so that one file makes as many tokens of an image in both engines

@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 
 from deltaserve.errors import ModelFormatError
-from deltaserve.vision.encoder import PREFIX, VisionConfig, VisionEncoder
+from deltaserve.vision.encoder import PREFIX, VisionConfig, VisionEncoder, vision_products
 
 
 @dataclass
@@ -63,8 +63,9 @@ class Vision:
                                start_position=start_position)
 
 
-def load_vision(directory: str | Path) -> Vision | None:
-    """The vision side of an HF checkpoint directory, or None when it has none (a text-only checkpoint)."""
+def load_vision(directory: str | Path, products: str | None = None) -> Vision | None:
+    """The vision side of an HF checkpoint directory, or None when it has none (a text-only checkpoint).
+    `products`: the tower's ("f32" or "bf16"; left out, vision_products(): what this CPU runs fastest)."""
     from safetensors import safe_open
 
     from deltaserve.vision.preprocess import ProcessorConfig
@@ -82,7 +83,7 @@ def load_vision(directory: str | Path) -> Vision | None:
     if not tensors:
         return None  # a config that names a tower whose weights the directory does not hold
     vc = VisionConfig.from_hf(config)
-    encoder = VisionEncoder(tensors, vc, dtype=torch.float32)
+    encoder = VisionEncoder(tensors, vc, dtype=torch.float32, products=products or vision_products())
     pre = d / "preprocessor_config.json"
     processor = ProcessorConfig.from_hf(json.loads(pre.read_text())) if pre.exists() else \
         ProcessorConfig(patch_size=vc.patch_size, temporal_patch_size=vc.temporal_patch_size,
