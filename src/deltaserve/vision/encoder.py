@@ -121,11 +121,15 @@ class VisionEncoder:
     residual stream, the norms and the rotary embedding staying f32, and the attention on attention.c's kernel
     (bf16 q, k, v, f32 scores and softmax) where this build has it; "f32" (or None: the default) multiplies in
     `dtype`. `vision_products()` says which a CPU runs by default, and `route()` what this encoder runs.
+
+    `blocks` maps weight names (as `tensors` names them) to products on a file's quantized blocks
+    (kernels.linear.BlockLinear: f32 in, f32 out, the trunk's kernels), held in place of those weights.
     """
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], config: VisionConfig | Mapping[str, Any],
                  *, prefix: str = PREFIX, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, products: str | None = None):
+                 device: torch.device | str | None = None, products: str | None = None,
+                 blocks: Mapping[str, Any] | None = None):
         self.config = config if isinstance(config, VisionConfig) else VisionConfig.from_hf(config)
         cfg = self.config
         if cfg.hidden_size % cfg.num_heads or cfg.head_dim % 4:
@@ -137,6 +141,7 @@ class VisionEncoder:
         self.side = side
         self.device = torch.device(device) if device is not None else None
         ours = {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}
+        self.blocks = {name[len(prefix):]: b for name, b in (blocks or {}).items() if name.startswith(prefix)}
         if not ours:
             raise ModelFormatError(f"no vision tensors: none of the {len(tensors)} tensors is named {prefix}*")
         self.dtype = dtype or next(iter(ours.values())).dtype
@@ -165,7 +170,14 @@ class VisionEncoder:
                 b + "mlp.linear_fc2.weight": (d, cfg.intermediate_size),
                 b + "mlp.linear_fc2.bias": (d,),
             })
-        missing = [prefix + k for k in expected if k not in ours]
+        for k, b in self.blocks.items():
+            if k not in expected or len(expected[k]) != 2 or (b.out_features, b.in_features) != expected[k]:
+                raise ModelFormatError(f"vision tensor {prefix}{k} on blocks [{b.out_features}, {b.in_features}] "
+                                       f"is not one of the tower's products (the config says "
+                                       f"{list(expected.get(k, ()))})")
+            if k in ours:
+                raise ModelFormatError(f"vision tensor {prefix}{k} given twice (as values and on blocks)")
+        missing = [prefix + k for k in expected if k not in ours and k not in self.blocks]
         if missing:
             raise ModelFormatError(f"the vision encoder lacks {len(missing)} tensor(s), first {missing[0]}")
         extra = sorted(prefix + k for k in ours if k not in expected)
@@ -173,7 +185,7 @@ class VisionEncoder:
             raise ModelFormatError(f"{len(extra)} vision tensor(s) this encoder does not know (a different "
                                    f"architecture or config?), first {extra[0]}")
         for k, shape in expected.items():
-            if tuple(ours[k].shape) != shape:
+            if k in ours and tuple(ours[k].shape) != shape:
                 raise ModelFormatError(f"vision tensor {prefix}{k} is {list(ours[k].shape)}, the config says "
                                        f"{list(shape)}")
         if products not in (None, "f32", "bf16"):
@@ -240,13 +252,19 @@ class VisionEncoder:
 
     def route(self) -> str:
         """What this encoder runs, in words (the session says it the first time it encodes an image)."""
+        on_blocks = ""
+        if self.blocks:
+            kinds = sorted({kind for b in self.blocks.values() for kind in b.types})
+            on_blocks = (f"; its {len(self.blocks)} {'/'.join(kinds)} weights on their own blocks (the trunk's "
+                         f"products: blocks.c's GEMM or exact chunks)")
         if self.products == "f32":
-            return f"products in {str(self.dtype).replace('torch.', '')}, attention torch's SDPA"
+            return f"products in {str(self.dtype).replace('torch.', '')}, attention torch's SDPA{on_blocks}"
         from deltaserve.kernels import native
 
         attention = ("attention.c's bf16 kernel (f32 scores and softmax)" if self._native_attention()
                      else "torch's SDPA in f32 (no AVX512-BF16 kernel in this build: " + native.status()[1] + ")")
-        return f"products bf16 (torch's bf16 GEMM, f32 sums; residual, norms and rotary f32), attention {attention}"
+        return (f"products bf16 (torch's bf16 GEMM, f32 sums; residual, norms and rotary f32), attention "
+                f"{attention}{on_blocks}")
 
     def _native_attention(self) -> bool:
         from deltaserve.kernels import native
@@ -257,6 +275,10 @@ class VisionEncoder:
     def _linear(self, x: torch.Tensor, name: str, keep: bool = False) -> torch.Tensor:
         """x times the weight `name`, plus its bias. bf16 products take x in bf16 and give f32, or bf16 where
         `keep` (what goes on into another bf16 product as it is: the MLP's hidden values, the attention's v)."""
+        block = self.blocks.get(name + ".weight")
+        if block is not None:  # f32 in and out
+            y = block(x.float())
+            return y + self.w[name + ".bias"].float()
         w = self.w[name + ".weight"]
         if w.dtype != x.dtype:
             y = F.linear(x.to(w.dtype), w, self.w[name + ".bias"])
@@ -335,7 +357,8 @@ class VisionEncoder:
         return list(self.encode(pixel_values, grids).split([self.config.tokens(g) for g in grids]))
 
     def parameters_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.w.values())
+        return sum(t.numel() * t.element_size() for t in self.w.values()) + \
+            sum(d.numel() for b in self.blocks.values() for _, d in b.segments)
 
 
 def vision_products() -> str:

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from deltaserve.errors import ModelFormatError
+from deltaserve.kernels.linear import GGUF_TYPES, BlockLinear
 from deltaserve.vision.encoder import PREFIX, VisionConfig, VisionEncoder, vision_products
 from deltaserve.vision.model import Vision
 from deltaserve.vision.preprocess import ProcessorConfig
@@ -42,6 +43,10 @@ _TOP = {"v.patch_embd.bias": "patch_embed.proj.bias", "v.position_embd.weight": 
         "v.post_ln.weight": "merger.norm.weight", "v.post_ln.bias": "merger.norm.bias",
         "mm.0.weight": "merger.linear_fc1.weight", "mm.0.bias": "merger.linear_fc1.bias",
         "mm.2.weight": "merger.linear_fc2.weight", "mm.2.bias": "merger.linear_fc2.bias"}
+# the products a projector may hold quantized (on their blocks: BlockLinear), by the last part of the HF name
+_LINEAR = ("attn.qkv.weight", "attn.proj.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight",
+           "merger.linear_fc1.weight", "merger.linear_fc2.weight")
+_FULL = ("F32", "F16", "BF16")  # read as values: the tower's own f32 or bf16 products take them
 _PATCH = re.compile(r"v\.patch_embd\.weight(?:\.(\d+))?$")
 
 
@@ -99,12 +104,19 @@ def load_mmproj(path: str | os.PathLike, image_token_id: int, vision_start_token
                                f"model")
 
     tensors: dict[str, torch.Tensor] = {}
+    blocks: dict[str, BlockLinear] = {}
     kernels: dict[int, torch.Tensor] = {}
     for t in reader.tensors:
         if m := _PATCH.match(t.name):
             kernels[int(m.group(1) or 0)] = _array(t)
         elif (name := _hf_name(t.name)) is not None:
-            tensors[PREFIX + name] = _array(t)
+            kind = gguf.GGMLQuantizationType(t.tensor_type).name
+            if name.endswith(_LINEAR) and len(t.shape) == 2 and kind not in _FULL and kind in GGUF_TYPES:
+                # a quantized product's weight: its blocks as the file holds them, multiplied as the trunk's are
+                data = torch.from_numpy(np.array(t.data, copy=True)).view(torch.uint8).reshape(int(t.shape[1]), -1)
+                blocks[PREFIX + name] = BlockLinear([(kind, data)], int(t.shape[0]))
+            else:
+                tensors[PREFIX + name] = _array(t)
         else:
             raise ModelFormatError(f"{path}: projector tensor {t.name} {list(t.shape)} is not one of a Qwen3.5 "
                                    f"vision tower")
@@ -139,7 +151,7 @@ def load_mmproj(path: str | os.PathLike, image_token_id: int, vision_start_token
         num_position_embeddings=int(positions.shape[0]),
         hidden_act="gelu_pytorch_tanh",
     )
-    encoder = VisionEncoder(tensors, vc, dtype=torch.float32, products=products or vision_products())
+    encoder = VisionEncoder(tensors, vc, dtype=torch.float32, products=products or vision_products(), blocks=blocks)
 
     # the file carries no pixel bounds: llama.cpp's clip takes 8 to 4096 merged tokens for these projectors, and so do
     # we, so that one file makes as many tokens of an image in both engines
