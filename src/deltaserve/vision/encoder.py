@@ -365,7 +365,7 @@ def vision_products() -> str:
     """The vision tower's products by default on this CPU: DELTASERVE_VISION "f32" or "bf16" as set, else "bf16"
     where torch's bf16 GEMM runs natively (AVX512-BF16, or AMX tiles) and "f32" elsewhere (an AVX2 CPU, where a bf16
     GEMM is emulated). Measured on a Zen 4, 2 threads, the 27-block tower of 1152: torch's GEMM 122 GFLOP/s in
-    f32 against 328 in bf16; the attention of 7056 patches 31-37 GFLOP/s in torch's SDPA against 240 on attention.c."""
+    f32 against 328 in bf16; the attention of 7056 patches 31-37 GFLOP/s in torch's SDPA against 265 on attention.c."""
     from deltaserve import settings
     from deltaserve.kernels import native
 
