@@ -602,13 +602,19 @@ def test_an_image_url_part_is_answered_and_a_follow_up_prefills_only_its_new_tex
     messages = [{"role": "user", "content": parts}]
     first = client.chat.completions.create(model="hf", messages=messages, max_tokens=4, temperature=0,
                                            extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    # another conversation with another image takes the server's one slot: the first one's state goes to the store
+    other = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(_picture(42, 70, 3))}},
+                                          {"type": "text", "text": "Describe it."}]}]
+    client.chat.completions.create(model="hf", messages=other, max_tokens=4, temperature=0,
+                                   extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     messages += [{"role": "assistant", "content": first.choices[0].message.content},
                  {"role": "user", "content": "And again?"}]
     second = client.chat.completions.create(model="hf", messages=messages, max_tokens=4, temperature=0,
                                             extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     image_end = 4 + 1 + 4 + 1  # system-less prompt: <|im_start|>user\n, the image's 4 merged patches, its markers
     assert second.usage.prompt_tokens_details.cached_tokens >= image_end
-    assert vision_server.stderr.count("prefill with images") == 1  # the follow-up did not encode the image again
+    # restored from the store, the follow-up did not encode its image again: two encodings, one per conversation
+    assert vision_server.stderr.count("prefill with images") == 2
     # the Responses API: an input_image, then a follow-up by previous_response_id (only the new text prefilled)
     r = client.responses.create(model="hf", input=[{"role": "user", "content": [
         {"type": "input_image", "image_url": _data_url(_picture(30, 58, 2))},
