@@ -270,13 +270,22 @@ def test_the_bf16_attention_kernel_is_sdpa_over_the_same_inputs_within_each_imag
     g = torch.Generator().manual_seed(n)
     q, k, v = (torch.randn(n, heads, dim, generator=g).bfloat16() for _ in range(3))
     k = (k * 3).bfloat16()  # peaked rows: the running maximum moves as the keys go by
-    got = native.attention_bf16(q, k, v, dim ** -0.5, segments)
+    got = native.attention(q, k, v, dim ** -0.5, segments)
     want = _sdpa_within(q, k, v, dim ** -0.5, segments)
     assert got.dtype == torch.float32 and got.shape == (n, heads, dim)
     assert (got - want).abs().max().item() <= 5e-3  # the probabilities enter the product with v as bf16
     # and only within each image: the first image's rows alone give its rows
-    first = native.attention_bf16(q[:segments[0]], k[:segments[0]], v[:segments[0]], dim ** -0.5)
+    first = native.attention(q[:segments[0]], k[:segments[0]], v[:segments[0]], dim ** -0.5)
     assert torch.equal(first, got[:segments[0]])
+
+
+@pytest.mark.skipif(not native.has("ds_attention_f32"), reason="attention.c's f32 kernel needs AVX2 and FMA")
+@pytest.mark.parametrize("n, heads, dim, segments", [(37, 2, 8, [37]), (100, 3, 72, [60, 40]), (17, 1, 5, [17])])
+def test_the_f32_attention_kernel_is_sdpa_within_each_image(n, heads, dim, segments):
+    g = torch.Generator().manual_seed(n + 1)
+    q, k, v = (torch.randn(n, heads, dim, generator=g) for _ in range(3))
+    got = native.attention(q, k * 3, v, dim ** -0.5, segments)
+    assert (got - _sdpa_within(q, k * 3, v, dim ** -0.5, segments)).abs().max().item() <= 2e-5
 
 
 def test_the_bf16_tower_stays_within_bf16_of_transformers(hf_vision, two_images):

@@ -14,8 +14,9 @@ they do not take. What is compiled depends on the CPU, and the library's symbols
   and K-quant blocks takes the prefill's products without AMX (`ds_gemm_blocks`, kernels/linear.py's block_gemm);
 - `native_avx2.c`: the one-call token decode and the decode's DeltaNet step on every CPU (each product on
   blocks.c's or, for int8 tables, native.c's), and the prefill's delta rule and causal conv for CPUs without AVX512.
-- `attention.c`: the vision tower's attention over an image's patches (bf16 q, k, v; f32 scores, softmax and output;
-  one pass over the keys): AVX512-BF16 only (a Zen 4/5, a Sapphire Rapids); elsewhere torch's SDPA in f32.
+- `attention.c`: the vision tower's attention over an image's patches, one pass over the keys (an online softmax):
+  bf16 q, k, v with f32 scores where the CPU has AVX512-BF16 (a Zen 4/5, a Sapphire Rapids), and f32 throughout on
+  AVX2 + FMA (every CPU here).
 
 `DELTASERVE_NATIVE=off` turns all of it off; a CPU without AVX2/FMA/F16C, no compiler or a failed build: torch's
 kernels, with the reason.
@@ -133,6 +134,7 @@ SIGNATURES = {
     "ds_moe_experts": [_P, _P, _P, _I, _I, _P, _P, _P, _P, _P, _P, _I, _P, _I],
     "ds_set_tables": [_P] * 7,
     "ds_attention_bf16": [_P, _P, _P, _P, _I, _I, _I, _F, _I],
+    "ds_attention_f32": [_P, _P, _P, _P, _I, _I, _I, _F, _I],
 }
 
 
@@ -398,24 +400,26 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor)
     return out
 
 
-def attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                   segments: list[int] | None = None) -> torch.Tensor | None:
-    """softmax(q k^T * scale) v per head, within each segment of rows (one image each), for bf16 q, k, v
-    [n, heads, dim] -> f32 [n, heads, dim]; None where attention.c's kernel is not in this build (no AVX512-BF16) or
-    cannot take these tensors (an odd head width, not the CPU)."""
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+              segments: list[int] | None = None) -> torch.Tensor | None:
+    """softmax(q k^T * scale) v per head, within each segment of rows (one image each): q, k, v [n, heads, dim] ->
+    f32 [n, heads, dim]. bf16 inputs on attention.c's AVX512-BF16 kernel (f32 scores and softmax, the probabilities
+    times v in bf16), f32 ones on its AVX2 kernel (f32 throughout). None where this build lacks the kernel for the
+    inputs' dtype, or cannot take them (not the CPU; an odd head width for bf16)."""
     lib = library()
     n, heads, dim = q.shape
-    if not has("ds_attention_bf16") or dim % 2 or any(t.device.type != "cpu" or t.shape != q.shape
-                                                       for t in (q, k, v)):
+    bf16 = q.dtype == torch.bfloat16
+    name, size = ("ds_attention_bf16", 2) if bf16 else ("ds_attention_f32", 4)
+    if not has(name) or (bf16 and dim % 2) or any(t.device.type != "cpu" or t.shape != q.shape for t in (q, k, v)):
         return None
-    q, k, v = (t.to(torch.bfloat16).contiguous() for t in (q, k, v))
+    q, k, v = (t.to(q.dtype).contiguous() for t in (q, k, v))
     out = torch.empty(n, heads, dim)
     row = heads * dim
     start = 0
     for length in segments or [n]:
-        rc = lib.ds_attention_bf16(q.data_ptr() + 2 * start * row, k.data_ptr() + 2 * start * row,
-                                   v.data_ptr() + 2 * start * row, out.data_ptr() + 4 * start * row, length, heads,
-                                   dim, float(scale), torch.get_num_threads())
+        rc = getattr(lib, name)(q.data_ptr() + size * start * row, k.data_ptr() + size * start * row,
+                                v.data_ptr() + size * start * row, out.data_ptr() + 4 * start * row, length, heads,
+                                dim, float(scale), torch.get_num_threads())
         if rc:
             raise MemoryError(f"the native attention could not allocate its scratch for {length} rows")
         start += length

@@ -257,20 +257,27 @@ class VisionEncoder:
             kinds = sorted({kind for b in self.blocks.values() for kind in b.types})
             on_blocks = (f"; its {len(self.blocks)} {'/'.join(kinds)} weights on their own blocks (the trunk's "
                          f"products: blocks.c's GEMM or exact chunks)")
-        if self.products == "f32":
-            return f"products in {str(self.dtype).replace('torch.', '')}, attention torch's SDPA{on_blocks}"
         from deltaserve.kernels import native
 
+        if self.products == "f32":
+            attention = ("attention.c's f32 kernel (AVX2)" if self._native_attention() and self.dtype == torch.float32
+                         else "torch's SDPA")
+            return f"products in {str(self.dtype).replace('torch.', '')}, attention {attention}{on_blocks}"
         attention = ("attention.c's bf16 kernel (f32 scores and softmax)" if self._native_attention()
                      else "torch's SDPA in f32 (no AVX512-BF16 kernel in this build: " + native.status()[1] + ")")
         return (f"products bf16 (torch's bf16 GEMM, f32 sums; residual, norms and rotary f32), attention "
                 f"{attention}{on_blocks}")
 
     def _native_attention(self) -> bool:
+        """Whether attention.c's kernel for this encoder's products is in this build (bf16: AVX512-BF16 and an even
+        head width; f32: AVX2)."""
         from deltaserve.kernels import native
 
-        return (self.device is None or self.device.type == "cpu") and native.has("ds_attention_bf16") \
-            and self.config.head_dim % 2 == 0
+        if self.device is not None and self.device.type != "cpu":
+            return False
+        if self.products == "bf16":
+            return native.has("ds_attention_bf16") and self.config.head_dim % 2 == 0
+        return native.has("ds_attention_f32")
 
     def _linear(self, x: torch.Tensor, name: str, keep: bool = False) -> torch.Tensor:
         """x times the weight `name`, plus its bias. bf16 products take x in bf16 and give f32, or bf16 where
@@ -302,12 +309,18 @@ class VisionEncoder:
 
             q = (qf * c + rotate_half(qf) * s).to(torch.bfloat16)
             k = (kf * c + rotate_half(kf) * s).to(torch.bfloat16)
-            out = native.attention_bf16(q, k, v, cfg.head_dim ** -0.5, segments)
+            out = native.attention(q, k, v, cfg.head_dim ** -0.5, segments)
             if out is not None:
                 return self._linear(out.reshape(n, cfg.hidden_size), f"blocks.{i}.attn.proj")
             v = v.float()
         q = (qf * c + rotate_half(qf) * s).to(x.dtype)
         k = (kf * c + rotate_half(kf) * s).to(x.dtype)
+        if x.dtype == torch.float32 and self._native_attention():  # the f32 route: attention.c's AVX2 kernel
+            from deltaserve.kernels import native
+
+            out = native.attention(q, k, v.float(), cfg.head_dim ** -0.5, segments)
+            if out is not None:
+                return self._linear(out.reshape(n, cfg.hidden_size), f"blocks.{i}.attn.proj")
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, n, head_dim]
         outs = [F.scaled_dot_product_attention(qs, ks, vs)  # scale head_dim**-0.5, no mask: within a segment
                 for qs, ks, vs in zip(q.split(segments, 1), k.split(segments, 1), v.split(segments, 1))]
