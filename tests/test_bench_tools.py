@@ -165,3 +165,17 @@ def test_deltaserve_bench_runs_the_bench_as_its_own_program_with_the_flags_given
     (argv, env), = seen
     assert argv[1:] == ["-m", "tools.bench.run", "threads", "--quick", "--out", "x"]
     assert str(ROOT) in env["PYTHONPATH"].split(os.pathsep)
+
+
+def test_bench_quants_runs_the_presets_named_and_refuses_one_it_does_not_know(tmp_path):
+    import argparse
+
+    import pytest
+
+    from tools.bench import quants
+
+    assert set(quants.NEEDS_IMATRIX) <= set(quants.PRESETS)  # the importance-matrix presets are made, not skipped
+    a = argparse.Namespace(out=str(tmp_path), quick=False, presets="IQ2_XXS,Q9_9", threads=2, repeats=1,
+                           command_line="deltaserve bench quants --presets IQ2_XXS,Q9_9")
+    with pytest.raises(SystemExit, match="Q9_9 not among"):
+        quants.main(a)

@@ -3,8 +3,10 @@ vocabulary), each made by llama.cpp's own quantizer from the shape's f16 file: d
 same file, side by side: load, pp512, decode, peak RSS, and each engine's distance from the f16 file's exact logits
 (mean |logit - exact| over a 128-token prompt, deltaserve's exact f32 forward of the f16 file as the reference).
 
-Presets that llama-quantize makes only with an importance matrix (the 1- and 2-bit IQ types, IQ3_XXS / IQ3_XS) are
-listed as not made: this checkout builds no llama-imatrix yet. Each engine runs in a fresh process per file.
+Presets that llama-quantize makes only with an importance matrix (the 1- and 2-bit IQ types, IQ3_XXS / IQ3_XS,
+Q2_K_S) are made with one: llama.cpp's llama-imatrix (built here from the same source) over this checkout's README
+on the f16 file, then its llama-quantize --imatrix. `--presets A,B` runs those presets alone. Each engine runs in a
+fresh process per file.
 """
 
 from __future__ import annotations
@@ -18,20 +20,56 @@ import numpy as np
 from tools.bench.peers import _cpu_name, in_fresh_process, use_best_llama
 from tools.bench.sizes import PP, side_by_side
 
+NEEDS_IMATRIX = ("IQ3_XS", "IQ3_XXS", "IQ2_M", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S", "Q2_K_S")
 PRESETS = ("Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5_1", "Q5_0", "Q4_K_M", "Q4_K_S", "Q4_1", "Q4_0", "IQ4_NL", "IQ4_XS",
-           "Q3_K_L", "Q3_K_M", "Q3_K_S", "IQ3_M", "IQ3_S", "Q2_K", "TQ2_0", "TQ1_0")
-QUICK = ("Q5_0", "Q3_K_M", "IQ4_NL", "IQ4_XS", "IQ3_S", "Q2_K")
-NEEDS_IMATRIX = ("IQ3_XXS", "IQ3_XS", "IQ2_M", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S", "Q2_K_S")
+           "Q3_K_L", "Q3_K_M", "Q3_K_S", "IQ3_M", "IQ3_S", "Q2_K", "TQ2_0", "TQ1_0") + NEEDS_IMATRIX
+QUICK = ("Q5_0", "Q3_K_M", "IQ4_NL", "IQ4_XS", "IQ3_S", "Q2_K", "IQ2_XXS")
 LOGIT_TOKENS = 128
 
 
-def preset_file(preset: str) -> Path | None:
-    """The 0.8B shape quantized to `preset` by llama.cpp (made once; None where the quantizer refused)."""
-    from tools.bench.randmodel import quantize_with_llama_cpp
+def imatrix_file() -> Path:
+    """An importance matrix of the 0.8B shape's f16 file, made once by llama.cpp's llama-imatrix over this checkout's
+    README (4 chunks of 512 tokens)."""
+    import subprocess
+
     from tools.bench.models import CACHE, model_file
+    from tools.bench.peers import _llama_built
+
+    out = CACHE / "qwen35-0.8B-f16.imatrix.gguf"
+    if out.exists():
+        return out
+    binary = _llama_built("llama-imatrix", shared=False, product="llama-imatrix")
+    text = Path(__file__).resolve().parents[2] / "README.md"
+    part = out.with_name(out.name + ".part.gguf")
+    r = subprocess.run([str(binary), "-m", str(model_file("0.8B", "f16")), "-f", str(text), "-o", str(part),
+                        "-c", "512", "--chunks", "4", "-t", "2", "--output-format", "gguf"],
+                       capture_output=True, text=True, timeout=1800)
+    if r.returncode != 0 or not part.exists():
+        raise RuntimeError(f"llama-imatrix failed ({r.returncode}): {(r.stderr or r.stdout)[-600:]}")
+    part.replace(out)
+    return out
+
+
+def preset_file(preset: str) -> Path | None:
+    """The 0.8B shape quantized to `preset` by llama.cpp (made once; None where the quantizer refused): through
+    llama-cpp-python's quantizer, or llama-quantize --imatrix for the presets that need an importance matrix."""
+    import subprocess
+
+    from tools.bench.models import CACHE, model_file
+    from tools.bench.peers import _llama_built
+    from tools.bench.randmodel import quantize_with_llama_cpp
 
     out = CACHE / f"qwen35-0.8B-{preset}.gguf"
     if out.exists():
+        return out
+    if preset in NEEDS_IMATRIX:
+        binary = _llama_built("llama-quantize", shared=False, product="llama-quantize")
+        part = out.with_name(out.name + ".part")
+        r = subprocess.run([str(binary), "--imatrix", str(imatrix_file()), str(model_file("0.8B", "f16")),
+                            str(part), preset, "2"], capture_output=True, text=True, timeout=1800)
+        if r.returncode != 0 or not part.exists():
+            return None
+        part.replace(out)
         return out
     try:
         return quantize_with_llama_cpp(model_file("0.8B", "f16"), out, preset)
@@ -83,14 +121,20 @@ def main(a) -> None:
     out = Path(a.out) / "quants"
     out.mkdir(parents=True, exist_ok=True)
     presets = QUICK if a.quick else PRESETS
+    if getattr(a, "presets", None):
+        presets = tuple(p.strip().upper() for p in a.presets.split(",") if p.strip())
+        unknown = [p for p in presets if p not in PRESETS]
+        if unknown:
+            raise SystemExit(f"deltaserve bench quants --presets: {', '.join(unknown)} not among {', '.join(PRESETS)}")
     results: dict = {"command": a.command_line, "threads": a.threads, "cpu": _cpu_name(), "pp": PP, "tg": 16,
                      "date": time.strftime("%Y-%m-%d %H:%M"), "rows": [], "llama.cpp_flags": use_best_llama(),
-                     "not_made": {p: "needs an importance matrix (llama-imatrix)" for p in NEEDS_IMATRIX}}
+                     "not_made": {}}
     ref = reference_logits(model_file("0.8B", "f16"), CACHE / "qwen35-0.8B-f16-exact-logits.npy")
     for preset in presets:
         path = preset_file(preset)
         if path is None:
-            results["not_made"][preset] = "llama-quantize refused it"
+            results["not_made"][preset] = "llama-quantize refused it" + (" (with the importance matrix)"
+                                                                         if preset in NEEDS_IMATRIX else "")
             continue
         row = {"preset": preset, "file_bytes": path.stat().st_size}
         row.update(side_by_side(path, a.threads, 16, a.repeats, f"quants {preset}"))

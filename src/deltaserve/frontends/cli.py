@@ -473,6 +473,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--threads", type=positive_int, default=2, help="CPU threads for every engine (default 2)")
     b.add_argument("--repeats", type=int, default=3, help="repetitions; medians are reported (default 3)")
     b.add_argument("--quick", action="store_true", help="a smaller, faster run")
+    b.add_argument("--presets", default=None, help="bench quants: these llama-quantize presets alone (A,B,...)")
     b.set_defaults(func=cmd_bench)
     return p
 
