@@ -189,8 +189,9 @@ def test_without_amx_the_blocks_take_the_gemm_on_their_own_values_and_q4_0_takes
         want = (x.double() if kind == "Q8_0" else quantized_activations(x, "Q8_0")) @ down.dense().double().t()
         assert ((down(x).double() - want).norm(dim=1) / want.norm(dim=1)).max().item() < 1e-6, kind
     line = L.blocks_route()
-    assert "Q8_0 and K-quant blocks on the native kernel's GEMM" in line and "Q4_0 ones' chunks requantized to int8" \
-        in line and "16-bit ones' exact f32 chunks" in line
+    assert "Q8_0 and K-quant blocks on the native kernel's GEMM" in line and "16-bit ones' exact f32 chunks" in line
+    assert "every other block type's chunks (Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, the IQ, ternary and FP4 types) " \
+        "requantized to int8" in line
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "Q5_K", "Q6_K"])

@@ -474,10 +474,11 @@ def blocks_route() -> str:
     auto = prefill_mode() == "auto"
     many = {torch.bfloat16: "bf16 chunks and torch's bf16 GEMM (AMX tiles)" if amx_bf16() else
             "bf16 chunks and torch's bf16 GEMM",
-            torch.int8: "Q8_0 and K-quant blocks on the native kernel's GEMM (the file's values, activations int8 "
-                        "per block of 32; Q8_0's down projection on exact f32 chunks), Q4_0 ones' chunks requantized "
-                        "to int8 per row and torch's int8 GEMM (AVX512-VNNI, no AMX), 16-bit ones' exact f32 chunks "
-                        "and torch's f32 GEMM" if auto and block_gemm("Q8_0") else
+            torch.int8: "Q8_0 and K-quant blocks on the native kernel's GEMM (Q4_K, Q5_K, Q6_K; the file's values, "
+                        "activations int8 per block of 32; Q8_0's down projection on exact f32 chunks), every other "
+                        "block type's chunks (Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, the IQ, ternary and FP4 types) "
+                        "requantized to int8 per row and torch's int8 GEMM (AVX512-VNNI, no AMX), 16-bit ones' exact "
+                        "f32 chunks and torch's f32 GEMM" if auto and block_gemm("Q8_0") else
                         "4- to 6-bit blocks' chunks requantized to int8 per row and torch's int8 GEMM (AVX512-VNNI, "
                         "no AMX), Q8_0 and 16-bit ones' exact f32 chunks and torch's f32 GEMM" if auto else
                         "chunks requantized to int8 per row and torch's int8 GEMM (DELTASERVE_PREFILL=int8)"}.get(
