@@ -233,7 +233,8 @@ def test_a_request_without_a_format_is_answered_while_the_grammar_thread_is_held
             r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "What is 12 + 9?"}],
                                                      "max_tokens": 4})
             assert r.status_code == 200, r.text
-            assert c.get("/health").json()["grammar"] == {"waiting": 0, "abandoned": 0}
+            g = c.get("/health").json()["grammar"]
+            assert (g["waiting"], g["abandoned"]) == (0, 0)
             out = {}
             t = threading.Thread(target=lambda: out.setdefault("r", c.post("/v1/chat/completions", json={
                 "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
@@ -249,6 +250,90 @@ def test_a_request_without_a_format_is_answered_while_the_grammar_thread_is_held
             assert out["r"].status_code == 200 and server.compiles["waiting"] == 0
     finally:
         release.set()
+
+
+def wide_format(properties: int, tag: str) -> dict:
+    """A schema of `properties` integer properties (3,000: 89 KB, 43 s of xgrammar's compile on a loaded 2-core
+    machine, within every size and depth bound); `tag` makes each one a cache miss."""
+    return {"type": "json_schema", "json_schema": {"name": "wide", "schema": {
+        "type": "object", "description": tag, "properties": {f"p{i}": {"type": "integer"} for i in range(properties)}}}}
+
+
+def test_a_schema_still_compiling_past_the_bound_is_stopped_and_refused_naming_response_format(hybrid_model):
+    """Issue 32, item 2: a compile was bounded by nothing. It runs in the compile process now, stopped past
+    --compile-timeout (here 0.5 s), and the request is a 400 naming `response_format`; the next one is compiled by a
+    fresh child."""
+    from fastapi.testclient import TestClient
+
+    from deltaserve.frontends.server.app import Server, create_app
+    from deltaserve.frontends.server.protocol import Limits
+
+    server = Server(hybrid_model, slots=1, quiet=True, limits=Limits(compile_timeout=0.5))
+    with TestClient(create_app(server), base_url="http://127.0.0.1") as c:
+        before = c.get("/health").json()["grammar"]
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                                                 "response_format": wide_format(3000, "bounded")})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "response_format" and "took over 0.5 s to compile and was stopped" in err["message"]
+        after = c.get("/health").json()["grammar"]
+        assert after["timed_out"] == before["timed_out"] + 1 and after["compiled"] == before["compiled"]
+        # the child killed, another started (and the first one, where this test started it)
+        assert after["processes"] == before["processes"] + 1 + (before["processes"] == 0)
+        ok = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                                                  "response_format": wide_format(3, "after the bound")})
+        assert ok.status_code == 200, ok.text
+        assert c.get("/health").json()["grammar"]["compiled"] >= after["compiled"] + 1
+
+
+def test_two_abandoned_pathological_compiles_are_stopped_and_the_next_requests_are_served(server):
+    """Issue 32, item 2: two requests with a slow schema whose clients give up after a second made a plain request
+    wait 91 s. A running compile whose client has left is now stopped (its child killed), one still waiting is never
+    started; a plain request and a constrained one are served after them. Asserted by the server's counters: both
+    abandoned, neither finished, the running one stopped and its child replaced (no clock)."""
+    import threading
+
+    before = httpx.get(server.url + "/health", timeout=30).json()["grammar"]
+    outcomes = []
+
+    def give_up(i):
+        try:
+            httpx.post(server.url + "/v1/chat/completions", timeout=1.5, json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                "response_format": wide_format(3000, f"abandoned {i}")})
+            outcomes.append("answered")
+        except httpx.TimeoutException:
+            outcomes.append("gave up")
+
+    clients = [threading.Thread(target=give_up, args=(i,)) for i in range(2)]
+    for t in clients:
+        t.start()
+    for t in clients:
+        t.join(60)
+    assert outcomes == ["gave up", "gave up"]
+    for _ in range(600):  # the server notices each departure within its 50 ms poll
+        g = httpx.get(server.url + "/health", timeout=30).json()["grammar"]
+        if g["abandoned"] == before["abandoned"] + 2 and g["waiting"] == g["running"] == 0:
+            break
+        threading.Event().wait(0.05)
+    assert g["abandoned"] == before["abandoned"] + 2 and g["waiting"] == g["running"] == 0
+    stopped = g["stopped"] - before["stopped"]
+    assert 1 <= stopped <= 2 and g["compiled"] == before["compiled"]  # the running one stopped, none finished
+    assert g["processes"] == before["processes"] + stopped + (before["processes"] == 0)  # (the first child too)
+    plain = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+        "messages": [{"role": "user", "content": "What is 12 + 9?"}], "max_tokens": 4})
+    assert plain.status_code == 200, plain.text
+    constrained = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "response_format": {"type": "json_object"}})
+    assert constrained.status_code == 200, constrained.text
+    g2 = httpx.get(server.url + "/health", timeout=30).json()["grammar"]
+    assert g2["stopped"] == g["stopped"] and g2["compiled"] >= g["compiled"]
+
+
+def test_a_schema_over_the_size_bound_is_refused_before_it_is_compiled():
+    with pytest.raises(GrammarError, match=r"response_format: the JSON schema is \d+ bytes as compact JSON, over "
+                                           r"the limit of 262144"):
+        grammar.normalize(wide_format(12000, "large"))
 
 
 @pytest.mark.parametrize("schema,named", [

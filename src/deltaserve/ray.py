@@ -40,7 +40,7 @@ A Ray Serve config file::
 `serve run config.yaml` (or `serve deploy` to a running cluster). `args` takes the long options of `deltaserve
 serve` with underscores (model, replicas, slots, queue, threads, ctx, state_dir, state_ram, state_disk, think,
 api_key, model_name, allowed_hosts, max_tokens_limit, max_body, max_messages, max_image_pixels, allow_image_urls,
-device).
+compile_timeout, device).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ from deltaserve.session.turns import thinking_flag
 DEFAULTS = dict(model=None, replicas=2, slots=2, queue=16, threads=None, ctx=None, device="cpu", think="auto",
                 api_key=None, model_name=None, allowed_hosts=None, host="127.0.0.1", max_tokens_limit=4096,
                 max_body=4 << 20, max_messages=512, max_image_pixels=16_777_216, allow_image_urls=False,
-                state_ram=None, state_dir=None, state_disk=None, compute_thread="auto", revalidate=False,
+                compile_timeout=10.0, state_ram=None, state_dir=None, state_disk=None, compute_thread="auto", revalidate=False,
                 request_timeout=30.0, mtp=None, draft=None, mmproj=None)
 INDEX_ENTRIES = 1 << 16      # saved prefixes the router remembers (least recently used forgotten first)
 OPENING_TOKENS = 64          # the opening of a prompt with no assistant turn marker: its first tokens
@@ -293,7 +293,7 @@ class ReplicaServer:
         self.server = Server(model, slots=a.slots, queue=a.queue, api_key=a.api_key, model_name=a.model_name,
                              limits=Limits(max_tokens=a.max_tokens_limit, max_messages=a.max_messages,
                                            max_body=a.max_body, max_image_pixels=a.max_image_pixels,
-                                           image_urls=a.allow_image_urls),
+                                           image_urls=a.allow_image_urls, compile_timeout=a.compile_timeout),
                              device=a.device, think_default=think, context=a.ctx, revalidate=a.revalidate,
                              state_ram=a.state_ram, state_dir=a.state_dir, state_disk=a.state_disk,
                              hosts=HostPolicy(a.host, a.allowed_hosts), request_timeout=a.request_timeout,

@@ -32,6 +32,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    """argparse type: a number of seconds over 0 (a usage error, not a silent fallback, otherwise)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number over 0, got {text}")
+    return value
+
+
 def size_arg(text: str) -> int:
     """argparse type: a size in bytes, with an optional K/M/G/T suffix (powers of 1024)."""
     from deltaserve.session.store import parse_size
@@ -405,6 +416,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--allow-image-urls", action="store_true",
                    help="fetch http(s) image links in requests (at most 20 MiB, 10 s each); off: images come as "
                         "data URLs only (a server that fetches links reaches what its host can reach)")
+    s.add_argument("--compile-timeout", type=positive_float, default=10.0, metavar="S",
+                   help="a response_format or tool schema still compiling after S seconds is stopped and the request "
+                        "refused with a 400 (default 10); schemas compile in a process of their own, stopped too "
+                        "when the client leaves")
     s.add_argument("--model-name", default=None, help="the model id reported by /v1/models")
     s.add_argument("--allowed-hosts", default=None, metavar="NAMES",
                    help="Host names to answer to besides loopback ones, comma-separated ('*.example.com' for the "

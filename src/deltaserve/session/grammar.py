@@ -69,6 +69,7 @@ Design choices:
 
 from __future__ import annotations
 
+import atexit
 import json
 import re
 import threading
@@ -83,6 +84,7 @@ from deltaserve.errors import DeltaserveError
 from deltaserve.text.toolcalls import MAX_DEPTH, nesting_depth
 
 CACHE_SIZE = 32
+MAX_SCHEMA_BYTES = 1 << 18  # a schema's compact JSON (xgrammar's compile grows with it: 3,000 properties, 89 KB: 43 s)
 _CONTROL = re.compile(rb"[\x00-\x1f]")
 
 
@@ -168,6 +170,10 @@ def normalize(response_format: Any) -> dict | None:
         if depth > MAX_DEPTH:  # xgrammar's compile of a schema 900 deep took a minute: refused before it starts
             raise GrammarError(f"response_format: the JSON schema nests objects and arrays more than {MAX_DEPTH} "
                                f"levels deep (at least {depth}): refused before it is compiled")
+        size = len(json.dumps(schema, separators=(",", ":")))
+        if size > MAX_SCHEMA_BYTES:
+            raise GrammarError(f"response_format: the JSON schema is {size} bytes as compact JSON, over the limit of "
+                               f"{MAX_SCHEMA_BYTES}: refused before it is compiled")
         return {"type": "json_schema", "schema": schema}
     raise GrammarError(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
 
@@ -301,6 +307,7 @@ class GrammarEngine:
         self._cache: OrderedDict[str, CompiledFormat] = OrderedDict()
         self._lock = threading.Lock()
         self.compiles = 0  # how many formats were compiled (not served from the cache)
+        self.key = f"{id(self):x}-{self.vocab_size}-{int(text)}"  # this engine in the compile process
 
     def compile(self, response_format: Any) -> CompiledFormat | None:
         fmt = normalize(response_format)
@@ -335,6 +342,9 @@ class GrammarEngine:
         answer = normalize(answer) if choice.mode == "auto" and choice.name is None else None
         key = json.dumps({"tools": offered, "choice": xgr_choice, "parallel": choice.parallel, "answer": answer},
                          sort_keys=True, separators=(",", ":"))
+        if len(key) > 2 * MAX_SCHEMA_BYTES:
+            raise GrammarError(f"tools: the functions' parameter schemas are {len(key)} bytes as compact JSON, over "
+                               f"the limit of {2 * MAX_SCHEMA_BYTES}: refused before they are compiled")
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
@@ -363,10 +373,10 @@ class GrammarEngine:
                 tag = xgr.get_model_structural_tag("qwen_3_5", tools=offered, tool_choice=xgr_choice,
                                                    reasoning="disabled", parallel_tool_calls=choice.parallel,
                                                    max_whitespace_cnt=1)
-            compiled = self.compiler.compile_structural_tag(tag)
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError / its own errors
-            msg = re.sub(r"\[[0-9:]+\] \S+:\d+: ", "", " ".join(str(e).split())) or type(e).__name__
-            raise GrammarError(f"tools: the functions' parameter schemas cannot be compiled: {msg}"[:400]) from None
+            raise GrammarError(f"tools: the functions' parameter schemas cannot be compiled: {_said(e)}"[:400]) from None
+        compiled = self._run({"op": "tag", "tag": tag.model_dump_json()},
+                             lambda: self.compiler.compile_structural_tag(tag), "tools: the functions' parameter schemas")
         out = CompiledFormat(self, compiled, f"tools {choice.mode}" + (f" {choice.name}" if choice.name else "")
                              + (f" or {answer['type']}" if answer is not None else ""))
         return self._remember(key, out)
@@ -380,11 +390,78 @@ class GrammarEngine:
         return out
 
     def _compile(self, schema: str, strict: bool):
+        return self._run({"op": "schema", "schema": schema, "strict": strict},
+                         lambda: self.compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=strict),
+                         "response_format: the JSON schema")
+
+    def _run(self, request: dict, here, what: str):
+        """One compile: in the compile process where the caller isolates it (`isolated`: bounded in time, stopped
+        when its client leaves), else here (`here()`). `what` begins the refusal's message."""
+        ctx = getattr(_ISOLATED, "current", None)
+        if ctx is None:
+            try:
+                return here()
+            except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError / its own errors
+                raise GrammarError(f"{what} cannot be compiled: {_said(e)}"[:400]) from None
+        from deltaserve.session.compile_worker import Refused, Stopped
+
+        if ctx.stop is not None and ctx.stop():  # its client left before its turn came
+            raise CompileStopped(f"{what}: not compiled (the client left)")
+        proc = compile_process()
         try:
-            return self.compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=strict)
-        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError / its own errors
-            msg = re.sub(r"\[[0-9:]+\] \S+:\d+: ", "", " ".join(str(e).split())) or type(e).__name__
-            raise GrammarError(f"response_format: the JSON schema cannot be compiled: {msg}"[:400]) from None
+            text = proc.compile(self.key, self.info.serialize_json, request, ctx.timeout_s, ctx.stop)
+        except Refused as e:
+            raise GrammarError(f"{what} cannot be compiled: {_said(e)}"[:400]) from None
+        except Stopped as e:
+            if e.why == "gone":
+                raise CompileStopped(f"{what}: its compile was stopped after {e.seconds:.1f} s (the client left)") \
+                    from None
+            raise GrammarError(f"{what} took over {ctx.timeout_s:g} s to compile and was stopped: make it smaller "
+                               "(fewer properties, alternatives or enum values; less nesting)") from None
+        except OSError as e:  # the child could not be started or died twice: say so, never hang
+            raise GrammarError(f"{what} could not be compiled: the compile process failed ({e})"[:400]) from None
+        return _xgr().CompiledGrammar.deserialize_json(text, self.info)
+
+
+def _said(e: Exception) -> str:
+    """xgrammar's message without its source locations."""
+    return re.sub(r"\[[0-9:]+\] \S+:\d+: ", "", " ".join(str(e).split())) or type(e).__name__
+
+
+class CompileStopped(GrammarError):
+    """A compile stopped because its client left (nobody reads this message but the log)."""
+
+
+_PROCESS = None  # the compile process, started by the first isolated compile
+_PROCESS_LOCK = threading.Lock()
+_ISOLATED = threading.local()  # this thread's `isolated` context, if any
+
+
+def compile_process():
+    """The process's one compile child (`compile_worker.CompileProcess`: its counters), made on first use."""
+    global _PROCESS
+    with _PROCESS_LOCK:
+        if _PROCESS is None:
+            from deltaserve.session.compile_worker import CompileProcess
+
+            _PROCESS = CompileProcess()
+            atexit.register(_PROCESS.close)
+        return _PROCESS
+
+
+class isolated:
+    """`with isolated(timeout_s, stop):` the compiles this thread makes run in the compile process (the server's),
+    each stopped past `timeout_s` seconds (a GrammarError: the request's 400) or once `stop()` is true (its client
+    has left: CompileStopped). Outside it, compiles run in the caller's thread (the library's sessions)."""
+
+    def __init__(self, timeout_s: float, stop=None):
+        self.timeout_s, self.stop = float(timeout_s), stop
+
+    def __enter__(self):
+        _ISOLATED.current = self
+
+    def __exit__(self, *exc):
+        _ISOLATED.current = None
 
 
 _ENGINES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()

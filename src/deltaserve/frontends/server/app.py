@@ -29,7 +29,7 @@ from deltaserve.runtime.guard import MAX_AGE as GUARD_MAX_AGE
 from deltaserve.version import __version__
 from deltaserve.frontends.common import load_model
 from deltaserve.errors import ContextError, DeltaserveError
-from deltaserve.session.grammar import GrammarError, compile_format
+from deltaserve.session.grammar import GrammarError, compile_format, compile_process, isolated
 from deltaserve.session.resident import check_prompt, overflow_message
 from deltaserve.session.turns import CallArguments, CallStart, Content, Finish, Reasoning, stop_ids, thinking_flag
 from deltaserve.frontends.server import connections
@@ -169,10 +169,12 @@ class Server:
         # templates and tokenizers run here, not on the event loop (one large request must not stall the others)
         self.text_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="deltaserve-text",
                                             initializer=model.worker_initializer())
-        # schemas compile here, one at a time, apart from the tokenizing: a slow compile never holds a plain
-        # request's rendering up, and one whose client has gone while it waited is never started
+        # schemas compile one at a time, apart from the tokenizing (a slow compile never holds a plain request's
+        # rendering up), in a process of their own: bounded in time, and stopped when their client leaves (one
+        # whose client has gone while it waited is never started)
         self.grammar_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltaserve-grammar")
-        self.compiles = {"waiting": 0, "abandoned": 0}
+        self.compile_process = compile_process()
+        self.compiles = {"waiting": 0, "running": 0, "abandoned": 0}
         self.started = time.time()
         model.tokenizer.fewest_tokens("")  # the vocabulary's byte table now, not in the first request
         try:  # compile the chat template now, not in the first request's time to first token
@@ -305,10 +307,21 @@ class Server:
             constrained = req.turn.constrained if req.turn is not None else req.response_format is not None
             if constrained:
                 self.compiles["waiting"] += 1
+                gone = threading.Event()  # raised when the client leaves: a compile running for it is stopped
+
+                def compile_it():
+                    self.compiles["running"] += 1  # (this thread alone writes it)
+                    try:
+                        with isolated(self.limits.compile_timeout, gone.is_set):
+                            return work[0](*work[1:])
+                    finally:
+                        self.compiles["running"] -= 1
+
                 try:
-                    grammar = await until_gone(loop.run_in_executor(self.grammar_pool, *work), request)
-                except ClientGone:
-                    self.compiles["abandoned"] += 1  # not started yet: never will be; running: its result unused
+                    grammar = await until_gone(loop.run_in_executor(self.grammar_pool, compile_it), request)
+                except (ClientGone, asyncio.CancelledError):
+                    gone.set()
+                    self.compiles["abandoned"] += 1  # not started yet: never will be; running: stopped
                     raise
                 finally:
                     self.compiles["waiting"] -= 1
@@ -624,7 +637,11 @@ class Server:
                        "last_prefill": s.session.prefill_lines[-1] if s.session.prefill_lines else None,
                        "backend": s.session.backend.name, "requests": s.requests} for s in self.pool.slots],
             "queue": {"waiting": self.pool.waiting, "limit": self.pool.queue_size},
-            "grammar": dict(self.compiles),  # compiles waiting for the grammar thread; ones whose client left
+            # compiles waiting for the grammar thread; on it; ones whose client left; in the compile process: the ones it
+            # finished, the ones stopped because their client left or past --compile-timeout, the children started
+            "grammar": {**self.compiles, "compiled": self.compile_process.compiled,
+                        "stopped": self.compile_process.stopped, "timed_out": self.compile_process.timed_out,
+                        "processes": self.compile_process.started},
             "store": self.store.snapshot(),
             "responses": self.responses.snapshot(),
             **({"connections": self.guard.snapshot()} if self.guard is not None else {}),
@@ -851,7 +868,8 @@ def main(a) -> int:
     server = Server(model, slots=a.slots, queue=a.queue, api_key=a.api_key, model_name=a.model_name,
                     limits=Limits(max_tokens=a.max_tokens_limit, max_messages=a.max_messages, max_body=a.max_body,
                                   max_image_pixels=getattr(a, "max_image_pixels", Limits.max_image_pixels),
-                                  image_urls=getattr(a, "allow_image_urls", False)),
+                                  image_urls=getattr(a, "allow_image_urls", False),
+                                  compile_timeout=getattr(a, "compile_timeout", Limits.compile_timeout)),
                     device=a.device, think_default=think, context=a.ctx, revalidate=a.revalidate,
                     state_ram=a.state_ram, state_dir=a.state_dir, state_disk=a.state_disk, hosts=hosts,
                     request_timeout=request_timeout, log_prefills=getattr(a, "prefill_log", "on") == "on",

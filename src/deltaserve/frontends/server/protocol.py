@@ -48,6 +48,7 @@ class Limits:
     max_stop: int = 4
     max_image_pixels: int = 16_777_216
     image_urls: bool = False      # --allow-image-urls: http(s) image links are fetched (size and time bounded)
+    compile_timeout: float = 10.0  # --compile-timeout: a schema's compile is stopped past it (a 400)
 
 
 @dataclass
