@@ -479,6 +479,35 @@ def test_a_prompt_with_two_images_gives_transformers_logits_and_the_decode_after
         assert (step - ref).abs().max().item() <= 2e-3 and int(step.argmax()) == int(ref.argmax())
 
 
+def test_the_moe_checkpoints_tower_and_trunk_give_transformers_features_and_logits_for_an_image_prompt():
+    """Qwen3_5MoeForConditionalGeneration (the 35B-A3B's layout: the experts under model.language_model, the tower
+    under model.visual; here a tower of its own shape, patch 16): its features, and the logits of a prompt with two
+    images through the MoE trunk and the decode step after it, as transformers computes them."""
+    import deltaserve
+    from deltaserve.vision.model import load_vision
+    from tests.fixtures import models as fx
+
+    d = fx.hf_dir("moe_vision")
+    model, vision, oracle = deltaserve.load(d), load_vision(d, products="f32"), fx.load_hf_model("moe_vision")
+    assert type(oracle).__name__ == "Qwen3_5MoeForConditionalGeneration" and model.config.num_experts == 8
+    images = [_picture(80, 48, 11), _picture(40, 72, 12)]
+    pixels, grids = zip(*(preprocess(im, **vision.processor.kwargs()) for im in images))
+    with torch.no_grad():
+        ref = oracle.model.visual(torch.cat(pixels), grid_thw=torch.tensor([list(g) for g in grids])).pooler_output
+    ours = vision.encoder.encode(torch.cat(pixels), [list(g) for g in grids])
+    assert ours.shape == ref.shape and (ours - ref).abs().max().item() <= 2e-3
+    ids = _image_prompt(vision, images, seed=9)
+    want = _reference(oracle, vision, ids, images)
+    forward = model._reference_forward()
+    state = forward.new_state(len(ids) + 2)
+    got = forward.prefill(state, ids, all_logits=True, images=vision.span(ids, images, 0))
+    assert (got - want).abs().max().item() <= 2e-3 and torch.equal(got.argmax(-1), want.argmax(-1))
+    token = int(want[-1].argmax())
+    step = forward.decode(state, token)
+    after = _reference(oracle, vision, ids + [token], images)[-1]
+    assert (step - after).abs().max().item() <= 2e-3 and int(step.argmax()) == int(after.argmax())
+
+
 def test_a_text_prompt_keeps_its_logits_with_the_vision_tower_loaded(vision_model):
     model, vision, oracle = vision_model
     ids = torch.randint(20, 400, (40,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -667,6 +696,27 @@ def test_a_bad_image_gets_a_400_that_says_what_is_wrong_and_the_server_goes_on(v
     ok = httpx.post(vision_server.url + "/v1/chat/completions", timeout=60,
                     json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
     assert ok.status_code == 200
+
+
+def test_the_bad_image_table_leaves_the_servers_memory_where_it_was(vision_server):
+    """Every bad image is refused before its pixels are held (the bomb from its header): after a warm-up round,
+    five more rounds of the whole table leave the server's resident memory within 24 MiB of where it was (one
+    decoded 20000x20000 bomb would be 1.2 GB)."""
+    import httpx
+
+    def one_round():
+        for _, url, _ in BAD_IMAGES:
+            body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url()}},
+                                                              {"type": "text", "text": "Describe it."}]}],
+                    "max_tokens": 2}
+            assert httpx.post(vision_server.url + "/v1/chat/completions", json=body, timeout=60).status_code == 400
+
+    one_round()
+    before = vision_server.rss()
+    for _ in range(5):
+        one_round()
+    grown = vision_server.rss() - before
+    assert grown < 24 << 20, f"the server grew by {grown / 2**20:.1f} MiB over five rounds of bad images"
 
 
 def test_the_one_call_native_decode_after_an_image_ropes_at_the_shifted_position(vision_model, monkeypatch):
