@@ -12,7 +12,11 @@ application (app.py's `read_json`, a 408 with an OpenAI error object).
 Every connection holds a file descriptor. Past `max_connections` (by default what the open-file limit leaves
 room for, less a reserve for the process's own files), each new connection closes the oldest one whose client
 has not sent a whole request (idle, half a head, a stalled body), at accept (`ConnectionGuard.accept`): a flood
-of idle connections churns itself, and a client that sends its request at once is answered during it. Where the
+of idle connections churns itself, and a client that sends its request at once is answered during it. Which one:
+first the oldest that was never answered (a flood's), then the oldest kept alive after an answer (a client's pool
+may send its next request on it at any moment: a reset there is a failed request, 1 in ~3,000 of a keep-alive
+client's under a flood at a cap of 8, before), and never one whose bytes wait in its socket unread (a request the
+loop has not read yet is not idle). Where the
 process runs out of descriptors all the same (a cap set past the limit, other files), the guard keeps under what
 it held from then on; and asyncio, which logs `socket.accept() out of system resource` with a traceback for each
 of up to 2,048 queued connections at every try (CPython 3.11 goes on looping after the error), writes one line
@@ -22,11 +26,13 @@ per try at most (the guard stops the loop) and `FloodLogFilter` one per window, 
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import logging
 import os
 import socket
 import sys
+import termios
 import time
 
 import h11
@@ -128,11 +134,23 @@ class ConnectionGuard:
                 "request_timeout_s": self.request_timeout, "closed_to_make_room": self.evicted,
                 "timed_out": self.timed_out}
 
-    def make_room(self) -> bool:
-        """Close the oldest connection whose client has not sent a whole request; False when there is none."""
-        for victim in self.unfinished:
-            break
-        else:
+    def victim(self, kept_alive: bool = True):
+        """The connection to close to make room (see the module's notes), or None: the oldest never answered, else
+        (`kept_alive`) the oldest kept alive after an answer, never one with bytes unread in its socket."""
+        answered = None
+        for conn in self.unfinished:
+            if conn.unread():
+                continue
+            if not conn.answered:
+                return conn
+            if answered is None:
+                answered = conn
+        return answered if kept_alive else None
+
+    def make_room(self, kept_alive: bool = True) -> bool:
+        """Close a connection whose client has not sent a whole request (`victim`); False when there is none."""
+        victim = self.victim(kept_alive)
+        if victim is None:
             return False
         victim.close(abort=True)
         self.evicted += 1
@@ -151,9 +169,12 @@ class ConnectionGuard:
             raise BlockingIOError()  # asyncio's loop: nothing more to accept on this turn
         cap = self.max_connections
         if cap is not None and self.open >= cap:
-            if not self.make_room():
-                if self.pending and now - self.pending_at < 1.0:
-                    raise BlockingIOError()  # those just accepted become connections (and candidates) in a turn
+            # those just accepted become connections (never answered: the first candidates) in a turn; until then
+            # a connection kept alive after its answer is not closed for them
+            recent = self.pending and now - self.pending_at < 1.0
+            if not self.make_room(kept_alive=not recent):
+                if recent:
+                    raise BlockingIOError()
                 self.paused_until = now + 0.5
                 raise OSError(errno.EMFILE, f"{self.open} connections open, the most this server keeps "
                                             f"(--max-connections {cap}), and each has a whole request in")
@@ -202,6 +223,18 @@ class GuardedH11Protocol(H11Protocol):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.deadline = None  # asyncio.TimerHandle while a deadline runs
+        self.answered = False  # a response was sent on it (kept alive since: a client's pool holds it)
+
+    def unread(self) -> bool:
+        """Bytes wait in the socket that the loop has not read yet (the kernel's count, FIONREAD)."""
+        sock = self.transport.get_extra_info("socket") if self.transport is not None else None
+        if sock is None:
+            return False
+        try:
+            n = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+        except OSError:
+            return False
+        return int.from_bytes(n, sys.byteorder, signed=True) > 0
 
     # -- asyncio.Protocol ---------------------------------------------------------------------------
     def connection_made(self, transport) -> None:  # type: ignore[override]
@@ -222,6 +255,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        self.answered = True
         if self.transport.is_closing():
             return
         if self._unfinished():  # idle for the next request (uvicorn's keep-alive timer watches it), or a body left
