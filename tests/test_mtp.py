@@ -249,6 +249,46 @@ def test_sampling_with_drafts_keeps_the_models_distribution(models, monkeypatch)
     assert chi2 < limit, (chi2, limit, dof, total)
 
 
+@pytest.mark.parametrize("form", ["q8_0", "hf"], ids=["native", "torch"])
+def test_drafts_from_the_heads_first_rows_leave_every_answer_unchanged(mtp_files, monkeypatch, form):
+    """DELTASERVE_DRAFT_VOCAB: the drafts come from the head's first N rows and the end-of-sequence ids (a row view:
+    a draft step no longer reads the whole head). The answers, free and structured, are token for token the plain
+    ones, which use tokens past N; every draft is one of the N (or an end id); the route says it."""
+    monkeypatch.setenv("DELTASERVE_DRAFT_VOCAB", "100")
+    model = deltaserve.load(mtp_files["dense"][form])
+    seen: list[int] = []
+    real = resident.Session._draft
+
+    def spy(self, *a):
+        drafts = real(self, *a)
+        seen.extend(drafts)
+        return drafts
+
+    monkeypatch.setattr(resident.Session, "_draft", spy)
+    plain = turns(model, 0)
+    first, second, s = turns(model, 3)
+    assert first.tokens == plain[0].tokens and second.tokens == plain[1].tokens
+    assert any(t >= 100 for t in plain[0].tokens + plain[1].tokens)  # the answers reach past the drafted rows
+    ends = set(model.config.eos_token_ids)
+    assert seen and all(t < 100 or t in ends for t in seen)
+    mtp = s.backend.forward.mtp
+    vocab = model.config.vocab_size
+    assert f"drafts over {100 + len([e for e in ends if 100 <= e < vocab])} of the head's {vocab:,} tokens" in mtp.why
+    g = torch.randn(1, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    assert torch.allclose(mtp.head(g).float(), mtp.w.head(g).float()[:, mtp.ids], atol=1e-4)  # the rows are the ids'
+    assert [mtp.token(i) for i in range(98, len(mtp.ids))] == [98, 99] + sorted(e for e in ends if 100 <= e < vocab)
+    fmt = {"type": "json_object"}
+    a = model.session(mtp=0, quiet=True).generate(PROMPT, max_tokens=40, response_format=fmt)
+    b = drafting(model, 3).generate(PROMPT, max_tokens=40, response_format=fmt)
+    assert a.tokens == b.tokens and a.finish_reason == b.finish_reason and b.drafted > 0
+
+
+def test_a_draft_vocabulary_that_is_not_a_count_is_refused_by_name(mtp_files, monkeypatch):
+    monkeypatch.setenv("DELTASERVE_DRAFT_VOCAB", "lots")
+    with pytest.raises(DeltaserveError, match="DELTASERVE_DRAFT_VOCAB must be a whole number of tokens"):
+        deltaserve.load(mtp_files["dense"]["q8_0"]).session(mtp=2, quiet=True)
+
+
 def test_a_structured_answer_is_the_same_with_drafts(models):
     model = models("dense", "q8_0")
     fmt = {"type": "json_object"}

@@ -43,6 +43,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "and tokenizers fallbacks run, and say so)"),
     Variable("DELTASERVE_VISION", "auto", "the vision tower's products: auto (bf16 where the CPU multiplies bf16 "
              "natively: AVX512-BF16 or AMX; else f32), f32 (exact weights, as transformers computes), bf16"),
+    Variable("DELTASERVE_DRAFT_VOCAB", "32768", "the MTP drafts' vocabulary: the head's first N rows (a byte-level "
+             "BPE's ids run from the most frequent merges) and the end-of-sequence ids; 0: the whole head (a draft "
+             "step then reads all of it: a third of the 0.8B's weights)"),
     Variable("DELTASERVE_CUDA_GRAPH", "off", "on: a CUDA session records its decode step as a CUDA graph and replays "
              "it"),
     Variable("DELTASERVE_API_KEY", "", "the bearer token `serve` requires (empty: none)", "--api-key"),
@@ -71,6 +74,7 @@ class Settings:
     native: bool
     cuda_graph: bool
     vision: str
+    draft_vocab: str
     api_key: str | None
     debug: bool
     cache_dir: str | None
@@ -94,6 +98,7 @@ def read(environ=None) -> Settings:
         native=_not_off(get("DELTASERVE_NATIVE")),
         cuda_graph=_on(get("DELTASERVE_CUDA_GRAPH")),
         vision=get("DELTASERVE_VISION").strip().lower() or "auto",
+        draft_vocab=get("DELTASERVE_DRAFT_VOCAB").strip(),
         api_key=get("DELTASERVE_API_KEY") or None,
         debug=bool(get("DELTASERVE_DEBUG")),
         cache_dir=get("DELTASERVE_CACHE_DIR") or None,

@@ -12,14 +12,23 @@ weight read once for all of them, the rows' attention causal among themselves, t
 row order) and keeps the DeltaNet states after each row but the last in `Snapshots`. Accepting m drafts keeps rows
 0..m: the state after row m is one of the snapshots (or the live state when all k were accepted), copied back, and
 the KV cache needs nothing (positions past the length are never read). No second forward pass.
+
+The drafts' vocabulary: a draft step's head over all 248,320 tokens is most of its cost (the 0.8B: a third of the
+model's weights, read once per draft). Drafts are drawn from the head's first DELTASERVE_DRAFT_VOCAB rows (32,768:
+a byte-level BPE numbers its tokens in the order of its merges, the most frequent first) and the end-of-sequence
+ids (`draft_head`): a row view of the file's blocks, nothing copied. Which tokens are drafted changes only how many
+drafts are accepted, never a token of the output (the trunk verifies each).
 """
 
 from __future__ import annotations
 
 import torch
 
+from deltaserve import settings
+from deltaserve.errors import DeltaserveError
 from deltaserve.formats.config import HybridConfig
 from deltaserve.engine import layers as L
+from deltaserve.kernels.linear import Linear, StackedLinear, row_view
 from deltaserve.engine.native_token import NotNative, TokenProgram
 from deltaserve.engine.state import Checkpoint
 from deltaserve.engine.weights import Weights
@@ -96,6 +105,30 @@ class Snapshots:
         return sum(t.numel() * 4 for s in self.rows for t in list(s.conv.values()) + list(s.ssm.values()))
 
 
+def draft_vocab() -> int:
+    """DELTASERVE_DRAFT_VOCAB as a count (0: the whole head)."""
+    text = settings.current().draft_vocab
+    if not text.isdigit():
+        raise DeltaserveError(f"DELTASERVE_DRAFT_VOCAB must be a whole number of tokens (0: the whole vocabulary), "
+                              f"got {text!r}")
+    return int(text)
+
+
+def draft_head(head: Linear, keep: int, ends: tuple[int, ...]) -> tuple[Linear, torch.Tensor | None]:
+    """The head's rows the drafts are drawn from: the first `keep` and the end-of-sequence ids past them, as views
+    of its weight; and the token id of each of its rows (None: the whole head, where `keep` covers it or its
+    weight has no row view)."""
+    if keep <= 0 or keep >= head.out_features:
+        return head, None
+    extra = sorted({int(e) for e in ends if keep <= e < head.out_features})
+    try:
+        parts = [row_view(head, 0, keep)] + [row_view(head, e, e + 1) for e in extra]
+    except ValueError:
+        return head, None
+    sub = StackedLinear(parts, fuse=False) if extra else parts[0]
+    return sub, torch.tensor(list(range(keep)) + extra, dtype=torch.long)
+
+
 class MtpHead:
     """The MTP block's forward on one device: the catch-up of its cache and the draft steps. Native (one
     ds_decode_tokens call on the block as a one-layer model) where the trunk's one-call decode runs, else torch."""
@@ -107,14 +140,39 @@ class MtpHead:
         self.device = device
         self.attention_dtype = attention_dtype
         self.program: TokenProgram | None = None
+        self.keep = draft_vocab()
+        self.head, self.ids = draft_head(self.w.head, self.keep, config.eos_token_ids)
+        self.vocab = self.w.head.out_features
         self.why = "drafts through torch ops"
         if one_call:
             try:
-                block = Weights(self.w.embed, [self.w.layer], self.w.head_norm, self.w.head)
+                block = Weights(self.w.embed, [self.w.layer], self.w.head_norm, self.head)
                 self.program = TokenProgram(config, block)
                 self.why = "drafts in one native call per step"
             except NotNative as e:
                 self.why = f"drafts through torch ops (native call not used: {e})"
+        self.why += f"; {self.vocabulary}"
+
+    @property
+    def vocabulary(self) -> str:
+        """What the drafts are drawn from, for the route line."""
+        if self.ids is None:
+            return f"drafts over the whole head ({self.vocab:,} tokens)"
+        n = int(self.ids.numel())
+        return (f"drafts over {n:,} of the head's {self.vocab:,} tokens (its first {self.keep:,} rows and the "
+                f"end-of-sequence ids: DELTASERVE_DRAFT_VOCAB)")
+
+    def token(self, index: int) -> int:
+        """The token id of a draft logit's index."""
+        return index if self.ids is None else int(self.ids[index])
+
+    def full(self, logits: torch.Tensor) -> torch.Tensor:
+        """A draft's logits over the whole vocabulary (-inf for the tokens not drafted): for a grammar's mask."""
+        if self.ids is None:
+            return logits
+        out = torch.full((self.vocab,), float("-inf"))
+        out[self.ids] = logits
+        return out
 
     def new_cache(self, capacity: int) -> MtpCache:
         return MtpCache(self.config, capacity, self.device)
@@ -150,7 +208,7 @@ class MtpHead:
 
         x = L.layer_loop(x, [w.layer], eps, attention, None)
         g = L.rms_norm(x[-1:], w.head_norm, eps)
-        return (w.head(g).float()[0] if logits else None), g[0].float()
+        return (self.head(g).float()[0] if logits else None), g[0].float()
 
     def flush(self, cache: MtpCache) -> None:
         """Write every pending entry (positions written..trunk_len-1), no draft."""

@@ -891,11 +891,13 @@ class Session:
         logits, out = mtp.first(state.mtp, token)
         drafts: list[int] = []
         for j in range(k):
-            if constraint is not None:
-                logits = constraint.mask(logits)
+            if constraint is not None:  # the grammar's mask over the whole vocabulary
+                logits = constraint.mask(mtp.full(logits))
                 if not bool(torch.isfinite(logits).any()):
                     break
-            d = int(logits.argmax())
+                d = int(logits.argmax())
+            else:
+                d = mtp.token(int(logits.argmax()))
             if d in stop_ids or (constraint is not None and not constraint.accept(d)):
                 break
             drafts.append(d)
