@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "native.h"
+#include "vmath.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VL__)
 
@@ -219,24 +220,6 @@ int ds_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, f
 #define F_QBLK (F_MR * 8)
 #define F_KCH 256
 
-/* e^x for 8 floats x <= 0: as exp16, 2^n put into the exponent bits (n >= -126 after the clamp) */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
 static inline float hmax8(__m256 v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -290,8 +273,8 @@ static inline void tile_f32(const fatt_t *a, const float *qt, int j0, float *m, 
             moved = 1;
         }
         __m256 mv = _mm256_set1_ps(m[r]);
-        __m256 p0 = _mm256_and_ps(v0, exp8(_mm256_sub_ps(x0, mv)));
-        __m256 p1 = _mm256_and_ps(v1, exp8(_mm256_sub_ps(x1, mv)));
+        __m256 p0 = _mm256_and_ps(v0, exp256(_mm256_sub_ps(x0, mv)));
+        __m256 p1 = _mm256_and_ps(v1, exp256(_mm256_sub_ps(x1, mv)));
         _mm256_storeu_ps(l + r * 8, _mm256_fmadd_ps(_mm256_loadu_ps(l + r * 8), _mm256_set1_ps(alpha[r]),
                                                     _mm256_add_ps(p0, p1)));
         _mm256_storeu_ps(pr[r], p0);

@@ -70,6 +70,7 @@ Design choices:
 from __future__ import annotations
 
 import atexit
+import itertools
 import json
 import re
 import threading
@@ -84,6 +85,7 @@ from deltaserve.errors import DeltaserveError
 from deltaserve.text.toolcalls import MAX_DEPTH, nesting_depth
 
 CACHE_SIZE = 32
+_ENGINE_KEYS = itertools.count()
 MAX_SCHEMA_BYTES = 1 << 18  # a schema's compact JSON (xgrammar's compile grows with it: 3,000 properties, 89 KB: 43 s)
 _CONTROL = re.compile(rb"[\x00-\x1f]")
 
@@ -307,7 +309,8 @@ class GrammarEngine:
         self._cache: OrderedDict[str, CompiledFormat] = OrderedDict()
         self._lock = threading.Lock()
         self.compiles = 0  # how many formats were compiled (not served from the cache)
-        self.key = f"{id(self):x}-{self.vocab_size}-{int(text)}"  # this engine in the compile process
+        self.key = f"{next(_ENGINE_KEYS)}-{self.vocab_size}-{int(text)}"  # this engine in the compile process (never
+        # reused: another engine's tokenizer info under an old key would compile for the wrong vocabulary)
 
     def compile(self, response_format: Any) -> CompiledFormat | None:
         fmt = normalize(response_format)
