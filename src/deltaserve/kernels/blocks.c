@@ -1910,6 +1910,11 @@ static inline __m256i grid_rows8(const int8_t *grid, int i0, int i1, int i2, int
     return _mm256_i32gather_epi64((const long long *)grid, _mm_setr_epi32(i0, i1, i2, i3), 8);
 }
 
+/* the same, the rows' indices in the four lanes of idx */
+static inline __m256i grid_rows8v(const int8_t *grid, __m128i idx) {
+    return _mm256_i32gather_epi64((const long long *)grid, idx, 8);
+}
+
 /* 32 int8 grid values: eight rows of 4 (IQ3 grids) */
 static inline __m256i grid_rows4(const int8_t *grid, __m256i idx) {
     return _mm256_i32gather_epi32((const int *)grid, idx, 4);
@@ -2051,7 +2056,7 @@ static int expand_row(int type, const uint8_t *b, int K, int8_t *v, float *sc, f
             for (int s = 0; s < 8; s++) {
                 const uint8_t *aux0 = b + 2 + 8 * s;
                 uint32_t aux1 = u32(b + 2 + 8 * s + 4);
-                __m256i g = grid_rows8(i_iq2xxs, aux0[0], aux0[1], aux0[2], aux0[3]);
+                __m256i g = grid_rows8v(i_iq2xxs, _mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)u32(aux0))));
                 _mm256_storeu_si256((__m256i *)(v + 256 * jb + 32 * s), apply_signs(g, ksigns4(aux1)));
                 set2(sc + 16 * jb + 2 * s, d * (0.5f + (float)(aux1 >> 28)) * 0.25f);
             }
@@ -2062,7 +2067,8 @@ static int expand_row(int type, const uint8_t *b, int K, int8_t *v, float *sc, f
             float d = h2f(b);
             for (int s = 0; s < 8; s++) {  /* 32 values: four codes, two scales */
                 uint16_t q[4] = {u16(b + 2 + 8 * s), u16(b + 4 + 8 * s), u16(b + 6 + 8 * s), u16(b + 8 + 8 * s)};
-                __m256i g = grid_rows8(i_iq2xs, q[0] & 511, q[1] & 511, q[2] & 511, q[3] & 511);
+                __m128i codes = _mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * s)));
+                __m256i g = grid_rows8v(i_iq2xs, _mm_and_si128(codes, _mm_set1_epi32(511)));
                 uint32_t signs = (uint32_t)g_ksigns[q[0] >> 9] | (uint32_t)g_ksigns[q[1] >> 9] << 8 |
                                  (uint32_t)g_ksigns[q[2] >> 9] << 16 | (uint32_t)g_ksigns[q[3] >> 9] << 24;
                 _mm256_storeu_si256((__m256i *)(v + 256 * jb + 32 * s), apply_signs(g, signs));
@@ -2075,9 +2081,11 @@ static int expand_row(int type, const uint8_t *b, int K, int8_t *v, float *sc, f
         for (int jb = 0; jb < K / 256; jb++, b += 82) {
             float d = h2f(b);
             for (int s = 0; s < 8; s++) {  /* 32 values: groups i = 4 s .. 4 s + 3, two scales */
-                int idx[4];
-                for (int k = 0; k < 4; k++) idx[k] = b[2 + 4 * s + k] | (((b[66 + s] >> (2 * k)) & 3) << 8);
-                __m256i g = grid_rows8(i_iq2s, idx[0], idx[1], idx[2], idx[3]);
+                __m128i high = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32(b[66 + s]), _mm_setr_epi32(0, 2, 4, 6)),
+                                             _mm_set1_epi32(3));
+                __m128i idx = _mm_or_si128(_mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)u32(b + 2 + 4 * s))),
+                                           _mm_slli_epi32(high, 8));
+                __m256i g = grid_rows8v(i_iq2s, idx);
                 _mm256_storeu_si256((__m256i *)(v + 256 * jb + 32 * s), apply_signs(g, u32(b + 34 + 4 * s)));
                 for (int h = 0; h < 2; h++)
                     sc[16 * jb + 2 * s + h] = d * (0.5f + (float)((b[74 + s] >> (4 * h)) & 0xF)) * 0.25f;
@@ -2124,25 +2132,25 @@ static int expand_row(int type, const uint8_t *b, int K, int8_t *v, float *sc, f
             }
             const uint8_t *qs = b + (m ? 0 : 2);
             for (int s = 0; s < 8; s++) {  /* 32 values: four rows of the grid, 8 g +- 1 (the delta's sign) */
-                int idx[4];
-                long long delta[4];
-                uint16_t qh = m ? 0 : u16(b + 34 + 2 * s);
-                for (int l = 0; l < 4; l++) {
-                    int i = 4 * s + l, high, neg;
-                    if (m) {
-                        int nib = (b[32 + i / 2] >> (4 * (i % 2))) & 0xF;
-                        high = nib & 7, neg = nib & 8;
-                    } else {
-                        high = (qh >> (3 * l)) & 7, neg = qh & 0x8000;
-                    }
-                    idx[l] = qs[i] | (high << 8);
-                    delta[l] = neg ? -1LL : 0x0101010101010101LL;
+                /* the four rows' 11-bit indices: qs[4 s + l] and 3 high bits each (IQ1_S: qh's bits 3 l..3 l+2;
+                 * IQ1_M: the low 3 bits of nibble l of the 16 bits at 32 + 2 s, whose bit 3 is the row's sign) */
+                uint16_t qh = u16(b + (m ? 32 : 34) + 2 * s);
+                __m128i bits = _mm_srlv_epi32(_mm_set1_epi32(qh), m ? _mm_setr_epi32(0, 4, 8, 12) : _mm_setr_epi32(0, 3, 6, 9));
+                __m128i idx = _mm_or_si128(_mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)u32(qs + 4 * s))),
+                                           _mm_slli_epi32(_mm_and_si128(bits, _mm_set1_epi32(7)), 8));
+                __m256i g = grid_rows8v(i_iq1s, idx);  /* -1, 0, 1 */
+                __m256i delta;
+                if (m) {  /* each row's own sign: -1 where its bit 3 is set, else +1 */
+                    __m256i neg = _mm256_cvtepi32_epi64(_mm_cmpeq_epi32(_mm_and_si128(bits, _mm_set1_epi32(8)),
+                                                                         _mm_set1_epi32(8)));
+                    delta = _mm256_blendv_epi8(_mm256_set1_epi8(1), _mm256_set1_epi8(-1), neg);
+                } else {
+                    delta = _mm256_set1_epi8(qh & 0x8000 ? -1 : 1);
                 }
-                __m256i g = grid_rows8(i_iq1s, idx[0], idx[1], idx[2], idx[3]);  /* -1, 0, 1 */
                 __m256i eight = _mm256_shuffle_epi8(_mm256_setr_epi8(-8, 0, 8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
                                                                      -8, 0, 8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0),
                                                     _mm256_add_epi8(g, _mm256_set1_epi8(1)));
-                __m256i val = _mm256_add_epi8(eight, _mm256_setr_epi64x(delta[0], delta[1], delta[2], delta[3]));
+                __m256i val = _mm256_add_epi8(eight, delta);
                 _mm256_storeu_si256((__m256i *)(v + 256 * jb + 32 * s), val);
                 if (m)
                     for (int h = 0; h < 2; h++) {
