@@ -1901,8 +1901,12 @@ static inline __m256i bits_x16(uint32_t qh) { return _mm256_and_si256(bit_mask32
 
 /* v negated where the sign bit is set (bit i for byte i) */
 static inline __m256i apply_signs(__m256i v, uint32_t signs) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    return _mm256_mask_sub_epi8(v, (__mmask32)signs, _mm256_setzero_si256(), v);  /* the bits as a byte mask */
+#else
     __m256i m = bit_mask32(signs);
     return _mm256_sub_epi8(_mm256_xor_si256(v, m), m);
+#endif
 }
 
 /* 32 int8 grid values: four rows of 8 (IQ2/IQ1 grids), rows idx[0..3] */
