@@ -299,28 +299,21 @@ class VisionEncoder:
                    segments: list[int]) -> torch.Tensor:
         cfg = self.config
         n = x.shape[0]
-        native_attention = self.products == "bf16" and self._native_attention()
-        qkv = self._linear(x, f"blocks.{i}.attn.qkv", keep=native_attention)
+        # attention.c's kernel in the products' dtype (bf16, or the f32 route's f32) where this build has it
+        kernel = (torch.bfloat16 if self.products == "bf16" else torch.float32) if self._native_attention() and \
+            (self.products == "bf16" or x.dtype == torch.float32) else None
+        qkv = self._linear(x, f"blocks.{i}.attn.qkv", keep=kernel is not None)
         q, k, v = qkv.reshape(n, 3, cfg.num_heads, cfg.head_dim).unbind(1)
         c, s = cos[:, None, :], sin[:, None, :]
         qf, kf = q.float(), k.float()
-        if native_attention:  # bf16 q, k, v for attention.c; the rotary embedding in f32 on the way
+        q, k = qf * c + rotate_half(qf) * s, kf * c + rotate_half(kf) * s  # the rotary embedding in f32
+        if kernel is not None:
             from deltaserve.kernels import native
 
-            q = (qf * c + rotate_half(qf) * s).to(torch.bfloat16)
-            k = (kf * c + rotate_half(kf) * s).to(torch.bfloat16)
-            out = native.attention(q, k, v, cfg.head_dim ** -0.5, segments)
+            out = native.attention(q.to(kernel), k.to(kernel), v.to(kernel), cfg.head_dim ** -0.5, segments)
             if out is not None:
                 return self._linear(out.reshape(n, cfg.hidden_size), f"blocks.{i}.attn.proj")
-            v = v.float()
-        q = (qf * c + rotate_half(qf) * s).to(x.dtype)
-        k = (kf * c + rotate_half(kf) * s).to(x.dtype)
-        if x.dtype == torch.float32 and self._native_attention():  # the f32 route: attention.c's AVX2 kernel
-            from deltaserve.kernels import native
-
-            out = native.attention(q, k, v.float(), cfg.head_dim ** -0.5, segments)
-            if out is not None:
-                return self._linear(out.reshape(n, cfg.hidden_size), f"blocks.{i}.attn.proj")
+        q, k, v = q.to(x.dtype), k.to(x.dtype), v.to(x.dtype)
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, n, head_dim]
         outs = [F.scaled_dot_product_attention(qs, ks, vs)  # scale head_dim**-0.5, no mask: within a segment
                 for qs, ks, vs in zip(q.split(segments, 1), k.split(segments, 1), v.split(segments, 1))]
