@@ -655,7 +655,7 @@ static inline float amax32(const float *x) {
 
 /* Q8_0 blocks of 32: q int8 [K], d [K/32] (the f16-rounded scale, as the block would store it); with VNNI also
  * c [K/4]: -128 times the sum of each 4 values (the decode tile multiplies w + 128 by them, see tile_q32). */
-static void quant_q8_0(const float *x, int K, int8_t *q, float *d, int32_t *c) {
+static void quant_q8_0(const float *x, int K, int8_t *q, float *d, int32_t *c, int32_t *cb) {
     for (int b = 0; b < K; b += 32) {
         float amax = amax32(x + b);
         float dd = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
@@ -665,8 +665,14 @@ static void quant_q8_0(const float *x, int K, int8_t *q, float *d, int32_t *c) {
 #ifdef BLK_VNNI
         __m256i s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8((char)0x80), v);
         _mm256_storeu_si256((__m256i *)(c + b / 4), _mm256_sub_epi32(_mm256_setzero_si256(), s));
+        if (cb) {
+            __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+            cb[b / 32] = -_mm_cvtsi128_si32(h);
+        }
 #else
-        (void)c;
+        (void)c, (void)cb;
 #endif
     }
 }
@@ -702,6 +708,7 @@ typedef struct {
     const int16_t *bs;
     const float *x;    /* the f32 row itself (F16/BF16 weights multiply it as it is) */
     const int32_t *c;  /* BLK_VNNI, blocks of 32: -128 * the sum of each 4 values */
+    const int32_t *cb; /* BLK_VNNI, blocks of 32: -128 * the sum of each block's 32 values */
     const int8_t *qp;  /* BLK_VNNI, blocks of 256: the values in Q45_ORDER */
 } act_t;
 
@@ -1590,6 +1597,30 @@ static inline __attribute__((always_inline)) void transpose16x8_v(const uint8_t 
     }
 }
 
+/* transpose16x8_v with the two rows of each vector put together by the load ports (a masked 256-bit broadcast
+ * from memory) rather than the shuffle port (an insert), which the transposition's other 24 steps keep busy */
+static inline __attribute__((always_inline)) void transpose16x8_b(const uint8_t *base, size_t stride, __m512i v[8]) {
+    __m512i z[8], t[8], u[8];
+    for (int i = 0; i < 8; i++)
+        z[i] = _mm512_mask_broadcast_i64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(base + i * stride))),
+                                           0xF0, _mm256_loadu_si256((const __m256i *)(base + (i + 8) * stride)));
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(z[2 * i], z[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(z[2 * i], z[2 * i + 1]);
+    }
+    for (int h = 0; h < 2; h++) {
+        u[4 * h + 0] = _mm512_unpacklo_epi64(t[4 * h], t[4 * h + 2]);
+        u[4 * h + 1] = _mm512_unpackhi_epi64(t[4 * h], t[4 * h + 2]);
+        u[4 * h + 2] = _mm512_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
+        u[4 * h + 3] = _mm512_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
+    }
+    const __m512i lo = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0), hi = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
+    for (int c = 0; c < 4; c++) {
+        v[c] = _mm512_permutex2var_epi64(u[c], lo, u[c + 4]);
+        v[c + 4] = _mm512_permutex2var_epi64(u[c], hi, u[c + 4]);
+    }
+}
+
 static inline void transpose16x8(const uint8_t *base, size_t stride, uint8_t *dst) {
     __m512i v[8];
     transpose16x8_v(base, stride, v);
@@ -1774,7 +1805,7 @@ void blk_gemm_prepare(int type, const float *x, int M, int K, long ldx, const in
             memset(is, 0, ni * sizeof(int32_t));
             continue;
         }
-        quant_q8_0(x + (size_t)(rows ? rows[t] : t) * ldx, K, q, d, c);
+        quant_q8_0(x + (size_t)(rows ? rows[t] : t) * ldx, K, q, d, c, NULL);
         const int fours = K / ni / 4, z = mode == 0 ? 128 : mode == 1 ? 32 : 0;
         for (int i = 0; i < ni; i++) {  /* each sub-block's sum, from quant_q8_0's -128 x (sums of 4) */
             int32_t sum = 0;
@@ -2263,12 +2294,13 @@ typedef struct {
     int8_t *q, *qp;
     float *d;
     int16_t *bs;
-    int32_t *c;
+    int32_t *c, *cb;
 } parts_t;
 
 static size_t parts_layout(void *scratch, int M, int K, parts_t *p) {
     size_t at = 0, q = ALIGN64((size_t)M * K + 64), d = ALIGN64((size_t)M * (K / 32) * sizeof(float) + 64),
-           bs = ALIGN64((size_t)M * (K / 16) * sizeof(int16_t) + 64), c = ALIGN64((size_t)M * (K / 4) * sizeof(int32_t) + 64);
+           bs = ALIGN64((size_t)M * (K / 16) * sizeof(int16_t) + 64), c = ALIGN64((size_t)M * (K / 4) * sizeof(int32_t) + 64),
+           cb = ALIGN64((size_t)M * (K / 32) * sizeof(int32_t) + 64);
     uint8_t *base = scratch;
     if (p) p->q = (int8_t *)(base + at);
     at += q;
@@ -2278,6 +2310,8 @@ static size_t parts_layout(void *scratch, int M, int K, parts_t *p) {
     at += bs;
     if (p) p->c = (int32_t *)(base + at);
     at += c;
+    if (p) p->cb = (int32_t *)(base + at);
+    at += cb;
     if (p) p->qp = (int8_t *)(base + at);
     return at + q;
 }
@@ -2288,7 +2322,7 @@ size_t blk_scratch_bytes(int M, int K) {
 }
 
 static act_t act_row(int kind, void *scratch, int M, int K, int m) {
-    act_t a = {NULL, NULL, NULL, NULL, NULL, NULL};
+    act_t a = {NULL, NULL, NULL, NULL, NULL, NULL, NULL};
     if (kind >= 3) {  /* the f32 rows themselves, copied where the int8 ones would be */
         a.x = (const float *)scratch + (size_t)m * K;
         return a;
@@ -2298,7 +2332,7 @@ static act_t act_row(int kind, void *scratch, int M, int K, int m) {
     a.q = p.q + (size_t)m * K;
     a.d = p.d + (size_t)m * (K / 32);
     if (kind == 2) a.bs = p.bs + (size_t)m * (K / 16), a.qp = p.qp + (size_t)m * K;
-    else a.c = p.c + (size_t)m * (K / 4);
+    else a.c = p.c + (size_t)m * (K / 4), a.cb = p.cb + (size_t)m * (K / 32);
     return a;
 }
 
@@ -2313,9 +2347,55 @@ void blk_prepare_rows(int kind, const float *x, int M, int K, long ldx, const in
         const float *row = x + (size_t)(rows ? rows[m] : m) * ldx;
         if (kind >= 3) memcpy((float *)a.x, row, (size_t)K * sizeof(float));
         else if (kind == 2) quant_q8_k(row, K, (int8_t *)a.q, (float *)a.d, (int16_t *)a.bs, (int8_t *)a.qp);
-        else quant_q8_0(row, K, (int8_t *)a.q, (float *)a.d, (int32_t *)a.c);
+        else quant_q8_0(row, K, (int8_t *)a.q, (float *)a.d, (int32_t *)a.c, (int32_t *)a.cb);
     }
 }
+
+#ifdef BLK_VNNI
+/* Q8_0, 16 rows at a time against M <= 8 prepared rows, every row summed as the GEMM sums it: each block's 16 rows
+ * x 32 bytes transposed in registers (transpose16x8_b) into 8 vectors of the 16 rows' 4 bytes, u = w + 128, so one
+ * vpdpbusd per 4 values and activation row takes all 16 rows (the row's 4 values broadcast), into int32 sums that
+ * start at a.cb (-128 x the block's sum of activations) and so end at the block's exact sum of w a; then per row
+ * one convert and one multiply-add by d_w d_a, the blocks in order. The work per activation row is a third of the
+ * pair tile's (which spends a convert, a permute and a multiply-add on every 8 values), so a verification or a
+ * batch of 4-8 rows stays at the memory's speed; each row's sum is the same whatever M is. The 16 rows' scales of a
+ * block come by one gather (their first 4 bytes). out[m * ldo + r]. */
+#define T16_ROWS 8
+static inline __attribute__((always_inline)) void tile16_q8_0(const uint8_t *row0, size_t row_bytes, int K,
+                                                              const act_t *a, const int M, float *out, long ldo) {
+    const int nb = K / 32;
+    const __m512i vindex = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32((int)row_bytes));
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512 f[T16_ROWS];
+    for (int m = 0; m < M; m++) f[m] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = row0 + (size_t)b * 34;
+        __m512i v[8];
+        {  /* half the rows' lines 256 bytes on each block (each row moves 34 bytes a block): on a Xeon, farther
+              (512 B - 16 KB), all 16 rows a block, or the next tile as one run were 3-30 % slower from memory */
+            const uint8_t *pf = blk + 256 + (size_t)(b & 1) * 8 * row_bytes;
+            for (int r = 0; r < 8; r++) _mm_prefetch((const char *)pf + r * row_bytes, _MM_HINT_T0);
+        }
+        transpose16x8_b(blk + 2, row_bytes, v);
+        for (int k = 0; k < 8; k++) v[k] = _mm512_xor_si512(v[k], flip);
+        const __m512 s = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(vindex, blk, 1)));
+        for (int m = 0; m < M; m++) {
+            const uint8_t *xq = (const uint8_t *)a[m].q + 32 * b;
+            __m512i acc0 = _mm512_set1_epi32(a[m].cb[b]), acc1 = _mm512_setzero_si512();
+            for (int k = 0; k < 8; k += 2) {
+                int32_t x0, x1;
+                memcpy(&x0, xq + 4 * k, 4), memcpy(&x1, xq + 4 * k + 4, 4);
+                acc0 = _mm512_dpbusd_epi32(acc0, v[k], _mm512_set1_epi32(x0));
+                acc1 = _mm512_dpbusd_epi32(acc1, v[k + 1], _mm512_set1_epi32(x1));
+            }
+            f[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(acc0, acc1)),
+                                   _mm512_mul_ps(s, _mm512_set1_ps(a[m].d[b])), f[m]);
+        }
+    }
+    for (int m = 0; m < M; m++) _mm512_storeu_ps(out + (size_t)m * ldo, f[m]);
+}
+#endif
 
 void blk_tiles(int type, const uint8_t *blocks, int N, int K, void *scratch, int M, float *y, long ldy) {
     blk_tiles_rows(type, blocks, N, K, scratch, M, 0, M, y, ldy);
@@ -2346,6 +2426,24 @@ void blk_tiles_rows(int type, const uint8_t *blocks, int N, int K, void *scratch
         return;
     }
 #ifdef BLK_VNNI
+    if (type == T_Q8_0 && N >= 16) {  /* 16 rows at a time (tile16_q8_0); the last tile ends at row N - 1, its first
+                                          rows (a tile's before) computed twice, the same each time */
+        const int tiles = (N + 15) / 16;
+        #pragma omp for schedule(static) nowait
+        for (int t = 0; t < tiles; t++) {
+            const int n = t * 16 < N - 16 ? t * 16 : N - 16;  /* the last tile ends at row N - 1 */
+            for (int m0 = 0; m0 < M; m0 += T16_ROWS) {
+                const int mm = M - m0 < T16_ROWS ? M - m0 : T16_ROWS;
+                act_t am[T16_ROWS];
+                float out[T16_ROWS * 16];
+                for (int m = 0; m < mm; m++) am[m] = act_row(kind, scratch, Mall, K, m_first + m0 + m);
+                tile16_q8_0(blocks + (size_t)n * row_bytes, row_bytes, K, am, mm, out, 16);
+                for (int m = 0; m < mm; m++)
+                    for (int r = t * 16 - n; r < 16; r++) y[(size_t)(m0 + m) * ldy + n + r] = out[m * 16 + r];
+            }
+        }
+        return;
+    }
     if (kind != 3) {  /* 512-bit products, four rows at a time, the activation rows two at a time (the tile's rows
                          stay in L1 between the pairs; each row's sum is accumulated the same way whatever M is) */
         int tiles = N / 4;
