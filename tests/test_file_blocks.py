@@ -81,10 +81,11 @@ def test_every_block_type_dequantizes_bit_for_bit_as_gguf_does(kind):
 
 
 @pytest.mark.parametrize("kind", TYPES)
-@pytest.mark.parametrize("shape", ["long", "short"])
+@pytest.mark.parametrize("shape", ["long", "short", "wide"])
 def test_a_product_on_the_blocks_is_the_arithmetic_llama_cpp_does_and_each_row_is_its_own(kind, shape):
-    # rows not a multiple of anything; three K-quant blocks a row, or one; the blocks of 32 in runs of 8 and a rest
-    rows, cols = (67, 768) if shape == "long" else (13, 416 if kind in ("Q8_0", "Q4_0") else 256)
+    # rows not a multiple of anything; three K-quant blocks a row, or one; the blocks of 32 in runs of 8 and a rest;
+    # "wide": rows of 4096, where Q8_0 takes 16 rows at a time (blocks.c's tile16_q8_0, the last tile overlapping)
+    rows, cols = {"long": (67, 768), "wide": (37, 4096)}.get(shape, (13, 416 if kind in ("Q8_0", "Q4_0") else 256))
     raw = torch.from_numpy(random_blocks(kind, rows, cols, seed=3 + len(kind) + (shape == "short")))
     lin = L.BlockLinear([(kind, raw)], cols)
     w = lin.dense().double()

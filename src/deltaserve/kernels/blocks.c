@@ -2361,6 +2361,12 @@ void blk_prepare_rows(int kind, const float *x, int M, int K, long ldx, const in
  * batch of 4-8 rows stays at the memory's speed; each row's sum is the same whatever M is. The 16 rows' scales of a
  * block come by one gather (their first 4 bytes). out[m * ldo + r]. */
 #define T16_ROWS 8
+/* Rows shorter than this stay on the pair tiles: from memory, one activation row of a [65536, 1024] Q8_0 tensor took
+ * 2.3 ms here against the pair tiles' 2.1 (a [32768, 2048]: 2.2-2.4 against 1.9), of a [12288, 4096] 1.0 against
+ * 1.1 (a Xeon, 2 threads); a tensor takes one or the other whatever M is, so its rows' sums never depend on M. */
+#define T16_MIN_K 4096
+/* the lines PFD bytes on (past a row's end: the same row of the next tile, which this thread takes next) */
+#define PFD 1024
 static inline __attribute__((always_inline)) void tile16_q8_0(const uint8_t *row0, size_t row_bytes, int K,
                                                               const act_t *a, const int M, float *out, long ldo) {
     const int nb = K / 32;
@@ -2372,9 +2378,10 @@ static inline __attribute__((always_inline)) void tile16_q8_0(const uint8_t *row
     for (int b = 0; b < nb; b++) {
         const uint8_t *blk = row0 + (size_t)b * 34;
         __m512i v[8];
-        {  /* half the rows' lines 256 bytes on each block (each row moves 34 bytes a block): on a Xeon, farther
-              (512 B - 16 KB), all 16 rows a block, or the next tile as one run were 3-30 % slower from memory */
-            const uint8_t *pf = blk + 256 + (size_t)(b & 1) * 8 * row_bytes;
+        {  /* half the rows each block (a row moves 34 bytes a block); all 16 rows a block, or the next tile as one run
+              of lines, were 3-30 % slower from memory on a Xeon */
+            size_t off = (size_t)b * 34 + PFD;
+            const uint8_t *pf = row0 + (off < row_bytes ? off : 15 * row_bytes + off) + (size_t)(b & 1) * 8 * row_bytes;
             for (int r = 0; r < 8; r++) _mm_prefetch((const char *)pf + r * row_bytes, _MM_HINT_T0);
         }
         transpose16x8_b(blk + 2, row_bytes, v);
@@ -2426,8 +2433,8 @@ void blk_tiles_rows(int type, const uint8_t *blocks, int N, int K, void *scratch
         return;
     }
 #ifdef BLK_VNNI
-    if (type == T_Q8_0 && N >= 16) {  /* 16 rows at a time (tile16_q8_0); the last tile ends at row N - 1, its first
-                                          rows (a tile's before) computed twice, the same each time */
+    if (type == T_Q8_0 && N >= 16 && K >= T16_MIN_K) {  /* 16 rows at a time (tile16_q8_0); the last tile ends at row
+                                          N - 1, its first rows (a tile's before) computed twice, the same each time */
         const int tiles = (N + 15) / 16;
         #pragma omp for schedule(static) nowait
         for (int t = 0; t < tiles; t++) {
