@@ -5,8 +5,8 @@ whose product runs below the memory's speed here is compute-bound there too).
     python -m tools.bench.products IQ1_S IQ2_XXS Q4_K [--rows 4096 --cols 2048 --threads 2]
 
 Prints, per type, the median of 30 products: ms, and the weights' GB/s. The blocks' bytes are random (every byte
-pattern is a valid block of these types) with each block's leading f16 scale set small; where a type keeps its
-scale elsewhere (the K-quants) the sums may not be finite, which does not change the work.
+pattern is a valid block of these types) with each block's leading f16 scale set small (MXFP4's e8m0 one to 2^-4);
+where a type keeps its scale elsewhere (the K-quants) the sums may not be finite, which does not change the work.
 """
 
 from __future__ import annotations
@@ -34,7 +34,10 @@ def main(argv=None) -> None:
     for name in a.types:
         per, size = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
         raw = rng.integers(0, 256, (a.rows, a.cols // per * size), dtype=np.uint8)
-        raw.reshape(a.rows, -1, size)[:, :, 0:2] = (0, 0x2C)  # f16 0.0625
+        if name == "MXFP4":  # its first byte is the block's e8m0 scale: 2^(123 - 127), a normal f32 (0 is 2^-127,
+            raw.reshape(a.rows, -1, size)[:, :, 0] = 123  # a subnormal one, whose arithmetic is ~100x slower)
+        else:
+            raw.reshape(a.rows, -1, size)[:, :, 0:2] = (0, 0x2C)  # f16 0.0625
         lin = BlockLinear([(name, torch.from_numpy(raw))], a.cols)
         x = torch.randn(1, a.cols)
         lin(x)
