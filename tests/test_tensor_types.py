@@ -143,6 +143,10 @@ def test_blocks_c_reads_every_other_type_bit_for_bit_and_multiplies_its_values_a
         out = torch.empty(rows, cols)
         assert native.dequant(L.GGUF_TYPES[kind], torch.from_numpy(raw), cols, out)
         assert np.array_equal(out.numpy().view(np.uint32), want.view(np.uint32))
+        if native.has("ds_dequant_bf16"):  # the prefill's bf16 chunks: those values rounded as torch rounds them
+            got = torch.full((rows, cols), float("nan"), dtype=torch.bfloat16)
+            assert native.dequant_bf16(L.GGUF_TYPES[kind], torch.from_numpy(raw), cols, got)
+            assert torch.equal(got.view(torch.int16), torch.from_numpy(want).bfloat16().view(torch.int16))
         lin = L.BlockLinear([(kind, torch.from_numpy(raw))], cols)
         w = torch.from_numpy(want).double()
         assert w.isfinite().all()
