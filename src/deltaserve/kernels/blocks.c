@@ -540,9 +540,11 @@ static int deq_row_bf16(int type, const uint8_t *b, int K, uint16_t *o) {
         int8_t v[K];
         float sc[K / 16], mn[K / 16];
         if (expand_row(type, b, K, v, sc, mn) != 0) return 0;
-        for (int i = 0; i < K; i += 32)
-            store_bf16x32(o + i, _mm512_mul_ps(_mm512_set1_ps(sc[i / 16]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(v + i))))),
-                          _mm512_mul_ps(_mm512_set1_ps(sc[i / 16 + 1]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(v + i + 16))))));
+        for (int i = 0; i < K; i += 32) {
+            const __m512 v0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(v + i))));
+            const __m512 v1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(v + i + 16))));
+            store_bf16x32(o + i, _mm512_mul_ps(_mm512_set1_ps(sc[i / 16]), v0), _mm512_mul_ps(_mm512_set1_ps(sc[i / 16 + 1]), v1));
+        }
         return 1;
     }
     case T_Q8_0:
@@ -1075,7 +1077,6 @@ static inline __attribute__((always_inline)) void tile_q32(int type, const uint8
  * times the activations' sum (-a.c / 128) times d_a. */
 static const uint8_t KV_IQ4NL_U[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 static const uint8_t KV_E2M1_U[16] = {128, 129, 130, 131, 132, 134, 136, 140, 128, 127, 126, 125, 124, 122, 120, 116};
-static int expand_row(int type, const uint8_t *b, int K, int8_t *v, float *sc, float *mn);
 static void row_expanded(const int8_t *v, const float *sc, const float *mn, int K, const act_t *a, int M, float *out);
 
 static inline int b32_bytes(int type) {
@@ -1591,38 +1592,15 @@ static void unpack_row(int type, const uint8_t *row, int K, uint8_t *u) {
  * then pairs of words, within 128-bit lanes), and the lanes put in row order by one two-source permute a vector. */
 static inline __attribute__((always_inline)) void transpose16x8_v(const uint8_t *base, size_t stride, __m512i v[8]) {
     __m512i z[8], t[8], u[8];
-    for (int i = 0; i < 8; i++)
-        z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(base + i * stride))),
-                                  _mm256_loadu_si256((const __m256i *)(base + (i + 8) * stride)), 1);
-    for (int i = 0; i < 4; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(z[2 * i], z[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(z[2 * i], z[2 * i + 1]);
-    }
-    for (int h = 0; h < 2; h++) {  /* u[4h + c]: word c (lanes 0, 2) and c + 4 (lanes 1, 3) of rows 4h .. 4h + 3 */
-        u[4 * h + 0] = _mm512_unpacklo_epi64(t[4 * h], t[4 * h + 2]);
-        u[4 * h + 1] = _mm512_unpackhi_epi64(t[4 * h], t[4 * h + 2]);
-        u[4 * h + 2] = _mm512_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
-        u[4 * h + 3] = _mm512_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
-    }
-    const __m512i lo = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0), hi = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
-    for (int c = 0; c < 4; c++) {
-        v[c] = _mm512_permutex2var_epi64(u[c], lo, u[c + 4]);
-        v[c + 4] = _mm512_permutex2var_epi64(u[c], hi, u[c + 4]);
-    }
-}
-
-/* transpose16x8_v with the two rows of each vector put together by the load ports (a masked 256-bit broadcast
- * from memory) rather than the shuffle port (an insert), which the transposition's other 24 steps keep busy */
-static inline __attribute__((always_inline)) void transpose16x8_b(const uint8_t *base, size_t stride, __m512i v[8]) {
-    __m512i z[8], t[8], u[8];
-    for (int i = 0; i < 8; i++)
+    for (int i = 0; i < 8; i++)  /* rows i and i + 8 joined by the load ports (a masked 256-bit broadcast from memory)
+                                    rather than the shuffle port (an insert), which the 24 steps below keep busy */
         z[i] = _mm512_mask_broadcast_i64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(base + i * stride))),
                                            0xF0, _mm256_loadu_si256((const __m256i *)(base + (i + 8) * stride)));
     for (int i = 0; i < 4; i++) {
         t[2 * i] = _mm512_unpacklo_epi32(z[2 * i], z[2 * i + 1]);
         t[2 * i + 1] = _mm512_unpackhi_epi32(z[2 * i], z[2 * i + 1]);
     }
-    for (int h = 0; h < 2; h++) {
+    for (int h = 0; h < 2; h++) {  /* u[4h + c]: word c (lanes 0, 2) and c + 4 (lanes 1, 3) of rows 4h .. 4h + 3 */
         u[4 * h + 0] = _mm512_unpacklo_epi64(t[4 * h], t[4 * h + 2]);
         u[4 * h + 1] = _mm512_unpackhi_epi64(t[4 * h], t[4 * h + 2]);
         u[4 * h + 2] = _mm512_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
@@ -2367,7 +2345,7 @@ void blk_prepare_rows(int kind, const float *x, int M, int K, long ldx, const in
 
 #ifdef BLK_VNNI
 /* Q8_0, 16 rows at a time against M <= 8 prepared rows, every row summed as the GEMM sums it: each block's 16 rows
- * x 32 bytes transposed in registers (transpose16x8_b) into 8 vectors of the 16 rows' 4 bytes, u = w + 128, so one
+ * x 32 bytes transposed in registers (transpose16x8_v) into 8 vectors of the 16 rows' 4 bytes, u = w + 128, so one
  * vpdpbusd per 4 values and activation row takes all 16 rows (the row's 4 values broadcast), into int32 sums that
  * start at a.cb (-128 x the block's sum of activations) and so end at the block's exact sum of w a; then per row
  * one convert and one multiply-add by d_w d_a, the blocks in order. The work per activation row is a third of the
@@ -2398,7 +2376,7 @@ static inline __attribute__((always_inline)) void tile16_q8_0(const uint8_t *row
             const uint8_t *pf = row0 + (off < row_bytes ? off : 15 * row_bytes + off) + (size_t)(b & 1) * 8 * row_bytes;
             for (int r = 0; r < 8; r++) _mm_prefetch((const char *)pf + r * row_bytes, _MM_HINT_T0);
         }
-        transpose16x8_b(blk + 2, row_bytes, v);
+        transpose16x8_v(blk + 2, row_bytes, v);
         for (int k = 0; k < 8; k++) v[k] = _mm512_xor_si512(v[k], flip);
         const __m512 s = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(vindex, blk, 1)));
         for (int m = 0; m < M; m++) {

@@ -23,6 +23,7 @@
 
 #include "native.h"
 #include "tables.h"
+#include "vmath.h"  /* exp512 */
 
 #define QB 32
 #define PREFETCH 8192
@@ -357,24 +358,6 @@ void tab_tiles(const seg_t *g, int K, void *scratch, int M, float *y, long ldy) 
  * The prefill's causal conv of a DeltaNet layer, with SiLU in 16 lanes (the decode's one-token DeltaNet step,
  * ds_deltanet_step, is native_avx2.c's on every CPU).
  * ------------------------------------------------------------------------------------------------------- */
-
-/* e^x for 16 floats: x = n ln2 + r, |r| <= ln2/2, e^r by a degree-6 polynomial (the classic single-precision
- * coefficients; relative error ~1e-7), times 2^n. glibc's scalar expf made SiLU the slowest step here. */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3f)), _mm512_set1_ps(-87.3f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
 
 /* v[i] = silu(v[i]) = v / (1 + e^-v), in place, n values */
 static void silu_inplace(float *v, int n) {
