@@ -301,21 +301,25 @@ def test_llama_quantizes_files_are_no_farther_from_f32_than_llama_cpp_on_the_sam
 
 def test_a_prefill_runs_each_layers_routed_experts_in_one_native_call(monkeypatch):
     """Every MoE layer's experts of a prefill chunk in one call of blocks.c's grouped products (ds_moe_experts), each
-    pair (token, expert) once."""
+    pair (token, expert) once, the call also summing each token's choices (its `y`), the layers' pair buffers one
+    (reused from layer to layer, not made anew)."""
     from deltaserve.kernels import native
 
     m = deltaserve.load(by_llama_quantize("Q4_K_M"), cache=False)
     calls, real = [], native.moe_experts
 
-    def spy(experts, hidden, uniq, first, count, x, rows, weights, out):
-        calls.append((int(count.sum()), int(uniq.numel()), x.shape[0]))
-        return real(experts, hidden, uniq, first, count, x, rows, weights, out)
+    def spy(experts, hidden, uniq, first, count, x, rows, weights, out, slot=None, y=None, ws=None):
+        calls.append((int(count.sum()), int(uniq.numel()), x.shape[0], None if y is None else tuple(y.shape),
+                      out.data_ptr(), None if ws is None else ws.data_ptr()))
+        return real(experts, hidden, uniq, first, count, x, rows, weights, out, slot, y, ws)
 
     monkeypatch.setattr(native, "moe_experts", spy)
     m.logits(prompt(100, seed=6))
     c = m.config
-    assert calls == [(100 * c.num_experts_per_tok, calls[i][1], 100) for i in range(c.num_layers)]
-    assert all(0 < used <= c.num_experts for _, used, _ in calls)
+    assert [call[:4] for call in calls] == [(100 * c.num_experts_per_tok, calls[i][1], 100, (100, c.hidden_size))
+                                            for i in range(c.num_layers)]
+    assert all(0 < call[1] <= c.num_experts for call in calls)
+    assert len({call[4] for call in calls}) == 1 and len({call[5] for call in calls}) == 1, calls
 
 
 def test_the_one_call_decode_is_the_torch_decode_to_rounding_ties_and_a_batch_is_each_sequence_alone():

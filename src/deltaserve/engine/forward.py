@@ -121,7 +121,8 @@ class Forward:
         x = self.weights.embed.lookup(ids)
         if images is not None:
             x = images.placed(x, ids)
-        x = self._layers(x, attention, deltanet)
+        with L.scratch():
+            x = self._layers(x, attention, deltanet)
         state.length = start + t
         if images is not None:
             state.rope_delta = images.next_position - state.length

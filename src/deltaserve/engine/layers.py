@@ -6,7 +6,9 @@ state is passed in and updated in place.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -73,17 +75,48 @@ def route(x: torch.Tensor, router, top_k: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def experts_native(x: torch.Tensor, mw, counts: list[int], rows: torch.Tensor, weights: torch.Tensor,
-                   out: torch.Tensor) -> bool:
+                   out: torch.Tensor, slot: torch.Tensor | None = None, y: torch.Tensor | None = None) -> bool:
     """The routed experts of every pair (row, expert), grouped by expert, in one native call on the file's blocks
     (blocks.c's products, each expert's rows read once for its pairs): False where it does not take them (a device,
-    weights that are not the file's blocks)."""
+    weights that are not the file's blocks). With `slot` and `y`: y gets the routed sum itself (kernel.moe_experts)."""
     structs = mw.native() if x.device.type == "cpu" else None
     if structs is None:
         return False
     used = [e for e, n in enumerate(counts) if n]
     n = torch.tensor([counts[e] for e in used])
+    ws = scratch_buffer("moe gate and up", out.shape[0] * 3 * structs[0].rows, x.device) if y is not None else None
     return kernel.moe_experts(structs, x.shape[-1], torch.tensor(used), torch.cumsum(n, 0) - n, n,
-                              x.contiguous(), rows, weights, out)
+                              x.contiguous(), rows, weights, out, slot, y, ws)
+
+
+_SCRATCH = threading.local()
+
+
+@contextlib.contextmanager
+def scratch():
+    """Large working buffers (an MoE layer's pairs) that the layers of one forward reuse in turn, their pages faulted
+    once a forward rather than once a layer (a fresh 32 MB buffer: ~4 ms of page faults, against ~2 ms to write it
+    again), and dropped when it ends. Outside this, each layer allocates its own."""
+    outer = getattr(_SCRATCH, "buffers", None)
+    if outer is None:
+        _SCRATCH.buffers = {}
+    try:
+        yield
+    finally:
+        if outer is None:
+            _SCRATCH.buffers = None
+
+
+def scratch_buffer(name: str, n: int, device: torch.device) -> torch.Tensor:
+    """n float32 values: the forward's buffer `name` (grown as needed) inside `scratch()` on a CPU, else a fresh one."""
+    buffers = getattr(_SCRATCH, "buffers", None)
+    if buffers is None or device.type != "cpu":
+        return torch.empty(n, dtype=torch.float32, device=device)
+    b = buffers.get(name)
+    if b is None or b.numel() < n:
+        buffers.pop(name, None)  # the smaller one freed before the larger is made
+        b = buffers[name] = torch.empty(n, dtype=torch.float32)
+    return b[:n]
 
 
 GATHER_PAIRS = 64  # on a device, up to this many (row, expert) pairs gather their experts' weights (moe_gathered)
@@ -117,8 +150,10 @@ def moe(x: torch.Tensor, mw, shared_gate_up, shared_down) -> torch.Tensor:
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=mw.count).tolist()
     rows, pair_weights = order // mw.top_k, weights.reshape(-1)[order]
-    by_expert = torch.empty(flat.numel(), shape[-1], dtype=torch.float32, device=x.device)
-    if not experts_native(x, mw, counts, rows, pair_weights, by_expert):
+    by_expert = scratch_buffer("moe pairs", flat.numel() * shape[-1], x.device).view(flat.numel(), shape[-1])
+    slot = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=x.device))
+    routed = torch.empty(x.shape[0], shape[-1], dtype=torch.float32, device=x.device)
+    if not experts_native(x, mw, counts, rows, pair_weights, by_expert, slot, routed):
         start = 0
         for e, n in enumerate(counts):
             if n:
@@ -126,10 +161,11 @@ def moe(x: torch.Tensor, mw, shared_gate_up, shared_down) -> torch.Tensor:
                 torch.mul(mlp(x.index_select(0, rows[start:start + n]), gate_up, down),
                           pair_weights[start:start + n, None], out=by_expert[start:start + n])
                 start += n
-    pairs = torch.empty_like(by_expert).index_copy_(0, order, by_expert)  # back in (row, choice) order
+        # back in (row, choice) order, each row the sum of its choices
+        routed = by_expert.index_select(0, slot).reshape(x.shape[0], mw.top_k, shape[-1]).sum(dim=1)
     gate = torch.sigmoid(x.float() @ mw.shared_gate)
     out = mlp(x, shared_gate_up, shared_down).mul_(gate[:, None])
-    return out.add_(pairs.reshape(x.shape[0], mw.top_k, shape[-1]).sum(dim=1)).reshape(shape)
+    return out.add_(routed).reshape(shape)
 
 
 # ---------------------------------------------------------------------------------------------

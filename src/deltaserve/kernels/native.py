@@ -131,7 +131,7 @@ SIGNATURES = {
     "ds_dequant_bf16": [_I, _P, _L, _I, _P, _L, _I],
     "ds_linear_blocks": [_I, _P, _I, _I, _L, _P, _I, _P, _L, _I],
     "ds_gemm_blocks": [_I, _P, _I, _I, _L, _P, _I, _P, _L, _I],
-    "ds_moe_experts": [_P, _P, _P, _I, _I, _P, _P, _P, _P, _P, _P, _I, _P, _I],
+    "ds_moe_experts": [_P, _P, _P, _I, _I, _P, _P, _P, _P, _P, _P, _I, _P, _I, _P, _I, _P, _P],
     "ds_set_tables": [_P] * 7,
     "ds_attention_bf16": [_P, _P, _P, _P, _I, _I, _I, _F, _I],
     "ds_attention_f32": [_P, _P, _P, _P, _I, _I, _I, _F, _I],
@@ -290,19 +290,35 @@ def linear_on_blocks(x: torch.Tensor, gguf_type: int, data: torch.Tensor, y: tor
 
 
 def moe_experts(experts: tuple, hidden: int, uniq: torch.Tensor, first: torch.Tensor, count: torch.Tensor,
-                x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> bool:
+                x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
+                slot: torch.Tensor | None = None, y: torch.Tensor | None = None,
+                ws: torch.Tensor | None = None) -> bool:
     """out [P, hidden] (f32, contiguous): pair i's expert (the u-th expert used, uniq[u], takes the pairs first[u] ..
     first[u] + count[u]) on row rows[i] of x [*, hidden], times weights[i]; `experts`: native.h's experts_t of the
     gate, up and down projections (the file's blocks). One native call for an MoE layer's routed experts; False, with
-    nothing written, where blocks.c does not take them."""
+    nothing written, where blocks.c does not take them.
+    `slot` and `y` (both or neither): the routed sum itself, y [P / k, hidden] (f32, contiguous), row r the sum over its
+    k choices j in order of weights[s] out[s], s = slot[r k + j] (out then holds the unweighted products). `ws`: a
+    float32 buffer of at least P 3 ff values (ff: an expert's width) for the gate and up products, reused across
+    layers (or None: allocated per call)."""
     if not has("ds_moe_experts") or not x.is_contiguous() or x.dtype != torch.float32:
+        return False
+    if (slot is None) != (y is None) or (y is not None and (not y.is_contiguous() or y.dtype != torch.float32
+                                                              or out.shape[0] % y.shape[0])):
+        return False
+    ff = experts[0].rows
+    if ws is not None and (ws.dtype != torch.float32 or not ws.is_contiguous() or ws.numel() < out.shape[0] * 3 * ff):
         return False
     gate, up, down = (ctypes.byref(e) for e in experts)
     ints = [t.to(torch.int32).contiguous() for t in (uniq, first, count, rows)]
     w = weights.float().contiguous()
+    s = slot.to(torch.int32).contiguous() if slot is not None else None
+    k = out.shape[0] // y.shape[0] if y is not None else 0
     return library().ds_moe_experts(gate, up, down, hidden, ints[0].numel(), *(t.data_ptr() for t in ints[:3]),
                                     x.data_ptr(), ints[3].data_ptr(), w.data_ptr(), w.numel(), out.data_ptr(),
-                                    torch.get_num_threads()) == 0
+                                    torch.get_num_threads(), s.data_ptr() if s is not None else None, k,
+                                    y.data_ptr() if y is not None else None,
+                                    ws.data_ptr() if ws is not None else None) == 0
 
 
 def gemm_blocks(x: torch.Tensor, gguf_type: int, data: torch.Tensor, y: torch.Tensor, off: int) -> bool:

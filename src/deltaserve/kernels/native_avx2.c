@@ -565,7 +565,11 @@ static int moe_ok(const layer_t *L, int H) {
  * uniq[u], takes the pairs first[u] .. first[u] + count[u]; pair i reads row rows[i] of x [*, H] and writes
  * out[i] = weights[i] expert(x[rows[i]]) ([P, H]). Each expert's rows of the three tensors are read once for all its
  * pairs (the activations prepared once, as the types' products want them); one OpenMP team for the whole layer.
- * Blocks only (not F32). Returns 0, or -1 (nothing written) where a type or a shape is not taken or memory ran out. */
+ * Blocks only (not F32). Returns 0, or -1 (nothing written) where a type or a shape is not taken or memory ran out.
+ * `slot` and `y` (both or neither): the layer's routed sum in place of out's weighting: y [P / k, H] with
+ * y[r] = sum over j < k (in order) of weights[s] out[s], s = slot[r k + j] (where row r's j-th choice sits among the
+ * pairs); out then keeps the unweighted products. `ws` (may be NULL: allocated here): P 3 ff floats for the gate and
+ * up products and their SwiGLU, the caller's buffer reused across a chunk's layers (fresh pages cost a fault each). */
 #ifdef BLK_GEMM
 /* This thread's share [lo, hi) of n experts' items (per items of each, expert gl[i]'s count[gl[i]] pairs): runs
  * of consecutive items of about equal cost, a panel's packing costing about MOE_PACK_PAIRS pairs' products, so that
@@ -589,9 +593,10 @@ static void moe_share(int n, int per, const int *gl, const int *count, int *lo, 
 
 int ds_moe_experts(const experts_t *G, const experts_t *U, const experts_t *D, int H, int nu, const int *uniq,
                    const int *first, const int *count, const float *x, const int *rows, const float *weights, int P,
-                   float *out, int nthreads) {
+                   float *out, int nthreads, const int *slot, int k, float *y, float *ws) {
     int ff = G->rows, kg = blk_kind(G->type), ku = blk_kind(U->type), kd = blk_kind(D->type);
-    if (P < 1 || nu < 1 || !kg || !ku || !kd || !experts_ok(G, H, ff) || !experts_ok(U, H, ff) || !experts_ok(D, ff, H))
+    if (P < 1 || nu < 1 || !kg || !ku || !kd || !experts_ok(G, H, ff) || !experts_ok(U, H, ff) || !experts_ok(D, ff, H)
+        || (!slot) != (!y) || (y && (k < 1 || P % k)))
         return -1;
     /* an expert with MOE_GEMM_ROWS pairs or more runs on blocks.c's GEMM (where built: the panels of its weights pay
        off from about that many rows), each panel of 32 of its rows a work item of the team; the others on the tiles */
@@ -606,7 +611,7 @@ int ds_moe_experts(const experts_t *G, const experts_t *U, const experts_t *D, i
         if (gemm_all && count[u] >= MOE_GEMM_ROWS) gl[ng++] = u;
         else tiles = 1;
     }
-    float *gu = malloc((size_t)P * 2 * ff * sizeof(float)), *mid = malloc((size_t)P * ff * sizeof(float));
+    float *gu = ws ? ws : malloc((size_t)P * 3 * ff * sizeof(float)), *mid = gu ? gu + (size_t)P * 2 * ff : NULL;
     void *ag = NULL, *au = NULL, *ad = NULL, *xg = NULL, *xu = NULL, *xd = NULL;
     int ok = gu && mid;
     if (tiles) {
@@ -694,13 +699,29 @@ int ds_moe_experts(const experts_t *G, const experts_t *U, const experts_t *D, i
 #else
             #pragma omp barrier
 #endif
-            #pragma omp for schedule(static)
-            for (int i = 0; i < P; i++)
-                for (int j = 0; j < H; j++) out[(size_t)i * H + j] *= weights[i];
+            if (y) {
+                #pragma omp for schedule(static)
+                for (int r = 0; r < P / k; r++) {
+                    float *yr = y + (size_t)r * H;
+                    for (int j = 0; j < k; j++) {
+                        const int s = slot[(size_t)r * k + j];
+                        const float wj = weights[s], *o = out + (size_t)s * H;
+                        if (j == 0)
+                            for (int i = 0; i < H; i++) yr[i] = wj * o[i];
+                        else
+                            for (int i = 0; i < H; i++) yr[i] += wj * o[i];
+                    }
+                }
+            } else {
+                #pragma omp for schedule(static)
+                for (int i = 0; i < P; i++)
+                    for (int j = 0; j < H; j++) out[(size_t)i * H + j] *= weights[i];
+            }
             free(work);
         }
     }
-    free(gl); free(gu); free(mid); free(ag); free(ad); free(xg); free(xd);
+    free(gl); free(ag); free(ad); free(xg); free(xd);
+    if (!ws) free(gu);
     if (au != ag) free(au);
     if (xu != xg) free(xu);
     return failed ? -1 : 0;
