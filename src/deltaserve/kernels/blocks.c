@@ -1506,6 +1506,8 @@ static void decode_tile(int type, const uint8_t *row0, size_t row_bytes, int R, 
  * multiply-add by -m d_a (sum of a). Each row's f32 sum takes the sub-blocks in order, whatever M is. */
 #define GP 32
 #define GT 6
+#define GEMM_RUN 256          /* values of a panel packed at a time where the tokens are few (blk_gemm_panel) */
+#define GEMM_RUN_TOKENS 64    /* ... up to this many tokens */
 
 /* 0: Q8_0, one scale per 32, z = 128; 1: Q6_K, a scale per 16, z = 32; 2: Q4_K/Q5_K, a scale and a min per 32 */
 static int gemm_mode(int type) {
@@ -1513,13 +1515,20 @@ static int gemm_mode(int type) {
 }
 
 static inline __attribute__((always_inline)) void gemm_tile(const int mode, const int GT_, const uint8_t *pw,
-                                                            const float *ps, const float *po, int nb,
+                                                            const float *ps, const float *po, int nb, int nbs,
                                                             const int8_t *xq, const float *xd, const int32_t *xi,
                                                             const float *xf, int K, float *out, long ldo, int nrows,
-                                                            const uint8_t *pf, int pf_lines) {
-    const int subs = mode == 1 ? 2 : 1, groups = 8 / subs, ni = mode == 1 ? 2 * nb : nb;
+                                                            const uint8_t *pf, int pf_lines, int more) {
+    /* nb blocks of the panel (pw, ps, po from the first of them; xq, xd, xi, xf likewise, a token's rows nbs blocks
+       apart); `more`: out already holds the sums of the blocks before these (a panel packed in runs of blocks) */
+    const int subs = mode == 1 ? 2 : 1, groups = 8 / subs, ni = mode == 1 ? 2 * nbs : nbs;
+    __mmask16 k0 = nrows >= 16 ? 0xFFFF : (__mmask16)((1u << nrows) - 1),
+              k1 = nrows >= GP ? 0xFFFF : nrows <= 16 ? 0 : (__mmask16)((1u << (nrows - 16)) - 1);
     __m512 f[GT][2];  /* GT_ <= GT of them used */
-    for (int t = 0; t < GT_; t++) f[t][0] = f[t][1] = _mm512_setzero_ps();
+    for (int t = 0; t < GT_; t++) {
+        f[t][0] = more ? _mm512_maskz_loadu_ps(k0, out + t * ldo) : _mm512_setzero_ps();
+        f[t][1] = more ? _mm512_maskz_loadu_ps(k1, out + t * ldo + 16) : _mm512_setzero_ps();
+    }
     for (int b = 0; b < nb; b++) {
         const uint8_t *w = pw + (size_t)b * 8 * 128;
         for (int i = 0; pf && i < pf_lines; i++)  /* the next panel's lines, spread over this tile's blocks */
@@ -1543,7 +1552,7 @@ static inline __attribute__((always_inline)) void gemm_tile(const int mode, cons
             const float *sv = ps + ((size_t)b * subs + h) * 32;
             __m512 s0 = _mm512_load_ps(sv), s1 = _mm512_load_ps(sv + 16);
             for (int t = 0; t < GT_; t++) {
-                __m512 d = _mm512_set1_ps(xd[(size_t)t * nb + b]);
+                __m512 d = _mm512_set1_ps(xd[(size_t)t * nbs + b]);
                 f[t][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[t][0]), _mm512_mul_ps(s0, d), f[t][0]);
                 f[t][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[t][1]), _mm512_mul_ps(s1, d), f[t][1]);
             }
@@ -1551,14 +1560,12 @@ static inline __attribute__((always_inline)) void gemm_tile(const int mode, cons
         if (mode == 2) {  /* - m (d_a times the sum of the block's int8 activations) */
             __m512 m0 = _mm512_load_ps(po + (size_t)b * 32), m1 = _mm512_load_ps(po + (size_t)b * 32 + 16);
             for (int t = 0; t < GT_; t++) {
-                __m512 a = _mm512_set1_ps(xf[(size_t)t * nb + b]);
+                __m512 a = _mm512_set1_ps(xf[(size_t)t * nbs + b]);
                 f[t][0] = _mm512_fnmadd_ps(m0, a, f[t][0]);
                 f[t][1] = _mm512_fnmadd_ps(m1, a, f[t][1]);
             }
         }
     }
-    __mmask16 k0 = nrows >= 16 ? 0xFFFF : (__mmask16)((1u << nrows) - 1),
-              k1 = nrows >= GP ? 0xFFFF : nrows <= 16 ? 0 : (__mmask16)((1u << (nrows - 16)) - 1);
     for (int t = 0; t < GT_; t++) {
         _mm512_mask_storeu_ps(out + t * ldo, k0, f[t][0]);
         _mm512_mask_storeu_ps(out + t * ldo + 16, k1, f[t][1]);
@@ -1922,25 +1929,33 @@ void blk_gemm_panel(int type, const uint8_t *blocks, int N, int K, int p, const 
     uint8_t *pw = work, *ubuf = pw + ALIGN64((size_t)nb * 1024 + (size_t)2 * nb * GP * sizeof(float) + (size_t)nb * GP * sizeof(float));
     float *ps = (float *)(pw + (size_t)nb * 1024), *po = ps + (size_t)ni * GP;
     const int n0 = p * GP, nrows = N - n0 < GP ? N - n0 : GP;
-    pack_panel(type, mode, blocks, row_bytes, n0, nrows, K, pw, ps, po, ubuf);
+    /* a full panel of few tokens' product is packed and multiplied a run of GEMM_RUN values at a time, the packed run
+       staying in L1 for the tiles that read it (a whole panel, 64 KB and up, went out to L2 and came back per tile) */
+    const int run = nrows == GP && M <= GEMM_RUN_TOKENS && K % GEMM_RUN == 0 ? GEMM_RUN : K, runs = K / run;
+    const int rb = run / 32, subs = mode == 1 ? 2 : 1;
+    if (runs == 1) pack_panel(type, mode, blocks, row_bytes, n0, nrows, K, pw, ps, po, ubuf);
     const int pf_lines = next ? (int)((next_bytes + 63) / 64 + nb - 1) / nb : 0;  /* lines a block of the first tile */
-    for (int m0 = 0; m0 < M; m0 += GT) {
-        const size_t at = (size_t)(m_first + m0);
-        const int gt = M - m0 < GT ? M - m0 : GT;  /* the last tile of a few tokens computes only those */
-        float *out = y + (size_t)m0 * ldy + n0;
-        const int8_t *xq = g.q + at * K;
-        const float *xd = g.d + at * nb, *xf = g.f + at * nb;
-        const int32_t *xi = g.i + at * ni;
-        const uint8_t *pf = m0 == 0 ? next : NULL;
-#define GEMM_TILE(MODE, T) gemm_tile(MODE, T, pw, ps, po, nb, xq, xd, xi, xf, K, out, ldy, nrows, pf, pf_lines)
+    for (int c = 0; c < runs; c++) {
+        const int b0 = c * rb;
+        if (runs > 1) pack_panel_direct(type, blocks + (size_t)b0 * 32 / vals * bytes, row_bytes, n0, run, pw, ps, po);
+        for (int m0 = 0; m0 < M; m0 += GT) {
+            const size_t at = (size_t)(m_first + m0);
+            const int gt = M - m0 < GT ? M - m0 : GT;  /* the last tile of a few tokens computes only those */
+            float *out = y + (size_t)m0 * ldy + n0;
+            const int8_t *xq = g.q + at * K + (size_t)b0 * 32;
+            const float *xd = g.d + at * nb + b0, *xf = g.f + at * nb + b0;
+            const int32_t *xi = g.i + at * ni + (size_t)b0 * subs;
+            const uint8_t *pf = m0 == 0 && next ? next + (size_t)b0 * pf_lines * 64 : NULL;
+#define GEMM_TILE(MODE, T) gemm_tile(MODE, T, pw, ps, po, rb, nb, xq, xd, xi, xf, K, out, ldy, nrows, pf, pf_lines, c > 0)
 #define GEMM_TILES(MODE) switch (gt) { \
-        case 1: GEMM_TILE(MODE, 1); break; case 2: GEMM_TILE(MODE, 2); break; case 3: GEMM_TILE(MODE, 3); break; \
-        case 4: GEMM_TILE(MODE, 4); break; case 5: GEMM_TILE(MODE, 5); break; default: GEMM_TILE(MODE, GT); }
-        if (mode == 0) GEMM_TILES(0)
-        else if (mode == 1) GEMM_TILES(1)
-        else GEMM_TILES(2)
+            case 1: GEMM_TILE(MODE, 1); break; case 2: GEMM_TILE(MODE, 2); break; case 3: GEMM_TILE(MODE, 3); break; \
+            case 4: GEMM_TILE(MODE, 4); break; case 5: GEMM_TILE(MODE, 5); break; default: GEMM_TILE(MODE, GT); }
+            if (mode == 0) GEMM_TILES(0)
+            else if (mode == 1) GEMM_TILES(1)
+            else GEMM_TILES(2)
 #undef GEMM_TILES
 #undef GEMM_TILE
+        }
     }
 }
 
