@@ -73,8 +73,11 @@ def workspace_bytes(c: HybridConfig, plan: PrefillPlan, positions: int) -> int:
     # activations live at once in a layer: residual, normed input, mixer projections, MLP gate/up, outputs
     widest_mixer = max(3 * c.conv_dim + 2 * c.value_dim,                 # qkv, conv window, z, output
                        3 * c.num_attention_heads * c.head_dim + 4 * c.num_kv_heads * c.head_dim)
-    # an MoE layer: the router's logits and probabilities, the routed experts' outputs summed in one more row
-    moe = 2 * c.num_experts + 4 * c.num_experts_per_tok + c.hidden_size if c.is_moe else 0
+    # an MoE layer: the router's logits and probabilities, each (row, expert) pair's output (k rows of hidden) and its
+    # gate, up and SwiGLU (3 x the expert's width each: the native call's buffer), the routed sum in one more row
+    k = c.num_experts_per_tok
+    moe = (2 * c.num_experts + 4 * k + c.hidden_size + k * (c.hidden_size + 3 * c.moe_intermediate_size)
+           if c.is_moe else 0)
     per_row = 4 * c.hidden_size + widest_mixer + 3 * c.ffn_size + moe
     activations = r * per_row * 4
     # chunked delta rule: per value head, [chunk x chunk] systems and [chunk x d] solves for every chunk
