@@ -121,8 +121,10 @@ def test_rolling_back_after_every_rejection_position_leaves_the_states_of_a_plai
         for i, (kc, vc) in state.kv.items():
             assert torch.allclose(kc[:, :state.length], ref.kv[i][0][:, :ref.length], rtol=1e-5, atol=1e-5)
             assert torch.allclose(vc[:, :state.length], ref.kv[i][1][:, :ref.length], rtol=1e-5, atol=1e-5)
-        # and the next token from there is the plain decode's
-        assert torch.allclose(f.decode(state, 7), f.decode(ref, 7), atol=1e-5)
+        # and the next token from there is the plain decode's: to f32 rounding (the rows verified together and one at a
+        # time sum their products in other orders: the logits' largest difference 1.1e-5 with torch's row steps,
+        # 1.9e-5 with the native ones, the states' 2e-6)
+        assert torch.allclose(f.decode(state, 7), f.decode(ref, 7), atol=5e-5)
 
 
 def drafting(model, most: int, **kw):

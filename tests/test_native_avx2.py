@@ -63,14 +63,16 @@ def test_the_native_delta_rule_takes_value_sizes_in_multiples_of_32_and_leaves_o
 
 @pytest.mark.parametrize("channels", [48, 37])  # a multiple of the vector width, and not
 def test_the_native_causal_conv_follows_the_torch_conv_over_spans_shorter_and_longer_than_its_window(channels):
+    """... on rows that lie apart too (the qkv columns of the DeltaNet's wider in-projection output, read in place)."""
     need("ds_causal_conv")
     g = torch.Generator().manual_seed(5)
     weight = torch.randn(channels, 4, generator=g)
     state_ours, state_torch = torch.randn(3, channels, generator=g), None
     state_torch = state_ours.clone()
-    for t in (1, 2, 5, 64):
-        x = torch.randn(t, channels, generator=g) * 8  # SiLU well into both tails
+    for t, wide in ((1, 0), (2, 0), (5, 0), (64, 0), (3, 11), (64, 9)):
+        x = (torch.randn(t, channels + wide, generator=g) * 8)[:, wide // 2:wide // 2 + channels]  # SiLU's tails
         x[0, :3] = torch.tensor([-200.0, 200.0, 0.0])[:min(3, channels)]
+        assert x.is_contiguous() == (wide == 0)
         ours = layers.causal_conv(x, state_ours, weight, native=True)
         want = layers.causal_conv(x, state_torch, weight, native=False)
         assert torch.allclose(ours, want, atol=1e-5, rtol=1e-5), (t, (ours - want).abs().max().item())

@@ -21,13 +21,24 @@ CHUNK = 64  # the chunk length of the chunked gated delta rule
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x * rsqrt(mean(x^2) + eps) * weight, in float32; `weight` is the multiplicative form (1 + w_hf)."""
+    """x * rsqrt(mean(x^2) + eps) * weight, in float32; `weight` is the multiplicative form (1 + w_hf). On the CPU
+    in one pass on the native kernel where it runs (the same arithmetic, its sum in another order)."""
+    if x.dtype == torch.float32:
+        out = kernel.rms_norm(x, weight, eps)
+        if out is not None:
+            return out
     x = x.float()
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
 def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The DeltaNet output norm per value head: rmsnorm(o) * weight * silu(z) (weight is plain, no +1)."""
+    """The DeltaNet output norm per value head: rmsnorm(o) * weight * silu(z) (weight is plain, no +1); o [.., nv, d],
+    z the same shape or [.., nv d]. On the CPU in one pass on the native kernel where it runs."""
+    if o.dim() == 3 and z.dtype == torch.float32:
+        out = kernel.gated_rms_norm(o, z.reshape(z.shape[0], -1) if z.dim() == 3 else z, weight, eps)
+        if out is not None:
+            return out
+    z = z.reshape(o.shape)
     o = o.float()
     normed = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps)
     return weight * normed * F.silu(z.float())
@@ -38,9 +49,11 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def mlp(x: torch.Tensor, gate_up, down) -> torch.Tensor:
-    """down(silu(gate(x)) * up(x)), gate and up as one stacked projection."""
+    """down(silu(gate(x)) * up(x)), gate and up as one stacked projection (their SwiGLU in one pass on the native
+    kernel where it runs)."""
     gate, up = gate_up.split(gate_up(x))
-    return down(F.silu(gate) * up)
+    act = kernel.swiglu(gate, up) if gate.dtype == torch.float32 else None
+    return down(act if act is not None else F.silu(gate) * up)
 
 
 def layer_loop(x: torch.Tensor, layers, eps: float, attention, deltanet) -> torch.Tensor:
@@ -284,8 +297,10 @@ def _deltanet_heads(qkv: torch.Tensor, cfg):
     nk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
     nv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
     q, k, v = torch.split(qkv, [nk * dk, nk * dk, nv * dv], dim=-1)
-    q = l2_normalize(q.reshape(r, nk, dk)) * (dk ** -0.5)
-    k = l2_normalize(k.reshape(r, nk, dk))
+    qn = kernel.l2_norm_heads(q, nk, dk, dk ** -0.5) if q.dim() == 2 else None  # one pass where the kernel runs
+    kn = kernel.l2_norm_heads(k, nk, dk, 1.0) if k.dim() == 2 else None
+    q = qn if qn is not None else l2_normalize(q.reshape(r, nk, dk)) * (dk ** -0.5)
+    k = kn if kn is not None else l2_normalize(k.reshape(r, nk, dk))
     return (expand_key_heads(q, nv, cfg.value_head_order), expand_key_heads(k, nv, cfg.value_head_order),
             v.reshape(r, nv, dv))
 
@@ -299,7 +314,7 @@ def _deltanet_project(x: torch.Tensor, w):
 
 def _deltanet_out(o: torch.Tensor, z: torch.Tensor, w, cfg) -> torch.Tensor:
     r, nv, dv = o.shape
-    return w.out(gated_rms_norm(o, z.reshape(r, nv, dv), w.norm, cfg.rms_norm_eps).reshape(r, nv * dv))
+    return w.out(gated_rms_norm(o, z, w.norm, cfg.rms_norm_eps).reshape(r, nv * dv))
 
 
 def deltanet_mixer(x: torch.Tensor, w, cfg, conv_state: torch.Tensor, ssm_state: torch.Tensor,

@@ -373,8 +373,8 @@ static void silu_inplace(float *v, int n) {
  * w[c, j] * window[t + j, c]) with window = [conv_state; x] ([Kc-1+T, C]); conv_state becomes the window's
  * last Kc-1 rows. One pass over x and out (torch's version is about six passes over [T, C]). */
 int ds_causal_conv(const float *x, float *conv_state, const float *w, float *out, int T, int C, int Kc,
-                   int nthreads) {
-    if (T <= 0 || C <= 0 || Kc < 2) return -1;
+                   int nthreads, long ldx) {
+    if (T <= 0 || C <= 0 || Kc < 2 || ldx < C) return -1;
     int H = Kc - 1;
     float *wt = malloc((size_t)Kc * C * sizeof(float));
     if (!wt) return -1;
@@ -386,7 +386,7 @@ int ds_causal_conv(const float *x, float *conv_state, const float *w, float *out
         for (int c = 0; c < C; c++) o[c] = 0.0f;
         for (int j = 0; j < Kc; j++) {
             int r = t + j;  /* row of the window */
-            const float *src = r < H ? conv_state + (size_t)r * C : x + (size_t)(r - H) * C;
+            const float *src = r < H ? conv_state + (size_t)r * C : x + (size_t)(r - H) * ldx;
             const float *wj = wt + (size_t)j * C;
             for (int c = 0; c < C; c++) o[c] += wj[c] * src[c];
         }
@@ -397,7 +397,7 @@ int ds_causal_conv(const float *x, float *conv_state, const float *w, float *out
     if (!keep) { free(wt); return -1; }
     for (int i = 0; i < H; i++) {
         int r = T + i;
-        const float *src = r < H ? conv_state + (size_t)r * C : x + (size_t)(r - H) * C;
+        const float *src = r < H ? conv_state + (size_t)r * C : x + (size_t)(r - H) * ldx;
         for (int c = 0; c < C; c++) keep[(size_t)i * C + c] = src[c];
     }
     for (size_t i = 0; i < (size_t)H * C; i++) conv_state[i] = keep[i];

@@ -121,7 +121,7 @@ SIGNATURES = {
     "ds_linear_i8": [_P, _I, _I, _L, _P, _P, _I, _P, _L, _I],
     "ds_linear_kq": [_I, _P, _I, _I, _L, _P, _I, _P, _L, _I],
     "ds_deltanet_step": [_P] * 11 + [_I] * 6 + [_F, _I],
-    "ds_causal_conv": [_P, _P, _P, _P, _I, _I, _I, _I],
+    "ds_causal_conv": [_P, _P, _P, _P, _I, _I, _I, _I, _L],
     "ds_repack_q4k": [_P, _L, _P],
     "ds_quantize_rows": [_P, _I, _I, _L, _P, _P, _I],
     "ds_scale_product": [_P, _I, _I, _P, _P, _P, _I],
@@ -135,6 +135,10 @@ SIGNATURES = {
     "ds_set_tables": [_P] * 7,
     "ds_attention_bf16": [_P, _P, _P, _P, _I, _I, _I, _F, _I],
     "ds_attention_f32": [_P, _P, _P, _P, _I, _I, _I, _F, _I],
+    "ds_rms_norm": [_P, _L, _P, _P, _I, _I, _F, _I],
+    "ds_l2_norm_heads": [_P, _L, _P, _I, _I, _I, _F, _I],
+    "ds_gated_rms_norm": [_P, _P, _L, _P, _P, _I, _I, _I, _F, _I],
+    "ds_swiglu": [_P, _L, _P, _L, _P, _I, _I, _I],
 }
 
 
@@ -402,17 +406,89 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
 
 def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """The causal conv + SiLU of layers.causal_conv over x [T, C] in one pass (conv_state [Kc-1, C] updated
-    in place); None, with nothing touched, where the native kernel cannot take it."""
+    in place); None, with nothing touched, where the native kernel cannot take it. x's rows may lie apart (a slice of
+    a wider projection's output): read in place, not copied."""
     lib = library()
     if not has("ds_causal_conv") or any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu"
                           for t in (conv_state, weight)) or x.device.type != "cpu":
         return None
-    x = x.float().contiguous()
+    if x.dtype != torch.float32 or x.dim() != 2 or x.stride(-1) != 1 or x.stride(0) < x.shape[1]:
+        x = x.float().contiguous()
     t, c = x.shape
     out = torch.empty(t, c)
     if lib.ds_causal_conv(x.data_ptr(), conv_state.data_ptr(), weight.data_ptr(), out.data_ptr(), t, c,
-                          weight.shape[1], torch.get_num_threads()) != 0:
+                          weight.shape[1], torch.get_num_threads(), x.stride(0)) != 0:
         raise MemoryError("the native causal conv could not allocate its scratch")
+    return out
+
+
+def _rows(t: torch.Tensor, width: int) -> int | None:
+    """The stride between rows of t (f32 on the CPU, [rows, width] with each row's values contiguous, rows at least
+    `width` apart: a view of a wider output passes), else None (then the caller's torch path runs)."""
+    if t.device.type != "cpu" or t.dtype != torch.float32 or t.dim() != 2 or t.shape[1] != width or \
+            (t.shape[1] > 1 and t.stride(1) != 1) or (t.shape[0] > 1 and t.stride(0) < width):
+        return None
+    return max(t.stride(0), width)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """layers.rms_norm over the last dimension in one pass (ds_rms_norm); None where the kernel does not take it."""
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n) if x.dim() != 2 else x
+    ld = _rows(x2, n)
+    if ld is None or not has("ds_rms_norm") or weight.dtype != torch.float32 or not weight.is_contiguous() \
+            or weight.numel() != n or weight.device.type != "cpu" or x2.shape[0] == 0:
+        return None
+    out = torch.empty(x2.shape[0], n)
+    if library().ds_rms_norm(x2.data_ptr(), ld, weight.data_ptr(), out.data_ptr(), x2.shape[0], n, eps,
+                             torch.get_num_threads()) != 0:
+        return None
+    return out.reshape(x.shape)
+
+
+def l2_norm_heads(x: torch.Tensor, heads: int, d: int, scale: float) -> torch.Tensor | None:
+    """x [rows, heads d] (rows may lie apart) L2-normalised per head of d values, times `scale`: [rows, heads, d]
+    (layers.l2_normalize, one pass: ds_l2_norm_heads); None where the kernel does not take it."""
+    ld = _rows(x, heads * d)
+    if ld is None or not has("ds_l2_norm_heads") or x.shape[0] == 0:
+        return None
+    out = torch.empty(x.shape[0], heads, d)
+    if library().ds_l2_norm_heads(x.data_ptr(), ld, out.data_ptr(), x.shape[0], heads, d, scale,
+                                  torch.get_num_threads()) != 0:
+        return None
+    return out
+
+
+def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """layers.gated_rms_norm of o [rows, heads, d] (contiguous) gated by z [rows, heads d] (rows may lie apart), in
+    one pass (ds_gated_rms_norm); None where the kernel does not take it."""
+    if o.dim() != 3 or o.dtype != torch.float32 or not o.is_contiguous() or o.device.type != "cpu":
+        return None
+    rows, heads, d = o.shape
+    ld = _rows(z, heads * d)
+    if ld is None or not has("ds_gated_rms_norm") or weight.dtype != torch.float32 or not weight.is_contiguous() \
+            or weight.numel() != d or weight.device.type != "cpu" or rows == 0:
+        return None
+    out = torch.empty(rows, heads, d)
+    if library().ds_gated_rms_norm(o.data_ptr(), z.data_ptr(), ld, weight.data_ptr(), out.data_ptr(), rows, heads, d,
+                                   eps, torch.get_num_threads()) != 0:
+        return None
+    return out
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) up over [rows, n] (the halves of a stacked gate/up output, rows apart) in one pass (ds_swiglu);
+    None where the kernel does not take it."""
+    if gate.shape != up.shape or gate.dim() != 2 or gate.shape[0] == 0:
+        return None
+    n = gate.shape[1]
+    lg, lu = _rows(gate, n), _rows(up, n)
+    if lg is None or lu is None or not has("ds_swiglu"):
+        return None
+    out = torch.empty(gate.shape[0], n)
+    if library().ds_swiglu(gate.data_ptr(), lg, up.data_ptr(), lu, out.data_ptr(), gate.shape[0], n,
+                           torch.get_num_threads()) != 0:
+        return None
     return out
 
 

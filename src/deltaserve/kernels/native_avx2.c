@@ -130,8 +130,8 @@ int ds_deltanet_step(const float *qkv, const float *z, const float *b, const flo
  * w[c, j] * window[t + j, c]) with window = [conv_state; x] ([Kc-1+T, C]); conv_state becomes the window's
  * last Kc-1 rows. One pass over x and out. */
 int ds_causal_conv(const float *x, float *conv_state, const float *w, float *out, int T, int C, int Kc,
-                   int nthreads) {
-    if (T <= 0 || C <= 0 || Kc < 2) return -1;
+                   int nthreads, long ldx) {
+    if (T <= 0 || C <= 0 || Kc < 2 || ldx < C) return -1;
     int H = Kc - 1;
     float *wt = malloc((size_t)Kc * C * sizeof(float)), *keep = malloc((size_t)H * C * sizeof(float));
     if (!wt || !keep) { free(wt); free(keep); return -1; }
@@ -145,7 +145,7 @@ int ds_causal_conv(const float *x, float *conv_state, const float *w, float *out
             __m256 acc = _mm256_setzero_ps();
             for (int j = 0; j < Kc; j++) {
                 int r = t + j;  /* row of the window */
-                const float *src = r < H ? conv_state + (size_t)r * C : x + (size_t)(r - H) * C;
+                const float *src = r < H ? conv_state + (size_t)r * C : x + (size_t)(r - H) * ldx;
                 acc = _mm256_fmadd_ps(_mm256_loadu_ps(wt + (size_t)j * C + c), _mm256_loadu_ps(src + c), acc);
             }
             _mm256_storeu_ps(o + c, silu256(acc));
@@ -154,7 +154,7 @@ int ds_causal_conv(const float *x, float *conv_state, const float *w, float *out
             float acc = 0.0f;
             for (int j = 0; j < Kc; j++) {
                 int r = t + j;
-                const float *src = r < H ? conv_state + (size_t)r * C : x + (size_t)(r - H) * C;
+                const float *src = r < H ? conv_state + (size_t)r * C : x + (size_t)(r - H) * ldx;
                 acc += wt[(size_t)j * C + c] * src[c];
             }
             o[c] = acc;
@@ -164,7 +164,7 @@ int ds_causal_conv(const float *x, float *conv_state, const float *w, float *out
     /* the new state: the window's last H rows (some may still be old state rows when T < H) */
     for (int i = 0; i < H; i++) {
         int r = T + i;
-        const float *src = r < H ? conv_state + (size_t)r * C : x + (size_t)(r - H) * C;
+        const float *src = r < H ? conv_state + (size_t)r * C : x + (size_t)(r - H) * ldx;
         for (int c = 0; c < C; c++) keep[(size_t)i * C + c] = src[c];
     }
     for (size_t i = 0; i < (size_t)H * C; i++) conv_state[i] = keep[i];
@@ -294,6 +294,85 @@ static void rms_norm_row(const float *x, const float *w, float *out, int n, floa
     for (; i < n; i++) ss += x[i] * x[i];
     float r = 1.0f / sqrtf(ss / (float)n + eps);
     for (i = 0; i < n; i++) out[i] = x[i] * r * w[i];
+}
+
+/* ---- a prefill's row-wise steps, one pass over each row (torch's versions take 3-6 passes and as many
+ * temporaries: a fifth of a 0.8B prefill's time outside its products). Rows may lie apart (views of a wider
+ * projection's output, read in place). Each runs its rows on the team where they are many. ---- */
+
+#define ROWS_PARALLEL(rows, n) if ((long)(rows) * (n) >= 32768)
+
+/* 8 floats of p (n - i of them where fewer are left, the rest 0) */
+static inline __m256 load_tail8(const float *p, int left) {
+    if (left >= 8) return _mm256_loadu_ps(p);
+    float t[8] = {0};
+    for (int j = 0; j < left; j++) t[j] = p[j];
+    return _mm256_loadu_ps(t);
+}
+
+static inline void store_tail8(float *p, __m256 v, int left) {
+    if (left >= 8) { _mm256_storeu_ps(p, v); return; }
+    float t[8];
+    _mm256_storeu_ps(t, v);
+    for (int j = 0; j < left; j++) p[j] = t[j];
+}
+
+/* out [rows, n] = x r w, r = 1 / sqrt(mean(x^2) + eps) (layers.rms_norm) */
+int ds_rms_norm(const float *x, long ldx, const float *w, float *out, int rows, int n, float eps, int nthreads) {
+    if (rows <= 0 || n <= 0 || ldx < n) return -1;
+    #pragma omp parallel for num_threads(nthreads) schedule(static) ROWS_PARALLEL(rows, n)
+    for (int r = 0; r < rows; r++) rms_norm_row(x + (size_t)r * ldx, w, out + (size_t)r * n, n, eps);
+    return 0;
+}
+
+/* out [rows, heads, d] = x r scale per head, r = 1 / sqrt(sum(x^2) + 1e-6) (layers.l2_normalize, then the scale) */
+int ds_l2_norm_heads(const float *x, long ldx, float *out, int rows, int heads, int d, float scale, int nthreads) {
+    if (rows <= 0 || heads <= 0 || d <= 0 || ldx < (long)heads * d) return -1;
+    #pragma omp parallel for num_threads(nthreads) schedule(static) ROWS_PARALLEL(rows, heads * d)
+    for (int r = 0; r < rows; r++)
+        for (int h = 0; h < heads; h++) {
+            const float *xh = x + (size_t)r * ldx + (size_t)h * d;
+            float *o = out + ((size_t)r * heads + h) * d;
+            __m256 acc = _mm256_setzero_ps();
+            for (int i = 0; i < d; i += 8) { __m256 v = load_tail8(xh + i, d - i); acc = _mm256_fmadd_ps(v, v, acc); }
+            const float rr = 1.0f / sqrtf(blk_hsum8(acc) + 1e-6f);
+            for (int i = 0; i < d; i++) o[i] = xh[i] * rr * scale;
+        }
+    return 0;
+}
+
+/* out [rows, heads, d] = w (o r) silu(z) per head, r = 1 / sqrt(mean(o^2) + eps) (layers.gated_rms_norm); o
+ * [rows, heads, d] contiguous, z's rows ldz apart */
+int ds_gated_rms_norm(const float *o, const float *z, long ldz, const float *w, float *out, int rows, int heads, int d,
+                      float eps, int nthreads) {
+    if (rows <= 0 || heads <= 0 || d <= 0 || ldz < (long)heads * d) return -1;
+    #pragma omp parallel for num_threads(nthreads) schedule(static) ROWS_PARALLEL(rows, heads * d)
+    for (int r = 0; r < rows; r++)
+        for (int h = 0; h < heads; h++) {
+            const float *oh = o + ((size_t)r * heads + h) * d, *zh = z + (size_t)r * ldz + (size_t)h * d;
+            float *y = out + ((size_t)r * heads + h) * d;
+            __m256 acc = _mm256_setzero_ps();
+            for (int i = 0; i < d; i += 8) { __m256 v = load_tail8(oh + i, d - i); acc = _mm256_fmadd_ps(v, v, acc); }
+            const __m256 rr = _mm256_set1_ps(1.0f / sqrtf(blk_hsum8(acc) / (float)d + eps));
+            for (int i = 0; i < d; i += 8)
+                store_tail8(y + i, _mm256_mul_ps(_mm256_mul_ps(load_tail8(w + i, d - i), _mm256_mul_ps(load_tail8(oh + i, d - i), rr)),
+                                                 silu256(load_tail8(zh + i, d - i))), d - i);
+        }
+    return 0;
+}
+
+/* out [rows, n] = silu(g) u (layers.mlp's SwiGLU), g's and u's rows ldg and ldu apart (the two halves of a stacked
+ * gate/up output) */
+int ds_swiglu(const float *g, long ldg, const float *u, long ldu, float *out, int rows, int n, int nthreads) {
+    if (rows <= 0 || n <= 0 || ldg < n || ldu < n) return -1;
+    #pragma omp parallel for num_threads(nthreads) schedule(static) ROWS_PARALLEL(rows, n)
+    for (int r = 0; r < rows; r++) {
+        const float *gr = g + (size_t)r * ldg, *ur = u + (size_t)r * ldu;
+        float *o = out + (size_t)r * n;
+        for (int i = 0; i < n; i += 8)
+            store_tail8(o + i, _mm256_mul_ps(silu256(load_tail8(gr + i, n - i)), load_tail8(ur + i, n - i)), n - i);
+    }
+    return 0;
 }
 
 static int lin_rows(const lin_t *L) {
