@@ -418,15 +418,18 @@ static int expand_row(int type, const uint8_t *b, int K, int8_t *v, float *sc, f
  * faster than deq_row_more's value by value (the prefill's exact chunks: [4096, 2048] on two Xeon threads IQ3_S
  * 14.3 -> 1.5 ms, Q3_K 2.4 -> 1.5, IQ4_XS 2.7 -> 1.3, MXFP4 3.3 -> 1.3). 0 for the other types (Q4_1, Q5_0, Q5_1,
  * TQ2_0, NVFP4: no faster this way), then deq_row_more. */
-static int deq_row_expanded(int type, const uint8_t *b, int K, float *o) {
+static int expands_exactly(int type, int K) {
     switch (type) {
     case T_IQ2_XXS: case T_IQ2_XS: case T_IQ2_S: case T_IQ3_XXS: case T_IQ3_S: case T_IQ1_S: case T_IQ1_M:
     case T_Q2_K: case T_Q3_K: case T_IQ4_NL: case T_IQ4_XS: case T_MXFP4: case T_TQ1_0:
-        break;
+        return K % 32 == 0;
     default:
         return 0;
     }
-    if (K % 32) return 0;
+}
+
+static int deq_row_expanded(int type, const uint8_t *b, int K, float *o) {
+    if (!expands_exactly(type, K)) return 0;
     int8_t v[K];
     float sc[K / 16], mn[K / 16];
     const int mins = expand_row(type, b, K, v, sc, mn);
@@ -560,20 +563,6 @@ static inline __m512i u8x16(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_
 static int deq_row_bf16(int type, const uint8_t *b, int K, uint16_t *o) {
     const __m512i lo4 = _mm512_set1_epi32(0xF);
     switch (type) {
-    case T_IQ2_XXS: case T_IQ2_XS: case T_IQ2_S: case T_IQ3_XXS: case T_IQ3_S: case T_IQ1_S: case T_IQ1_M: {
-        /* the grid types: the row expanded as their products expand it (int8 values, a scale per 16, no mins), each
-         * value its scale times it: gguf's d_sub x (grid value x sign) with one rounding, as deq_row_more computes it
-         * (the IQ1 types' 8 g +- 1 and scale / 8 likewise exact), and ~20x faster than it (the prefill's chunks) */
-        int8_t v[K];
-        float sc[K / 16], mn[K / 16];
-        if (expand_row(type, b, K, v, sc, mn) != 0) return 0;
-        for (int i = 0; i < K; i += 32) {
-            const __m512 v0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(v + i))));
-            const __m512 v1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(v + i + 16))));
-            store_bf16x32(o + i, _mm512_mul_ps(_mm512_set1_ps(sc[i / 16]), v0), _mm512_mul_ps(_mm512_set1_ps(sc[i / 16 + 1]), v1));
-        }
-        return 1;
-    }
     case T_Q8_0:
         for (int j = 0; j < K / 32; j++, b += 34, o += 32) {
             const __m512 d = _mm512_set1_ps(h2f(b));
@@ -635,8 +624,25 @@ static int deq_row_bf16(int type, const uint8_t *b, int K, uint16_t *o) {
         }
         return 1;
     }
+    default: {  /* deq_row_expanded's values (gguf's, bit for bit: the same products and sums), 32 at a time */
+        if (!expands_exactly(type, K)) return 0;
+        int8_t v[K];
+        float sc[K / 16], mn[K / 16];
+        const int mins = expand_row(type, b, K, v, sc, mn);
+        for (int i = 0; i < K; i += 32) {
+            __m512 v0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(v + i))));
+            __m512 v1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(v + i + 16))));
+            v0 = _mm512_mul_ps(_mm512_set1_ps(sc[i / 16]), v0);
+            v1 = _mm512_mul_ps(_mm512_set1_ps(sc[i / 16 + 1]), v1);
+            if (mins) {
+                v0 = _mm512_add_ps(v0, _mm512_set1_ps(mn[i / 16]));
+                v1 = _mm512_add_ps(v1, _mm512_set1_ps(mn[i / 16 + 1]));
+            }
+            store_bf16x32(o + i, v0, v1);
+        }
+        return 1;
     }
-    return 0;
+    }
 }
 #endif
 

@@ -412,12 +412,14 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor)
     if not has("ds_causal_conv") or any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu"
                           for t in (conv_state, weight)) or x.device.type != "cpu":
         return None
-    if x.dtype != torch.float32 or x.dim() != 2 or x.stride(-1) != 1 or x.stride(0) < x.shape[1]:
+    ld = _rows(x, x.shape[-1])
+    if ld is None:
         x = x.float().contiguous()
+        ld = x.shape[1]
     t, c = x.shape
     out = torch.empty(t, c)
     if lib.ds_causal_conv(x.data_ptr(), conv_state.data_ptr(), weight.data_ptr(), out.data_ptr(), t, c,
-                          weight.shape[1], torch.get_num_threads(), x.stride(0)) != 0:
+                          weight.shape[1], torch.get_num_threads(), ld) != 0:
         raise MemoryError("the native causal conv could not allocate its scratch")
     return out
 

@@ -286,14 +286,19 @@ int ds_delta_rule(const float *q, const float *k, const float *v, const float *g
 #define TAB0 (BLK_KINDS - 1)  /* tables.h's kind k (1, 2) is kind TAB0 + k here, after blk_kind's */
 #define NKIND (TAB0 + 3)      /* 0: F32 rows, no preparation */
 
-static void rms_norm_row(const float *x, const float *w, float *out, int n, float eps) {
+/* sum of x[i]^2 over n values: 8 lanes of fused multiply-adds, then the lanes and the tail in order */
+static float sum_squares(const float *x, int n) {
     __m256 acc = _mm256_setzero_ps();
     int i = 0;
     for (; i + 8 <= n; i += 8) { __m256 v = _mm256_loadu_ps(x + i); acc = _mm256_fmadd_ps(v, v, acc); }
     float ss = blk_hsum8(acc);
     for (; i < n; i++) ss += x[i] * x[i];
-    float r = 1.0f / sqrtf(ss / (float)n + eps);
-    for (i = 0; i < n; i++) out[i] = x[i] * r * w[i];
+    return ss;
+}
+
+static void rms_norm_row(const float *x, const float *w, float *out, int n, float eps) {
+    float r = 1.0f / sqrtf(sum_squares(x, n) / (float)n + eps);
+    for (int i = 0; i < n; i++) out[i] = x[i] * r * w[i];
 }
 
 /* ---- a prefill's row-wise steps, one pass over each row (torch's versions take 3-6 passes and as many
@@ -333,9 +338,7 @@ int ds_l2_norm_heads(const float *x, long ldx, float *out, int rows, int heads, 
         for (int h = 0; h < heads; h++) {
             const float *xh = x + (size_t)r * ldx + (size_t)h * d;
             float *o = out + ((size_t)r * heads + h) * d;
-            __m256 acc = _mm256_setzero_ps();
-            for (int i = 0; i < d; i += 8) { __m256 v = load_tail8(xh + i, d - i); acc = _mm256_fmadd_ps(v, v, acc); }
-            const float rr = 1.0f / sqrtf(blk_hsum8(acc) + 1e-6f);
+            const float rr = 1.0f / sqrtf(sum_squares(xh, d) + 1e-6f);
             for (int i = 0; i < d; i++) o[i] = xh[i] * rr * scale;
         }
     return 0;
@@ -351,9 +354,7 @@ int ds_gated_rms_norm(const float *o, const float *z, long ldz, const float *w, 
         for (int h = 0; h < heads; h++) {
             const float *oh = o + ((size_t)r * heads + h) * d, *zh = z + (size_t)r * ldz + (size_t)h * d;
             float *y = out + ((size_t)r * heads + h) * d;
-            __m256 acc = _mm256_setzero_ps();
-            for (int i = 0; i < d; i += 8) { __m256 v = load_tail8(oh + i, d - i); acc = _mm256_fmadd_ps(v, v, acc); }
-            const __m256 rr = _mm256_set1_ps(1.0f / sqrtf(blk_hsum8(acc) / (float)d + eps));
+            const __m256 rr = _mm256_set1_ps(1.0f / sqrtf(sum_squares(oh, d) / (float)d + eps));
             for (int i = 0; i < d; i += 8)
                 store_tail8(y + i, _mm256_mul_ps(_mm256_mul_ps(load_tail8(w + i, d - i), _mm256_mul_ps(load_tail8(oh + i, d - i), rr)),
                                                  silu256(load_tail8(zh + i, d - i))), d - i);
