@@ -141,6 +141,34 @@ def test_with_bf16_chunks_many_rows_are_a_bf16_gemm_of_the_exact_weight(monkeypa
     assert torch.equal(y.bfloat16().float(), y)  # the result is the bf16 GEMM's
 
 
+def test_bf16_chunks_hold_four_times_an_f32_chunk_in_pieces_of_about_equal_size(monkeypatch):
+    """oneDNN's bf16 GEMM of a prefill by a chunk of 512 weight rows ran at half the rate of 1024 or more: the bf16
+    chunks are BF16_CHUNK_FACTOR x CHUNK_ELEMENTS, split evenly (no thin last piece), and the product dequantizes each
+    such chunk once."""
+    monkeypatch.setenv("DELTASERVE_PREFILL", "bf16")
+    monkeypatch.setattr(L, "CHUNK_ELEMENTS", 64 * 256)  # f32 chunks of 64 rows of 256
+    assert L.chunk_rows(1000, 256, torch.float32) == 64
+    assert L.chunk_rows(200, 256, torch.bfloat16) == 200  # 4 x 64 rows hold it whole
+    assert L.chunk_rows(300, 256, torch.bfloat16) == 160  # two pieces of 150 rows, rounded up to 16: 160 + 140
+    rows, cols = 300, 256
+    raw = torch.from_numpy(random_blocks("Q8_0", rows, cols, seed=6))
+    lin = L.BlockLinear([("Q8_0", raw)], cols)
+    calls = []
+    real = L.native.dequant_bf16
+
+    def counted(kind, data, k, out):
+        calls.append(data.shape[0])
+        return real(kind, data, k, out)
+
+    monkeypatch.setattr(L.native, "dequant_bf16", counted)
+    x = torch.randn(40, cols, generator=torch.Generator().manual_seed(7))
+    y = lin(x)
+    if native.has("ds_dequant_bf16"):
+        assert calls == [160, 140]
+    want = x.bfloat16().double() @ lin.dense().bfloat16().double().t()
+    assert torch.allclose(y.double(), want, rtol=2 ** -7, atol=1e-4)
+
+
 def test_the_prefill_chunks_are_bf16_exactly_where_torch_runs_bf16_gemms_on_amx_tiles(monkeypatch):
     monkeypatch.delenv("DELTASERVE_PREFILL", raising=False)
     monkeypatch.delenv("DELTASERVE_AMX", raising=False)
