@@ -115,6 +115,16 @@ def test_top_k_one_is_greedy_and_top_p_keeps_the_smallest_set_reaching_p():
     assert seen == {0, 4}  # p(0) / p(4) = e^-1 = 0.37 stays; p(1) / p(4) = e^-2 = 0.14 falls under 0.3
 
 
+def test_greedy_takes_argmax_s_token_the_first_of_equal_best_and_a_nan_as_argmax_does():
+    g = torch.Generator().manual_seed(3)
+    for row in (torch.randn(248320, generator=g), torch.tensor([1.0, 5.0, 2.0, 5.0]),
+                torch.tensor([1.0, float("nan"), 7.0, float("nan")]), torch.full((9,), -3.0)):
+        want = int(torch.argmax(row))
+        assert Sampler(SamplingParams())(row, [], []) == want
+        assert Sampler(SamplingParams())(row[None, :], [], []) == want  # a batch's [1, V] row
+        assert Sampler(SamplingParams(repetition_penalty=1.0, presence_penalty=0.0))(row.clone(), [], []) == want
+
+
 def test_repetition_penalty_follows_the_hf_rule():
     logits = torch.tensor([2.0, 1.9, -1.0])
     # id 0 seen: 2.0 / 1.5 = 1.33 < 1.9, so greedy picks id 1

@@ -103,6 +103,7 @@ def deltaserve_pp_tg(path: Path, threads: int, repeats: int, tg_tokens: int = 32
     import deltaserve
     from deltaserve.engine.forward import Forward
     from deltaserve.kernels import native
+    from deltaserve.session.sampling import best
 
     torch.set_num_threads(threads)
     native.library()  # built (or found built) before the clock: a first run's compile is in neither load nor prefill
@@ -122,11 +123,11 @@ def deltaserve_pp_tg(path: Path, threads: int, repeats: int, tg_tokens: int = 32
     for _ in range(repeats):
         st = f.new_state(64 + tg_tokens + 8)
         logits = f.prefill(st, ids[:64])
-        tok = int(logits.argmax())
+        tok = best(logits.reshape(-1))
         f.decode(st, tok)
         t = time.perf_counter()
         for _ in range(tg_tokens):
-            tok = int(f.decode(st, tok).argmax())
+            tok = best(f.decode(st, tok).reshape(-1))  # greedy as a session takes it
         tg.append(tg_tokens / (time.perf_counter() - t))
     decode_bytes = sum(lw.gate_up.decode_nbytes + lw.down.decode_nbytes +
                        (lw.mixer.qkv.decode_nbytes + lw.mixer.o.decode_nbytes if hasattr(lw.mixer, "qkv")
