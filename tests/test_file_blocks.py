@@ -42,10 +42,16 @@ def random_blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
     def f16(lo, hi):
         return rng.uniform(lo, hi, (b.shape[0], 1)).astype(np.float16).view(np.uint8)
 
-    if kind in ("Q8_0", "Q4_0"):
+    if kind in ("Q8_0", "Q4_0", "Q5_0", "IQ4_NL", "IQ4_XS"):
         b[:, 0:2] = f16(0.002, 0.02)
     elif kind in ("Q4_K", "Q5_K"):
         b[:, 0:2], b[:, 2:4] = f16(0.002, 0.02), f16(0.001, 0.01)
+    elif kind in ("Q4_1", "Q5_1"):
+        b[:, 0:2], b[:, 2:4] = f16(0.002, 0.02), f16(-0.05, 0.05)
+    elif kind == "MXFP4":  # an e8m0 exponent: 2^-9 .. 2^-2
+        b[:, 0] = rng.integers(118, 126, b.shape[0], dtype=np.uint8)
+    elif kind == "Q3_K":
+        b[:, 108:110] = f16(0.001, 0.004)
     else:
         b[:, 208:210] = f16(0.001, 0.004)
     return b.reshape(rows, -1)
@@ -182,11 +188,11 @@ def test_the_prefill_chunks_are_bf16_exactly_where_torch_runs_bf16_gemms_on_amx_
     assert L.chunk_dtype("Q4_K") == torch.float32
 
 
-def test_without_amx_the_blocks_take_the_gemm_on_their_own_values_and_q4_0_takes_int8_chunks(monkeypatch):
+def test_without_amx_the_blocks_take_the_gemm_on_their_own_values_and_q3_k_takes_int8_chunks(monkeypatch):
     """A Zen 4/5's route (AVX512-VNNI, no AMX), taken here with DELTASERVE_AMX=off: in one stack of projections the
-    Q4_K, Q8_0 and Q6_K parts multiply the file's exact values on blocks.c's GEMM, with the activations int8 per
-    block of 32 as llama.cpp rounds them for Q8_0 (and nothing else); the Q4_0 part int8 chunks (requantized per
-    row); a Q8_0 down projection exact f32 chunks, a K-quant one the GEMM."""
+    Q4_K, Q8_0, IQ4_XS and Q6_K parts multiply the file's exact values on blocks.c's GEMM, with the activations int8
+    per block of 32 as llama.cpp rounds them for Q8_0 (and nothing else); the Q3_K part int8 chunks (requantized per
+    row); a Q8_0 down projection exact f32 chunks, a K-quant or IQ4_XS one the GEMM."""
     if not native.status()[0] or not native.has("ds_gemm_blocks"):
         pytest.skip(f"no AVX512-VNNI kernels here ({native.status()[1]}): neither the GEMM nor int8 chunks run")
     monkeypatch.delenv("DELTASERVE_PREFILL", raising=False)
@@ -195,7 +201,7 @@ def test_without_amx_the_blocks_take_the_gemm_on_their_own_values_and_q4_0_takes
     assert not L.amx_bf16() and L.int8_chunks_fast()
     cols = 512
     parts = [(kind, torch.from_numpy(random_blocks(kind, rows, cols, seed=40 + rows)))
-             for kind, rows in (("Q4_K", 96), ("Q8_0", 64), ("Q4_0", 40), ("Q6_K", 80))]
+             for kind, rows in (("Q4_K", 96), ("Q8_0", 64), ("Q3_K", 40), ("IQ4_XS", 48), ("Q6_K", 80))]
     lin = L.BlockLinear(parts, cols)
     x = torch.randn(L.block_rows() + 20, cols, generator=torch.Generator().manual_seed(5))
     assert lin.path(x.shape[0]) == "chunks"
@@ -203,7 +209,7 @@ def test_without_amx_the_blocks_take_the_gemm_on_their_own_values_and_q4_0_takes
     xq, xs = L.quantize_rows_int8(x)
     for kind, raw in parts:
         w = L.BlockLinear([(kind, raw)], cols).dense()
-        if kind == "Q4_0":
+        if kind == "Q3_K":
             wq, ws = L.quantize_rows_int8(w)
             want = (xq.double() @ wq.double().t()) * ws.double() * xs.double()[:, None]
         else:
@@ -211,19 +217,21 @@ def test_without_amx_the_blocks_take_the_gemm_on_their_own_values_and_q4_0_takes
         part = got[:, off:off + raw.shape[0]].double()
         assert ((part - want).norm(dim=1) / want.norm(dim=1)).max().item() < 1e-6, kind
         off += raw.shape[0]
-    assert all(L.block_gemm(k) for k in ("Q8_0", "Q4_K", "Q5_K", "Q6_K")) and not L.block_gemm("Q4_0")
-    for kind, raw in parts[:2]:
+    assert all(L.block_gemm(k) for k in L.GEMM_KINDS) and not L.block_gemm("Q3_K")
+    for kind, raw in parts[:2] + parts[3:4]:
         down = L.BlockLinear([(kind, raw)], cols)
         down.int8_activations = False  # the MLP's down projection (outliers in its inputs)
         want = (x.double() if kind == "Q8_0" else quantized_activations(x, "Q8_0")) @ down.dense().double().t()
         assert ((down(x).double() - want).norm(dim=1) / want.norm(dim=1)).max().item() < 1e-6, kind
     line = L.blocks_route()
-    assert "Q8_0 and K-quant blocks on the native kernel's GEMM" in line and "16-bit ones' exact f32 chunks" in line
-    assert "every other block type's chunks (Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, the IQ, ternary and FP4 types) " \
+    assert "Q8_0, K-quant, 32-block and IQ4 blocks on the native kernel's GEMM" in line
+    assert "16-bit ones' exact f32 chunks" in line
+    assert "every other block type's chunks (Q2_K, Q3_K, the IQ1/IQ2/IQ3 grid, ternary and NVFP4 types) " \
         "requantized to int8" in line
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS",
+                                  "MXFP4"])
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 40, 300])
 @pytest.mark.parametrize("out", [32, 33, 100])
 def test_the_block_gemm_is_the_files_values_times_activations_rounded_per_block_of_32_whatever_the_shape(kind, rows,
@@ -305,7 +313,7 @@ def test_the_default_weights_are_the_files_own_blocks_with_or_without_amx(amx, m
     elif L.amx_bf16():
         assert "more rows on bf16 chunks and torch's bf16 GEMM (AMX tiles)" in line, line
     elif native.status()[0] and native.has("ds_gemm_blocks"):
-        assert "more rows on Q8_0 and K-quant blocks on the native kernel's GEMM" in line, line
+        assert "more rows on Q8_0, K-quant, 32-block and IQ4 blocks on the native kernel's GEMM" in line, line
     elif native.status()[0]:
         assert "4- to 6-bit blocks' chunks requantized to int8 per row and torch's int8 GEMM (AVX512-VNNI, no AMX)" \
             in line, line

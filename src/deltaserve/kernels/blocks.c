@@ -1515,9 +1515,25 @@ static void decode_tile(int type, const uint8_t *row0, size_t row_bytes, int R, 
 #define GEMM_RUN 256          /* values of a panel packed at a time where the tokens are few (blk_gemm_panel) */
 #define GEMM_RUN_TOKENS 64    /* ... up to this many tokens */
 
-/* 0: Q8_0, one scale per 32, z = 128; 1: Q6_K, a scale per 16, z = 32; 2: Q4_K/Q5_K, a scale and a min per 32 */
+/* 0: Q8_0, one scale per 32, z = 128; 1: Q6_K, a scale per 16, z = 32; 2: Q4_K/Q5_K, a scale and a min per 32.
+ * The types whose rows expand (expand_row) to int8 values with one scale per 32 take mode 0 as v + 128 (Q4_0, Q5_0,
+ * IQ4_NL, IQ4_XS, MXFP4), those with a min per 32 too mode 2 as v, -min (Q4_1, Q5_1). */
 static int gemm_mode(int type) {
-    return type == T_Q8_0 ? 0 : type == T_Q6_K ? 1 : (type == T_Q4_K || type == T_Q5_K) ? 2 : -1;
+    switch (type) {
+    case T_Q8_0: case T_Q4_0: case T_Q5_0: case T_IQ4_NL: case T_IQ4_XS: case T_MXFP4:
+        return 0;
+    case T_Q6_K:
+        return 1;
+    case T_Q4_K: case T_Q5_K: case T_Q4_1: case T_Q5_1:
+        return 2;
+    default:
+        return -1;
+    }
+}
+
+/* the types packed from their own bytes (pack_panel_direct, row_scales, unpack_row); the others by expand_row */
+static int gemm_direct(int type) {
+    return type == T_Q8_0 || type == T_Q4_K || type == T_Q5_K || type == T_Q6_K;
 }
 
 static inline __attribute__((always_inline)) void gemm_tile(const int mode, const int GT_, const uint8_t *pw,
@@ -1822,11 +1838,23 @@ static void pack_panel(int type, int mode, const uint8_t *blocks, size_t row_byt
                        uint8_t *pw, float *ps, float *po, uint8_t *ubuf) {
     const int nb = K / 32, per32 = mode == 1 ? 2 : 1;
     const uint8_t zero = mode == 0 ? 0x80 : mode == 1 ? 32 : 0;
-    if (nrows == GP) {
+    if (nrows == GP && gemm_direct(type)) {
         pack_panel_direct(type, blocks, row_bytes, n0, K, pw, ps, po);
         return;
     }
     for (int r = 0; r < GP; r++) {
+        if (r < nrows && !gemm_direct(type)) {  /* u = v + z, s = sc (per 32), m = -mn */
+            int8_t v[K];
+            float sc[K / 16], mn[K / 16];
+            const int mins = expand_row(type, blocks + (size_t)(n0 + r) * row_bytes, K, v, sc, mn);
+            uint8_t *u = ubuf + (size_t)r * K;
+            for (int i = 0; i < K; i++) u[i] = (uint8_t)(v[i] + zero);
+            for (int b = 0; b < nb; b++) {
+                ps[(size_t)b * 32 + r] = sc[2 * b];
+                if (mode == 2) po[(size_t)b * 32 + r] = mins ? -mn[2 * b] : 0.0f;
+            }
+            continue;
+        }
         if (r < nrows) {
             row_scales(type, blocks + (size_t)(n0 + r) * row_bytes, K, ps, po, r);
             unpack_row(type, blocks + (size_t)(n0 + r) * row_bytes, K, ubuf + (size_t)r * K);
@@ -1937,7 +1965,8 @@ void blk_gemm_panel(int type, const uint8_t *blocks, int N, int K, int p, const 
     const int n0 = p * GP, nrows = N - n0 < GP ? N - n0 : GP;
     /* a full panel of few tokens' product is packed and multiplied a run of GEMM_RUN values at a time, the packed run
        staying in L1 for the tiles that read it (a whole panel, 64 KB and up, went out to L2 and came back per tile) */
-    const int run = nrows == GP && M <= GEMM_RUN_TOKENS && K % GEMM_RUN == 0 ? GEMM_RUN : K, runs = K / run;
+    const int run = nrows == GP && M <= GEMM_RUN_TOKENS && K % GEMM_RUN == 0 && gemm_direct(type) ? GEMM_RUN : K,
+              runs = K / run;
     const int rb = run / 32, subs = mode == 1 ? 2 : 1;
     if (runs == 1) pack_panel(type, mode, blocks, row_bytes, n0, nrows, K, pw, ps, po, ubuf);
     const int pf_lines = next ? (int)((next_bytes + 63) / 64 + nb - 1) / nb : 0;  /* lines a block of the first tile */
@@ -2094,6 +2123,14 @@ static int expand_row(int type, const uint8_t *b, int K, int8_t *v, float *sc, f
             if (min) set2(mn + 2 * j, h2f(b + 2));
         }
         return min;
+    }
+    case T_Q4_0: {  /* (q - 8) d (blocks.c's GEMM; the other products take Q4_0 as it lies) */
+        const __m128i ident = _mm_setr_epi8(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+        for (int j = 0; j < K / 32; j++, b += 18) {
+            _mm256_storeu_si256((__m256i *)(v + 32 * j), nib_lookup(b + 2, ident));
+            set2(sc + 2 * j, h2f(b));
+        }
+        return 0;
     }
     case T_IQ4_NL:
     case T_MXFP4: {

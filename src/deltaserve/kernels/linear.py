@@ -250,7 +250,7 @@ def chunk_rows(n: int, k: int, dtype: torch.dtype) -> int:
 
 _AMX: list[bool] = []
 # the block kinds whose many-row products take int8 chunks by default where the CPU has AVX512-VNNI and no AMX and
-# blocks.c's GEMM does not take them (block_gemm; Q4_0 always): each of their rows holds at most 64 levels per block,
+# blocks.c's GEMM does not take them (block_gemm): each of their rows holds at most 64 levels per block,
 # coarser than int8 per row, so requantizing adds little (0.8B trained demo, Q4_K_M prefill: 0.98x llama.cpp's error
 # against f32, f32 chunks 0.95x); Q8_0 and 16-bit weights would lose their own precision there (Q8_0: 1.31x, the
 # issue's bound is 1.1x) and stay exact f32 chunks
@@ -300,13 +300,18 @@ def chunk_dtype(kind: str | None = None) -> torch.dtype:
     return torch.float32
 
 
-GEMM_KINDS = ("Q8_0", "Q4_K", "Q5_K", "Q6_K")  # the block kinds blocks.c's many-row GEMM takes (ds_gemm_blocks)
+# the block kinds blocks.c's many-row GEMM takes (ds_gemm_blocks): Q8_0 and the K-quants from their own bytes, the
+# 32-blocks and IQ4_XS from their rows as the products expand them (a scale, and for Q4_1/Q5_1 a min, per 32). On the
+# Xeon routed as a CPU without AMX, 512 rows on 2 threads, [3584, 1024] / [1024, 3584]: IQ4_XS 5.5 / 6.5 ms on the
+# GEMM against 8.8 on int8 chunks and 17.2-17.3 on the down projection's f32 chunks; Q4_0 5.3 / 6.0 against 8.1-8.5
+# and 16.4-17.3; Q5_0, Q4_1, Q5_1, IQ4_NL, MXFP4 5.1-6.7 against 7.6-9.9 and 15.2-20.2
+GEMM_KINDS = ("Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS", "MXFP4")
 
 
 def block_gemm(kind: str, int8_activations: bool = True) -> bool:
     """Whether many rows on blocks of `kind` run on blocks.c's GEMM on the blocks themselves (ds_gemm_blocks: the
     file's values exactly, the activations int8 per block of 32 with an f16 scale, llama.cpp's arithmetic for Q8_0
-    and finer than its blocks of 256 for the K-quants) rather than on chunks: Q8_0 and K-quant blocks under
+    and the 32-blocks, finer than its blocks of 256 for the K-quants and IQ4_XS) rather than on chunks: GEMM_KINDS under
     DELTASERVE_PREFILL=auto where the CPU has AVX512-VNNI and no AMX (a Zen 4/5); where AMX is there, bf16 chunks on
     its tiles are faster (torch's bf16 GEMM 645-800 GOP/s against this GEMM's 500-690).
     Measured on the Xeon with AMX left out, 512 rows on 2 threads: a Q8_0 [3584, 1024] 5.4-7.5 ms against 16.6-21.5
@@ -490,11 +495,12 @@ def blocks_route() -> str:
     auto = prefill_mode() == "auto"
     many = {torch.bfloat16: "bf16 chunks and torch's bf16 GEMM (AMX tiles)" if amx_bf16() else
             "bf16 chunks and torch's bf16 GEMM",
-            torch.int8: "Q8_0 and K-quant blocks on the native kernel's GEMM (Q4_K, Q5_K, Q6_K; the file's values, "
-                        "activations int8 per block of 32; Q8_0's down projection on exact f32 chunks), every other "
-                        "block type's chunks (Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, the IQ, ternary and FP4 types) "
-                        "requantized to int8 per row and torch's int8 GEMM (AVX512-VNNI, no AMX), 16-bit ones' exact "
-                        "f32 chunks and torch's f32 GEMM" if auto and block_gemm("Q8_0") else
+            torch.int8: "Q8_0, K-quant, 32-block and IQ4 blocks on the native kernel's GEMM (Q4_K, Q5_K, Q6_K, Q4_0, "
+                        "Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, MXFP4; the file's values, activations int8 per block of 32; "
+                        "Q8_0's down projection on exact f32 chunks), every other block type's chunks (Q2_K, Q3_K, "
+                        "the IQ1/IQ2/IQ3 grid, ternary and NVFP4 types) requantized to int8 per row and torch's int8 "
+                        "GEMM (AVX512-VNNI, no AMX), 16-bit ones' exact f32 chunks and torch's f32 GEMM"
+                        if auto and block_gemm("Q8_0") else
                         "4- to 6-bit blocks' chunks requantized to int8 per row and torch's int8 GEMM (AVX512-VNNI, "
                         "no AMX), Q8_0 and 16-bit ones' exact f32 chunks and torch's f32 GEMM" if auto else
                         "chunks requantized to int8 per row and torch's int8 GEMM (DELTASERVE_PREFILL=int8)"}.get(
