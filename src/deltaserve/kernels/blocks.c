@@ -1517,7 +1517,8 @@ static void decode_tile(int type, const uint8_t *row0, size_t row_bytes, int R, 
 
 /* 0: Q8_0, one scale per 32, z = 128; 1: Q6_K, a scale per 16, z = 32; 2: Q4_K/Q5_K, a scale and a min per 32.
  * The types whose rows expand (expand_row) to int8 values with one scale per 32 take mode 0 as v + 128 (Q4_0, Q5_0,
- * IQ4_NL, IQ4_XS, MXFP4), those with a min per 32 too mode 2 as v, -min (Q4_1, Q5_1). */
+ * IQ4_NL, IQ4_XS, MXFP4), those with a min per 32 too mode 2 as v, -min (Q4_1, Q5_1), those with a scale per 16 and
+ * no min mode 3 (Q3_K, the ternary, NVFP4 and IQ1/IQ2/IQ3 grid types; Q2_K, whose mins come per 16, is not taken). */
 static int gemm_mode(int type) {
     switch (type) {
     case T_Q8_0: case T_Q4_0: case T_Q5_0: case T_IQ4_NL: case T_IQ4_XS: case T_MXFP4:
@@ -1526,10 +1527,16 @@ static int gemm_mode(int type) {
         return 1;
     case T_Q4_K: case T_Q5_K: case T_Q4_1: case T_Q5_1:
         return 2;
+    case T_Q3_K: case T_TQ1_0: case T_TQ2_0: case T_NVFP4: case T_IQ2_XXS: case T_IQ2_XS: case T_IQ2_S:
+    case T_IQ3_XXS: case T_IQ3_S: case T_IQ1_S: case T_IQ1_M:
+        return 3;  /* a scale per 16 and no min: Q6_K's tiles (mode 1) on v + 128, z = 128 */
     default:
         return -1;
     }
 }
+
+/* modes whose scales come every 16 values (the tiles of mode 1) */
+static inline int gemm_per16(int mode) { return mode == 1 || mode == 3; }
 
 /* the types packed from their own bytes (pack_panel_direct, row_scales, unpack_row); the others by expand_row */
 static int gemm_direct(int type) {
@@ -1543,7 +1550,7 @@ static inline __attribute__((always_inline)) void gemm_tile(const int mode, cons
                                                             const uint8_t *pf, int pf_lines, int more) {
     /* nb blocks of the panel (pw, ps, po from the first of them; xq, xd, xi, xf likewise, a token's rows nbs blocks
        apart); `more`: out already holds the sums of the blocks before these (a panel packed in runs of blocks) */
-    const int subs = mode == 1 ? 2 : 1, groups = 8 / subs, ni = mode == 1 ? 2 * nbs : nbs;
+    const int subs = mode == 1 ? 2 : 1, groups = 8 / subs, ni = mode == 1 ? 2 * nbs : nbs;  /* mode 3 runs as 1 */
     __mmask16 k0 = nrows >= 16 ? 0xFFFF : (__mmask16)((1u << nrows) - 1),
               k1 = nrows >= GP ? 0xFFFF : nrows <= 16 ? 0 : (__mmask16)((1u << (nrows - 16)) - 1);
     __m512 f[GT][2];  /* GT_ <= GT of them used */
@@ -1836,8 +1843,8 @@ static void pack_panel_direct(int type, const uint8_t *blocks, size_t row_bytes,
  * 16 rows' 4 bytes each (transpose16x8). */
 static void pack_panel(int type, int mode, const uint8_t *blocks, size_t row_bytes, int n0, int nrows, int K,
                        uint8_t *pw, float *ps, float *po, uint8_t *ubuf) {
-    const int nb = K / 32, per32 = mode == 1 ? 2 : 1;
-    const uint8_t zero = mode == 0 ? 0x80 : mode == 1 ? 32 : 0;
+    const int nb = K / 32, per32 = gemm_per16(mode) ? 2 : 1;
+    const uint8_t zero = mode == 0 || mode == 3 ? 0x80 : mode == 1 ? 32 : 0;
     if (nrows == GP && gemm_direct(type)) {
         pack_panel_direct(type, blocks, row_bytes, n0, K, pw, ps, po);
         return;
@@ -1850,7 +1857,12 @@ static void pack_panel(int type, int mode, const uint8_t *blocks, size_t row_byt
             uint8_t *u = ubuf + (size_t)r * K;
             for (int i = 0; i < K; i++) u[i] = (uint8_t)(v[i] + zero);
             for (int b = 0; b < nb; b++) {
-                ps[(size_t)b * 32 + r] = sc[2 * b];
+                if (mode == 3) {
+                    ps[(size_t)(2 * b) * 32 + r] = sc[2 * b];
+                    ps[(size_t)(2 * b + 1) * 32 + r] = sc[2 * b + 1];
+                } else {
+                    ps[(size_t)b * 32 + r] = sc[2 * b];
+                }
                 if (mode == 2) po[(size_t)b * 32 + r] = mins ? -mn[2 * b] : 0.0f;
             }
             continue;
@@ -1884,7 +1896,7 @@ typedef struct {
 } gemm_act_t;
 
 static gemm_act_t gemm_act(int mode, void *act, int M, int K) {
-    const int nb = K / 32, ni = mode == 1 ? 2 * nb : nb, Mp = (M + GT - 1) / GT * GT + GT;
+    const int nb = K / 32, ni = gemm_per16(mode) ? 2 * nb : nb, Mp = (M + GT - 1) / GT * GT + GT;
     uint8_t *at = act;
     gemm_act_t g = {(int8_t *)at, NULL, NULL, NULL, nb, ni};
     at += ALIGN64((size_t)Mp * K);
@@ -1904,7 +1916,9 @@ size_t blk_gemm_act_bytes(int M, int K) {
 
 int blk_gemm_type(int type) {
     int vals, bytes;
-    return gemm_mode(type) >= 0 && !block_info(type, &vals, &bytes);
+    const int grid = type == T_IQ2_XXS || type == T_IQ2_XS || type == T_IQ2_S || type == T_IQ3_XXS || type == T_IQ3_S
+                     || type == T_IQ1_S || type == T_IQ1_M;
+    return gemm_mode(type) >= 0 && !block_info(type, &vals, &bytes) && (!grid || g_ksigns);  /* grids: the tables */
 }
 
 void blk_gemm_prepare(int type, const float *x, int M, int K, long ldx, const int *rows, void *act) {
@@ -1923,7 +1937,7 @@ void blk_gemm_prepare(int type, const float *x, int M, int K, long ldx, const in
             continue;
         }
         quant_q8_0(x + (size_t)(rows ? rows[t] : t) * ldx, K, q, d, c, NULL);
-        const int fours = K / ni / 4, z = mode == 0 ? 128 : mode == 1 ? 32 : 0;
+        const int fours = K / ni / 4, z = mode == 0 || mode == 3 ? 128 : mode == 1 ? 32 : 0;
         for (int i = 0; i < ni; i++) {  /* each sub-block's sum, from quant_q8_0's -128 x (sums of 4) */
             int32_t sum = 0;
             for (int l = 0; l < fours; l++) sum += c[i * fours + l];
@@ -1955,7 +1969,7 @@ const uint8_t *blk_gemm_panel_at(int type, const uint8_t *blocks, int K, int p) 
 
 void blk_gemm_panel(int type, const uint8_t *blocks, int N, int K, int p, const void *act, int Mall, int m_first,
                     int M, float *y, long ldy, void *work, const uint8_t *next, size_t next_bytes) {
-    const int mode = gemm_mode(type), nb = K / 32, ni = mode == 1 ? 2 * nb : nb;
+    const int mode = gemm_mode(type), nb = K / 32, ni = gemm_per16(mode) ? 2 * nb : nb;
     int vals, bytes;
     block_info(type, &vals, &bytes);
     const size_t row_bytes = (size_t)(K / vals) * bytes;
@@ -1967,7 +1981,7 @@ void blk_gemm_panel(int type, const uint8_t *blocks, int N, int K, int p, const 
        staying in L1 for the tiles that read it (a whole panel, 64 KB and up, went out to L2 and came back per tile) */
     const int run = nrows == GP && M <= GEMM_RUN_TOKENS && K % GEMM_RUN == 0 && gemm_direct(type) ? GEMM_RUN : K,
               runs = K / run;
-    const int rb = run / 32, subs = mode == 1 ? 2 : 1;
+    const int rb = run / 32, subs = gemm_per16(mode) ? 2 : 1;
     if (runs == 1) pack_panel(type, mode, blocks, row_bytes, n0, nrows, K, pw, ps, po, ubuf);
     const int pf_lines = next ? (int)((next_bytes + 63) / 64 + nb - 1) / nb : 0;  /* lines a block of the first tile */
     for (int c = 0; c < runs; c++) {
@@ -1986,7 +2000,7 @@ void blk_gemm_panel(int type, const uint8_t *blocks, int N, int K, int p, const 
             case 1: GEMM_TILE(MODE, 1); break; case 2: GEMM_TILE(MODE, 2); break; case 3: GEMM_TILE(MODE, 3); break; \
             case 4: GEMM_TILE(MODE, 4); break; case 5: GEMM_TILE(MODE, 5); break; default: GEMM_TILE(MODE, GT); }
             if (mode == 0) GEMM_TILES(0)
-            else if (mode == 1) GEMM_TILES(1)
+            else if (gemm_per16(mode)) GEMM_TILES(1)
             else GEMM_TILES(2)
 #undef GEMM_TILES
 #undef GEMM_TILE
