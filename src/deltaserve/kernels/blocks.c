@@ -1517,18 +1517,19 @@ static void decode_tile(int type, const uint8_t *row0, size_t row_bytes, int R, 
 
 /* 0: Q8_0, one scale per 32, z = 128; 1: Q6_K, a scale per 16, z = 32; 2: Q4_K/Q5_K, a scale and a min per 32.
  * The types whose rows expand (expand_row) to int8 values with one scale per 32 take mode 0 as v + 128 (Q4_0, Q5_0,
- * IQ4_NL, IQ4_XS, MXFP4), those with a min per 32 too mode 2 as v, -min (Q4_1, Q5_1), those with a scale per 16 and
- * no min mode 3 (Q3_K, the ternary, NVFP4 and IQ1/IQ2/IQ3 grid types; Q2_K, whose mins come per 16, is not taken). */
+ * IQ4_NL, IQ4_XS, MXFP4, IQ3_S, IQ3_XXS, IQ2_XXS, IQ1_S, TQ1_0, TQ2_0: expand_row gives both halves of a 32 the same
+ * scale), those with a min per 32 too mode 2 as v, -min (Q4_1, Q5_1), those with a scale per 16 and no min mode 3
+ * (Q3_K, NVFP4, IQ2_XS, IQ2_S, IQ1_M; Q2_K, whose mins come per 16, is not taken). */
 static int gemm_mode(int type) {
     switch (type) {
     case T_Q8_0: case T_Q4_0: case T_Q5_0: case T_IQ4_NL: case T_IQ4_XS: case T_MXFP4:
+    case T_IQ3_S: case T_IQ3_XXS: case T_IQ2_XXS: case T_IQ1_S: case T_TQ1_0: case T_TQ2_0:  /* one scale per 32 */
         return 0;
     case T_Q6_K:
         return 1;
     case T_Q4_K: case T_Q5_K: case T_Q4_1: case T_Q5_1:
         return 2;
-    case T_Q3_K: case T_TQ1_0: case T_TQ2_0: case T_NVFP4: case T_IQ2_XXS: case T_IQ2_XS: case T_IQ2_S:
-    case T_IQ3_XXS: case T_IQ3_S: case T_IQ1_S: case T_IQ1_M:
+    case T_Q3_K: case T_NVFP4: case T_IQ2_XS: case T_IQ2_S: case T_IQ1_M:
         return 3;  /* a scale per 16 and no min: Q6_K's tiles (mode 1) on v + 128, z = 128 */
     default:
         return -1;
