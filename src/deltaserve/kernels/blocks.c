@@ -14,7 +14,7 @@
  *   product exact in int32, scaled once per block. For a Q8_0 file the only rounding is the activations'.
  *   Each thread takes a run of output rows; a row's blocks are read once from memory and then from L1 for
  *   every group of activation rows.
- * - ds_gemm_blocks (AVX512-VNNI): the same arithmetic on Q8_0 and K-quant blocks for many rows (a prefill on a
+ * - ds_gemm_blocks (AVX512-VNNI): the same arithmetic on the blocks of every quantized type but Q2_K for many rows (a prefill on a
  *   CPU without AMX), on panels of 32 weight rows laid out for vpdpbusd once per product and tiles of 6 tokens.
  *
  * AVX2 has no unsigned-by-signed byte dot product with 32-bit sums (VNNI), so a block goes through vpmaddubsw
@@ -1497,7 +1497,8 @@ static void decode_tile(int type, const uint8_t *row0, size_t row_bytes, int R, 
 }
 
 /* ---- many rows on the blocks: a GEMM on panels of the file's blocks -----------------------------------------
- * The prefill's products on Q8_0, Q4_K, Q5_K and Q6_K tensors where the CPU has AVX512-VNNI and no AMX (a Zen 4/5):
+ * The prefill's products on Q8_0, Q4_K, Q5_K and Q6_K tensors (and, from their expanded rows, every other quantized
+ * type but Q2_K: see gemm_mode) where the CPU has AVX512-VNNI and no AMX (a Zen 4/5):
  * the file's values exactly, the activations int8 per block of 32 with an f16-rounded scale (Q8_0's activations,
  * as llama.cpp quantizes them for Q8_0; its K-quant products use blocks of 256, coarser), so the only rounding is
  * the activations'. torch has no such product: its int8 GEMM wants one scale per row (requantizing Q8_0 per row
@@ -2009,7 +2010,7 @@ void blk_gemm_panel(int type, const uint8_t *blocks, int N, int K, int p, const 
     }
 }
 
-/* y[m, n] = sum_k v(n, k) x[m, k] for a tensor [N, K] of Q8_0, Q4_K, Q5_K or Q6_K blocks (rows after each other),
+/* y[m, n] = sum_k v(n, k) x[m, k] for a tensor [N, K] of blocks of a type gemm_mode takes (rows after each other),
  * any M: see gemm_tile. Returns 0, or -1 when it cannot take the product (type, K, memory). */
 int ds_gemm_blocks(int type, const float *x, int M, int K, long ldx, const uint8_t *blocks, int N, float *y,
                    long ldy, int nthreads) {
