@@ -190,11 +190,11 @@ def test_the_prefill_chunks_are_bf16_exactly_where_torch_runs_bf16_gemms_on_amx_
     assert L.chunk_dtype("Q4_K") == torch.float32
 
 
-def test_without_amx_the_blocks_take_the_gemm_on_their_own_values_and_q2_k_takes_int8_chunks(monkeypatch):
+def test_without_amx_every_quantized_type_takes_the_gemm_on_its_own_values_and_a_q8_0_down_projection_f32(monkeypatch):
     """A Zen 4/5's route (AVX512-VNNI, no AMX), taken here with DELTASERVE_AMX=off: in one stack of projections the
-    Q4_K, Q8_0, IQ4_XS and Q6_K parts multiply the file's exact values on blocks.c's GEMM, with the activations int8
-    per block of 32 as llama.cpp rounds them for Q8_0 (and nothing else); the Q2_K part int8 chunks (requantized per
-    row); a Q8_0 down projection exact f32 chunks, a K-quant or IQ4_XS one the GEMM."""
+    Q4_K, Q8_0, Q2_K, IQ4_XS and Q6_K parts multiply the file's exact values on blocks.c's GEMM, with the activations
+    int8 per block of 32 as llama.cpp rounds them for Q8_0 (and nothing else); a Q8_0 down projection exact f32
+    chunks, a K-quant or IQ4_XS one the GEMM."""
     if not native.status()[0] or not native.has("ds_gemm_blocks"):
         pytest.skip(f"no AVX512-VNNI kernels here ({native.status()[1]}): neither the GEMM nor int8 chunks run")
     monkeypatch.delenv("DELTASERVE_PREFILL", raising=False)
@@ -208,26 +208,21 @@ def test_without_amx_the_blocks_take_the_gemm_on_their_own_values_and_q2_k_takes
     x = torch.randn(L.block_rows() + 20, cols, generator=torch.Generator().manual_seed(5))
     assert lin.path(x.shape[0]) == "chunks"
     got, off = lin(x), 0
-    xq, xs = L.quantize_rows_int8(x)
     for kind, raw in parts:
         w = L.BlockLinear([(kind, raw)], cols).dense()
-        if kind == "Q2_K":
-            wq, ws = L.quantize_rows_int8(w)
-            want = (xq.double() @ wq.double().t()) * ws.double() * xs.double()[:, None]
-        else:
-            want = quantized_activations(x, "Q8_0") @ w.double().t()
+        want = quantized_activations(x, "Q8_0") @ w.double().t()
         part = got[:, off:off + raw.shape[0]].double()
         assert ((part - want).norm(dim=1) / want.norm(dim=1)).max().item() < 1e-6, kind
         off += raw.shape[0]
-    assert all(L.block_gemm(k) for k in L.GEMM_KINDS) and not L.block_gemm("Q2_K")
+    assert all(L.block_gemm(k) for k in L.GEMM_KINDS) and not L.block_gemm("F16")
     for kind, raw in parts[:2] + parts[3:4]:
         down = L.BlockLinear([(kind, raw)], cols)
         down.int8_activations = False  # the MLP's down projection (outliers in its inputs)
         want = (x.double() if kind == "Q8_0" else quantized_activations(x, "Q8_0")) @ down.dense().double().t()
         assert ((down(x).double() - want).norm(dim=1) / want.norm(dim=1)).max().item() < 1e-6, kind
     line = L.blocks_route()
-    assert "the blocks of every quantized type but Q2_K on the native kernel's GEMM" in line
-    assert "16-bit ones' exact f32 chunks" in line and "Q2_K's chunks requantized to int8 per row" in line
+    assert "the blocks of every quantized type on the native kernel's GEMM" in line
+    assert "16-bit ones' exact f32 chunks" in line and "requantized" not in line
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS",
@@ -257,12 +252,13 @@ def test_the_block_gemm_is_the_files_values_times_activations_rounded_per_block_
         assert native.gemm_blocks(x[i:i + 1], int(T[kind]), raw, y1, 0) and torch.equal(y1[0], y[i, 2:2 + out])
 
 
-@pytest.mark.parametrize("kind", ["Q3_K", "TQ1_0", "TQ2_0", "NVFP4", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
-                                  "IQ1_S", "IQ1_M"])
+@pytest.mark.parametrize("kind", ["Q2_K", "Q3_K", "TQ1_0", "TQ2_0", "NVFP4", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS",
+                                  "IQ3_S", "IQ1_S", "IQ1_M"])
 def test_the_block_gemm_takes_the_types_with_a_scale_every_16_from_their_expanded_rows(kind):
-    """The grid, ternary, Q3_K and NVFP4 types on blocks.c's GEMM: each row expanded exactly (int8 values, a scale per
-    16) and multiplied on Q6_K's tiles; gguf's values times the activations as llama.cpp rounds them for Q8_0. Q2_K
-    (a min per 16) is not taken: its product says so and writes nothing."""
+    """The grid, ternary, Q2_K, Q3_K and NVFP4 types on blocks.c's GEMM: each row expanded exactly (int8 values, a
+    scale and for Q2_K a min per 16; one scale per 32 where both halves share it) and multiplied on the tiles;
+    gguf's values times the activations as llama.cpp rounds them for Q8_0. A 16-bit tensor is not taken: its product
+    says so and writes nothing."""
     if not native.has("ds_gemm_blocks"):
         pytest.skip("blocks.c's GEMM is built only where the CPU has AVX512-VNNI")
     from tests.test_quant import random_raw
@@ -281,9 +277,9 @@ def test_the_block_gemm_takes_the_types_with_a_scale_every_16_from_their_expande
         xa = quantized_activations(x, "Q8_0")
         want = xa @ w.t()
         assert ((y.double() - want).abs() <= 1e-6 * (xa.abs() @ w.abs().t()) + 1e-9).all()
-    q2k = torch.from_numpy(random_blocks("Q2_K", out, cols, seed=2))
+    f16 = torch.from_numpy(random_blocks("F16", out, cols, seed=2))
     y = torch.full((3, out), 7.0)
-    assert not native.gemm_blocks(torch.randn(3, cols), int(T["Q2_K"]), q2k, y, 0) and (y == 7).all()
+    assert not native.gemm_blocks(torch.randn(3, cols), int(T["F16"]), f16, y, 0) and (y == 7).all()
 
 
 def test_a_stack_of_projections_is_one_product_over_their_segments_without_a_copy():
@@ -342,7 +338,7 @@ def test_the_default_weights_are_the_files_own_blocks_with_or_without_amx(amx, m
     elif L.amx_bf16():
         assert "more rows on bf16 chunks and torch's bf16 GEMM (AMX tiles)" in line, line
     elif native.status()[0] and native.has("ds_gemm_blocks"):
-        assert "more rows on the blocks of every quantized type but Q2_K on the native kernel's GEMM" in line, line
+        assert "more rows on the blocks of every quantized type on the native kernel's GEMM" in line, line
     elif native.status()[0]:
         assert "4- to 6-bit blocks' chunks requantized to int8 per row and torch's int8 GEMM (AVX512-VNNI, no AMX)" \
             in line, line

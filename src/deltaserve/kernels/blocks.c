@@ -1520,7 +1520,7 @@ static void decode_tile(int type, const uint8_t *row0, size_t row_bytes, int R, 
  * The types whose rows expand (expand_row) to int8 values with one scale per 32 take mode 0 as v + 128 (Q4_0, Q5_0,
  * IQ4_NL, IQ4_XS, MXFP4, IQ3_S, IQ3_XXS, IQ2_XXS, IQ1_S, TQ1_0, TQ2_0: expand_row gives both halves of a 32 the same
  * scale), those with a min per 32 too mode 2 as v, -min (Q4_1, Q5_1), those with a scale per 16 and no min mode 3
- * (Q3_K, NVFP4, IQ2_XS, IQ2_S, IQ1_M; Q2_K, whose mins come per 16, is not taken). */
+ * (Q3_K, NVFP4, IQ2_XS, IQ2_S, IQ1_M), Q2_K (a scale and a min per 16) mode 4: mode 2's arithmetic per 16. */
 static int gemm_mode(int type) {
     switch (type) {
     case T_Q8_0: case T_Q4_0: case T_Q5_0: case T_IQ4_NL: case T_IQ4_XS: case T_MXFP4:
@@ -1532,13 +1532,15 @@ static int gemm_mode(int type) {
         return 2;
     case T_Q3_K: case T_NVFP4: case T_IQ2_XS: case T_IQ2_S: case T_IQ1_M:
         return 3;  /* a scale per 16 and no min: Q6_K's tiles (mode 1) on v + 128, z = 128 */
+    case T_Q2_K:
+        return 4;  /* a scale and a min per 16: the K-quants' arithmetic (v, -min) on Q6_K's sub-blocks */
     default:
         return -1;
     }
 }
 
 /* modes whose scales come every 16 values (the tiles of mode 1) */
-static inline int gemm_per16(int mode) { return mode == 1 || mode == 3; }
+static inline int gemm_per16(int mode) { return mode == 1 || mode == 3 || mode == 4; }
 
 /* the types packed from their own bytes (pack_panel_direct, row_scales, unpack_row); the others by expand_row */
 static int gemm_direct(int type) {
@@ -1552,7 +1554,7 @@ static inline __attribute__((always_inline)) void gemm_tile(const int mode, cons
                                                             const uint8_t *pf, int pf_lines, int more) {
     /* nb blocks of the panel (pw, ps, po from the first of them; xq, xd, xi, xf likewise, a token's rows nbs blocks
        apart); `more`: out already holds the sums of the blocks before these (a panel packed in runs of blocks) */
-    const int subs = mode == 1 ? 2 : 1, groups = 8 / subs, ni = mode == 1 ? 2 * nbs : nbs;  /* mode 3 runs as 1 */
+    const int subs = mode == 1 || mode == 4 ? 2 : 1, groups = 8 / subs, ni = subs * nbs;  /* mode 3 runs as 1 */
     __mmask16 k0 = nrows >= 16 ? 0xFFFF : (__mmask16)((1u << nrows) - 1),
               k1 = nrows >= GP ? 0xFFFF : nrows <= 16 ? 0 : (__mmask16)((1u << (nrows - 16)) - 1);
     __m512 f[GT][2];  /* GT_ <= GT of them used */
@@ -1567,8 +1569,8 @@ static inline __attribute__((always_inline)) void gemm_tile(const int mode, cons
         for (int h = 0; h < subs; h++) {
             __m512i acc[GT][2];
             for (int t = 0; t < GT_; t++)
-                acc[t][0] = acc[t][1] = mode == 2 ? _mm512_setzero_si512()
-                                                  : _mm512_set1_epi32(xi[(size_t)t * ni + b * subs + h]);
+                acc[t][0] = acc[t][1] = mode == 2 || mode == 4 ? _mm512_setzero_si512()
+                                                               : _mm512_set1_epi32(xi[(size_t)t * ni + b * subs + h]);
 #pragma GCC unroll 8
             for (int k = h * groups; k < (h + 1) * groups; k++) {
                 __m512i w0 = _mm512_load_si512(w + k * 128), w1 = _mm512_load_si512(w + k * 128 + 64);
@@ -1586,6 +1588,15 @@ static inline __attribute__((always_inline)) void gemm_tile(const int mode, cons
                 __m512 d = _mm512_set1_ps(xd[(size_t)t * nbs + b]);
                 f[t][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[t][0]), _mm512_mul_ps(s0, d), f[t][0]);
                 f[t][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[t][1]), _mm512_mul_ps(s1, d), f[t][1]);
+            }
+            if (mode == 4) {  /* - m (d_a times the sum of the sub-block's int8 activations), per 16 */
+                const float *mv = po + ((size_t)b * 2 + h) * 32;
+                __m512 m0 = _mm512_load_ps(mv), m1 = _mm512_load_ps(mv + 16);
+                for (int t = 0; t < GT_; t++) {
+                    __m512 a = _mm512_set1_ps(xf[(size_t)t * ni + b * 2 + h]);
+                    f[t][0] = _mm512_fnmadd_ps(m0, a, f[t][0]);
+                    f[t][1] = _mm512_fnmadd_ps(m1, a, f[t][1]);
+                }
             }
         }
         if (mode == 2) {  /* - m (d_a times the sum of the block's int8 activations) */
@@ -1846,7 +1857,7 @@ static void pack_panel_direct(int type, const uint8_t *blocks, size_t row_bytes,
 static void pack_panel(int type, int mode, const uint8_t *blocks, size_t row_bytes, int n0, int nrows, int K,
                        uint8_t *pw, float *ps, float *po, uint8_t *ubuf) {
     const int nb = K / 32, per32 = gemm_per16(mode) ? 2 : 1;
-    const uint8_t zero = mode == 0 || mode == 3 ? 0x80 : mode == 1 ? 32 : 0;
+    const uint8_t zero = mode == 0 || mode == 3 ? 0x80 : mode == 1 ? 32 : 0;  /* modes 2, 4: z = 0 */
     if (nrows == GP && gemm_direct(type)) {
         pack_panel_direct(type, blocks, row_bytes, n0, K, pw, ps, po);
         return;
@@ -1859,9 +1870,13 @@ static void pack_panel(int type, int mode, const uint8_t *blocks, size_t row_byt
             uint8_t *u = ubuf + (size_t)r * K;
             for (int i = 0; i < K; i++) u[i] = (uint8_t)(v[i] + zero);
             for (int b = 0; b < nb; b++) {
-                if (mode == 3) {
+                if (mode == 3 || mode == 4) {
                     ps[(size_t)(2 * b) * 32 + r] = sc[2 * b];
                     ps[(size_t)(2 * b + 1) * 32 + r] = sc[2 * b + 1];
+                    if (mode == 4) {
+                        po[(size_t)(2 * b) * 32 + r] = mins ? -mn[2 * b] : 0.0f;
+                        po[(size_t)(2 * b + 1) * 32 + r] = mins ? -mn[2 * b + 1] : 0.0f;
+                    }
                 } else {
                     ps[(size_t)b * 32 + r] = sc[2 * b];
                 }
@@ -1878,6 +1893,7 @@ static void pack_panel(int type, int mode, const uint8_t *blocks, size_t row_byt
         for (int b = 0; b < nb; b++) {
             for (int h = 0; h < per32; h++) ps[((size_t)b * per32 + h) * 32 + r] = 0.0f;
             if (mode == 2) po[(size_t)b * 32 + r] = 0.0f;
+            if (mode == 4) po[(size_t)(2 * b) * 32 + r] = po[(size_t)(2 * b + 1) * 32 + r] = 0.0f;
         }
     }
     for (int b = 0; b < nb; b++)
@@ -1904,15 +1920,15 @@ static gemm_act_t gemm_act(int mode, void *act, int M, int K) {
     at += ALIGN64((size_t)Mp * K);
     g.d = (float *)at;
     at += ALIGN64((size_t)Mp * nb * sizeof(float));
-    g.f = (float *)at;
-    at += ALIGN64((size_t)Mp * nb * sizeof(float));
+    g.f = (float *)at;  /* [Mp][ni]: per 16 in mode 4 */
+    at += ALIGN64((size_t)Mp * 2 * nb * sizeof(float));
     g.i = (int32_t *)at;
     return g;
 }
 
 size_t blk_gemm_act_bytes(int M, int K) {
     const int nb = K / 32, Mp = (M + GT - 1) / GT * GT + GT;
-    return ALIGN64((size_t)Mp * K) + 2 * ALIGN64((size_t)Mp * nb * sizeof(float))
+    return ALIGN64((size_t)Mp * K) + ALIGN64((size_t)Mp * nb * sizeof(float)) + ALIGN64((size_t)Mp * 2 * nb * sizeof(float))
          + ALIGN64((size_t)Mp * 2 * nb * sizeof(int32_t));
 }
 
@@ -1931,10 +1947,10 @@ void blk_gemm_prepare(int type, const float *x, int M, int K, long ldx, const in
     #pragma omp for schedule(static)
     for (int t = 0; t < Mp; t++) {
         int8_t *q = g.q + (size_t)t * K;
-        float *d = g.d + (size_t)t * nb, *fs = g.f + (size_t)t * nb;
+        float *d = g.d + (size_t)t * nb, *fs = g.f + (size_t)t * ni;
         int32_t *is = g.i + (size_t)t * ni;
         if (t >= M) {
-            memset(q, 0, K), memset(d, 0, nb * sizeof(float)), memset(fs, 0, nb * sizeof(float));
+            memset(q, 0, K), memset(d, 0, nb * sizeof(float)), memset(fs, 0, ni * sizeof(float));
             memset(is, 0, ni * sizeof(int32_t));
             continue;
         }
@@ -1945,14 +1961,14 @@ void blk_gemm_prepare(int type, const float *x, int M, int K, long ldx, const in
             for (int l = 0; l < fours; l++) sum += c[i * fours + l];
             sum /= -128;
             is[i] = -z * sum;
-            if (mode == 2) fs[i] = d[i] * (float)sum;
+            if (mode == 2 || mode == 4) fs[i] = d[i * nb / ni] * (float)sum;
         }
     }
 }
 
-size_t blk_gemm_work_bytes(int K) {
+size_t blk_gemm_work_bytes(int K) {  /* the panel [nb][1024], ps and po (2 nb x GP each at most), ubuf [GP][K] */
     const int nb = K / 32;
-    return ALIGN64((size_t)nb * 1024 + (size_t)2 * nb * GP * sizeof(float) + (size_t)nb * GP * sizeof(float))
+    return ALIGN64((size_t)nb * 1024 + (size_t)4 * nb * GP * sizeof(float))
          + ALIGN64((size_t)GP * K);
 }
 
@@ -1976,7 +1992,7 @@ void blk_gemm_panel(int type, const uint8_t *blocks, int N, int K, int p, const 
     block_info(type, &vals, &bytes);
     const size_t row_bytes = (size_t)(K / vals) * bytes;
     gemm_act_t g = gemm_act(mode, (void *)act, Mall, K);
-    uint8_t *pw = work, *ubuf = pw + ALIGN64((size_t)nb * 1024 + (size_t)2 * nb * GP * sizeof(float) + (size_t)nb * GP * sizeof(float));
+    uint8_t *pw = work, *ubuf = pw + ALIGN64((size_t)nb * 1024 + (size_t)4 * nb * GP * sizeof(float));
     float *ps = (float *)(pw + (size_t)nb * 1024), *po = ps + (size_t)ni * GP;
     const int n0 = p * GP, nrows = N - n0 < GP ? N - n0 : GP;
     /* a full panel of few tokens' product is packed and multiplied a run of GEMM_RUN values at a time, the packed run
@@ -1994,7 +2010,7 @@ void blk_gemm_panel(int type, const uint8_t *blocks, int N, int K, int p, const 
             const int gt = M - m0 < GT ? M - m0 : GT;  /* the last tile of a few tokens computes only those */
             float *out = y + (size_t)m0 * ldy + n0;
             const int8_t *xq = g.q + at * K + (size_t)b0 * 32;
-            const float *xd = g.d + at * nb + b0, *xf = g.f + at * nb + b0;
+            const float *xd = g.d + at * nb + b0, *xf = g.f + at * ni + (size_t)b0 * subs;
             const int32_t *xi = g.i + at * ni + (size_t)b0 * subs;
             const uint8_t *pf = m0 == 0 && next ? next + (size_t)b0 * pf_lines * 64 : NULL;
 #define GEMM_TILE(MODE, T) gemm_tile(MODE, T, pw, ps, po, rb, nb, xq, xd, xi, xf, K, out, ldy, nrows, pf, pf_lines, c > 0)
@@ -2002,6 +2018,7 @@ void blk_gemm_panel(int type, const uint8_t *blocks, int N, int K, int p, const 
             case 1: GEMM_TILE(MODE, 1); break; case 2: GEMM_TILE(MODE, 2); break; case 3: GEMM_TILE(MODE, 3); break; \
             case 4: GEMM_TILE(MODE, 4); break; case 5: GEMM_TILE(MODE, 5); break; default: GEMM_TILE(MODE, GT); }
             if (mode == 0) GEMM_TILES(0)
+            else if (mode == 4) GEMM_TILES(4)
             else if (gemm_per16(mode)) GEMM_TILES(1)
             else GEMM_TILES(2)
 #undef GEMM_TILES

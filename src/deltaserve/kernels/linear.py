@@ -301,13 +301,13 @@ def chunk_dtype(kind: str | None = None) -> torch.dtype:
 
 
 # the block kinds blocks.c's many-row GEMM takes (ds_gemm_blocks): Q8_0 and the K-quants from their own bytes, every
-# other type but Q2_K from its rows as the products expand them (a scale per 32, with a min for Q4_1/Q5_1, or per 16).
+# other quantized type from its rows as the products expand them (a scale per 32 or 16, a min for Q4_1/Q5_1/Q2_K).
 # On the Xeon routed as a CPU without AMX, 512 rows on 2 threads, [3584, 1024] / [1024, 3584]: IQ4_XS 5.5 / 6.5 ms on
 # the GEMM against 8.8 on int8 chunks and 17.2-17.3 on the down projection's f32 chunks; Q4_0 5.3 / 6.0 against
 # 8.1-8.5 and 16.4-17.3; Q5_0, Q4_1, Q5_1, IQ4_NL, MXFP4 5.1-6.7 against 7.6-9.9 and 15.2-20.2; the types with a
 # scale per 16 (Q3_K, the IQ grids, ternary, NVFP4) 6.9-9.9 against 7.3-10.7 and 14.2-19.7
 GEMM_KINDS = ("Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS", "MXFP4",
-              "Q3_K", "TQ1_0", "TQ2_0", "NVFP4", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M")
+              "Q3_K", "TQ1_0", "TQ2_0", "NVFP4", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "Q2_K")
 
 
 def block_gemm(kind: str, int8_activations: bool = True) -> bool:
@@ -497,10 +497,9 @@ def blocks_route() -> str:
     auto = prefill_mode() == "auto"
     many = {torch.bfloat16: "bf16 chunks and torch's bf16 GEMM (AMX tiles)" if amx_bf16() else
             "bf16 chunks and torch's bf16 GEMM",
-            torch.int8: "the blocks of every quantized type but Q2_K on the native kernel's GEMM (the file's "
-                        "values, activations int8 per block of 32; Q8_0's down projection on exact f32 chunks), "
-                        "Q2_K's chunks requantized to int8 per row and torch's int8 GEMM (AVX512-VNNI, no AMX), "
-                        "16-bit ones' exact f32 chunks and torch's f32 GEMM"
+            torch.int8: "the blocks of every quantized type on the native kernel's GEMM (the file's values, "
+                        "activations int8 per block of 32; Q8_0's down projection on exact f32 chunks), 16-bit ones' "
+                        "exact f32 chunks and torch's f32 GEMM"
                         if auto and block_gemm("Q8_0") else
                         "4- to 6-bit blocks' chunks requantized to int8 per row and torch's int8 GEMM (AVX512-VNNI, "
                         "no AMX), Q8_0 and 16-bit ones' exact f32 chunks and torch's f32 GEMM" if auto else
