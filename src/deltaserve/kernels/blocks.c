@@ -14,7 +14,7 @@
  *   product exact in int32, scaled once per block. For a Q8_0 file the only rounding is the activations'.
  *   Each thread takes a run of output rows; a row's blocks are read once from memory and then from L1 for
  *   every group of activation rows.
- * - ds_gemm_blocks (AVX512-VNNI): the same arithmetic on the blocks of every quantized type but Q2_K for many rows (a prefill on a
+ * - ds_gemm_blocks (AVX512-VNNI): the same arithmetic on the blocks of every quantized type for many rows (a prefill on a
  *   CPU without AMX), on panels of 32 weight rows laid out for vpdpbusd once per product and tiles of 6 tokens.
  *
  * AVX2 has no unsigned-by-signed byte dot product with 32-bit sums (VNNI), so a block goes through vpmaddubsw
@@ -1498,7 +1498,7 @@ static void decode_tile(int type, const uint8_t *row0, size_t row_bytes, int R, 
 
 /* ---- many rows on the blocks: a GEMM on panels of the file's blocks -----------------------------------------
  * The prefill's products on Q8_0, Q4_K, Q5_K and Q6_K tensors (and, from their expanded rows, every other quantized
- * type but Q2_K: see gemm_mode) where the CPU has AVX512-VNNI and no AMX (a Zen 4/5):
+ * type: see gemm_mode) where the CPU has AVX512-VNNI and no AMX (a Zen 4/5):
  * the file's values exactly, the activations int8 per block of 32 with an f16-rounded scale (Q8_0's activations,
  * as llama.cpp quantizes them for Q8_0; its K-quant products use blocks of 256, coarser), so the only rounding is
  * the activations'. torch has no such product: its int8 GEMM wants one scale per row (requantizing Q8_0 per row

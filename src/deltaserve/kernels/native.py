@@ -11,7 +11,7 @@ they do not take. What is compiled depends on the CPU, and the library's symbols
 - `blocks.c`: the file's own blocks (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, F16, BF16) dequantized exactly, and products
   on them: AVX2 + FMA + F16C, so on every x86-64 CPU these machines have; where the CPU has AVX512-VNNI, the
   products of up to 16 rows are its 512-bit ones (vpdpbusd, vpdpwssd; the same integer sums), and a GEMM on the
-  blocks of every quantized type but Q2_K takes the prefill's products without AMX (`ds_gemm_blocks`,
+  blocks of every quantized type takes the prefill's products without AMX (`ds_gemm_blocks`,
   kernels/linear.py's block_gemm);
 - `native_avx2.c`: the one-call token decode and the decode's DeltaNet step on every CPU (each product on
   blocks.c's or, for int8 tables, native.c's), and the prefill's delta rule and causal conv for CPUs without AVX512.
@@ -327,7 +327,7 @@ def moe_experts(experts: tuple, hidden: int, uniq: torch.Tensor, first: torch.Te
 
 
 def gemm_blocks(x: torch.Tensor, gguf_type: int, data: torch.Tensor, y: torch.Tensor, off: int) -> bool:
-    """y[:, off:off + rows] = x [M, K] (f32, rows contiguous) times blocks of any quantized type but Q2_K (uint8 [rows,
+    """y[:, off:off + rows] = x [M, K] (f32, rows contiguous) times blocks of any quantized type (uint8 [rows,
     row bytes]) on blocks.c's GEMM for many rows (AVX512-VNNI: the file's values, the activations int8 per block of
     32); False, with nothing written, where it does not take it."""
     if not has("ds_gemm_blocks") or data.stride(-1) != 1 or (data.shape[0] > 1 and data.stride(0) != data.shape[1]):
