@@ -1541,6 +1541,10 @@ static int gemm_mode(int type) {
 
 /* modes whose scales come every 16 values (the tiles of mode 1) */
 static inline int gemm_per16(int mode) { return mode == 1 || mode == 3 || mode == 4; }
+/* modes with a min (w = s u - m, u unsigned, z = 0) */
+static inline int gemm_mins(int mode) { return mode == 2 || mode == 4; }
+/* z: the packed byte u = w' + z of a weight w' (a zero weight packs as z; the sums start at -z x the activations') */
+static inline int gemm_z(int mode) { return mode == 0 || mode == 3 ? 128 : mode == 1 ? 32 : 0; }
 
 /* the types packed from their own bytes (pack_panel_direct, row_scales, unpack_row); the others by expand_row */
 static int gemm_direct(int type) {
@@ -1569,8 +1573,8 @@ static inline __attribute__((always_inline)) void gemm_tile(const int mode, cons
         for (int h = 0; h < subs; h++) {
             __m512i acc[GT][2];
             for (int t = 0; t < GT_; t++)
-                acc[t][0] = acc[t][1] = mode == 2 || mode == 4 ? _mm512_setzero_si512()
-                                                               : _mm512_set1_epi32(xi[(size_t)t * ni + b * subs + h]);
+                acc[t][0] = acc[t][1] = gemm_mins(mode) ? _mm512_setzero_si512()
+                                                        : _mm512_set1_epi32(xi[(size_t)t * ni + b * subs + h]);
 #pragma GCC unroll 8
             for (int k = h * groups; k < (h + 1) * groups; k++) {
                 __m512i w0 = _mm512_load_si512(w + k * 128), w1 = _mm512_load_si512(w + k * 128 + 64);
@@ -1851,36 +1855,27 @@ static void pack_panel_direct(int type, const uint8_t *blocks, size_t row_bytes,
 }
 
 /* rows n0 .. n0 + nrows - 1 (nrows <= GP) of a tensor laid out for gemm_tile: pw [nb][8][2][16 rows x 4 bytes],
- * ps [subs][32], po [nb][32] (mode 2); rows past the tensor: u = z (a zero weight), s = m = 0. Each row unpacked to
+ * ps [subs][32], po [nb or 2 nb][32] (the modes with a min); rows past the tensor: u = z (a zero weight), s = m = 0. Each row unpacked to
  * bytes (unpack_row) into `ubuf` [GP][K], then each sub-block's 16 rows x 8 words transposed into the 8 vectors of
  * 16 rows' 4 bytes each (transpose16x8). */
 static void pack_panel(int type, int mode, const uint8_t *blocks, size_t row_bytes, int n0, int nrows, int K,
                        uint8_t *pw, float *ps, float *po, uint8_t *ubuf) {
     const int nb = K / 32, per32 = gemm_per16(mode) ? 2 : 1;
-    const uint8_t zero = mode == 0 || mode == 3 ? 0x80 : mode == 1 ? 32 : 0;  /* modes 2, 4: z = 0 */
+    const uint8_t zero = (uint8_t)gemm_z(mode);
     if (nrows == GP && gemm_direct(type)) {
         pack_panel_direct(type, blocks, row_bytes, n0, K, pw, ps, po);
         return;
     }
     for (int r = 0; r < GP; r++) {
-        if (r < nrows && !gemm_direct(type)) {  /* u = v + z, s = sc (per 32), m = -mn */
+        if (r < nrows && !gemm_direct(type)) {  /* u = v + z, s = sc, m = -mn (per 32 or per 16: sc[i] per 16) */
             int8_t v[K];
             float sc[K / 16], mn[K / 16];
             const int mins = expand_row(type, blocks + (size_t)(n0 + r) * row_bytes, K, v, sc, mn);
             uint8_t *u = ubuf + (size_t)r * K;
             for (int i = 0; i < K; i++) u[i] = (uint8_t)(v[i] + zero);
-            for (int b = 0; b < nb; b++) {
-                if (mode == 3 || mode == 4) {
-                    ps[(size_t)(2 * b) * 32 + r] = sc[2 * b];
-                    ps[(size_t)(2 * b + 1) * 32 + r] = sc[2 * b + 1];
-                    if (mode == 4) {
-                        po[(size_t)(2 * b) * 32 + r] = mins ? -mn[2 * b] : 0.0f;
-                        po[(size_t)(2 * b + 1) * 32 + r] = mins ? -mn[2 * b + 1] : 0.0f;
-                    }
-                } else {
-                    ps[(size_t)b * 32 + r] = sc[2 * b];
-                }
-                if (mode == 2) po[(size_t)b * 32 + r] = mins ? -mn[2 * b] : 0.0f;
+            for (int i = 0; i < nb * per32; i++) {
+                ps[(size_t)i * 32 + r] = sc[i * 2 / per32];
+                if (gemm_mins(mode)) po[(size_t)i * 32 + r] = mins ? -mn[i * 2 / per32] : 0.0f;
             }
             continue;
         }
@@ -1890,10 +1885,9 @@ static void pack_panel(int type, int mode, const uint8_t *blocks, size_t row_byt
             continue;
         }
         memset(ubuf + (size_t)r * K, zero, K);
-        for (int b = 0; b < nb; b++) {
-            for (int h = 0; h < per32; h++) ps[((size_t)b * per32 + h) * 32 + r] = 0.0f;
-            if (mode == 2) po[(size_t)b * 32 + r] = 0.0f;
-            if (mode == 4) po[(size_t)(2 * b) * 32 + r] = po[(size_t)(2 * b + 1) * 32 + r] = 0.0f;
+        for (int i = 0; i < nb * per32; i++) {
+            ps[(size_t)i * 32 + r] = 0.0f;
+            if (gemm_mins(mode)) po[(size_t)i * 32 + r] = 0.0f;
         }
     }
     for (int b = 0; b < nb; b++)
@@ -1934,9 +1928,8 @@ size_t blk_gemm_act_bytes(int M, int K) {
 
 int blk_gemm_type(int type) {
     int vals, bytes;
-    const int grid = type == T_IQ2_XXS || type == T_IQ2_XS || type == T_IQ2_S || type == T_IQ3_XXS || type == T_IQ3_S
-                     || type == T_IQ1_S || type == T_IQ1_M;
-    return gemm_mode(type) >= 0 && !block_info(type, &vals, &bytes) && (!grid || g_ksigns);  /* grids: the tables */
+    /* the expanded types once the IQ grids' tables are set (ds_set_tables, at the library's load) */
+    return gemm_mode(type) >= 0 && !block_info(type, &vals, &bytes) && (gemm_direct(type) || g_ksigns);
 }
 
 void blk_gemm_prepare(int type, const float *x, int M, int K, long ldx, const int *rows, void *act) {
@@ -1955,13 +1948,13 @@ void blk_gemm_prepare(int type, const float *x, int M, int K, long ldx, const in
             continue;
         }
         quant_q8_0(x + (size_t)(rows ? rows[t] : t) * ldx, K, q, d, c, NULL);
-        const int fours = K / ni / 4, z = mode == 0 || mode == 3 ? 128 : mode == 1 ? 32 : 0;
+        const int fours = K / ni / 4, z = gemm_z(mode);
         for (int i = 0; i < ni; i++) {  /* each sub-block's sum, from quant_q8_0's -128 x (sums of 4) */
             int32_t sum = 0;
             for (int l = 0; l < fours; l++) sum += c[i * fours + l];
             sum /= -128;
             is[i] = -z * sum;
-            if (mode == 2 || mode == 4) fs[i] = d[i * nb / ni] * (float)sum;
+            if (gemm_mins(mode)) fs[i] = d[i * nb / ni] * (float)sum;
         }
     }
 }
