@@ -76,6 +76,17 @@ def quantized_activations(x: torch.Tensor, kind: str) -> torch.Tensor:
     return (q.double() * d.double()).reshape(x.shape)
 
 
+# the types llama.cpp multiplies with Q8_K activations (one f32 scale per 256; its ggml-cpu type_traits' vec_dot_type):
+# the GEMM rounds them so; the others as Q8_0 (per 32, an f16 scale)
+Q8_K_TYPES = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S",
+              "IQ1_M", "TQ1_0", "TQ2_0"}
+
+
+def gemm_activations(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """x as blocks.c's GEMM rounds it for a weight of `kind`: as llama.cpp does for that type."""
+    return quantized_activations(x, "Q8_K" if kind in Q8_K_TYPES else "Q8_0")
+
+
 @pytest.mark.parametrize("kind", TYPES)
 def test_every_block_type_dequantizes_bit_for_bit_as_gguf_does(kind):
     rows, cols = 37, 512
@@ -193,8 +204,8 @@ def test_the_prefill_chunks_are_bf16_exactly_where_torch_runs_bf16_gemms_on_amx_
 def test_without_amx_every_quantized_type_takes_the_gemm_on_its_own_values_and_a_q8_0_down_projection_f32(monkeypatch):
     """A Zen 4/5's route (AVX512-VNNI, no AMX), taken here with DELTASERVE_AMX=off: in one stack of projections the
     Q4_K, Q8_0, Q2_K, IQ4_XS and Q6_K parts multiply the file's exact values on blocks.c's GEMM, with the activations
-    int8 per block of 32 as llama.cpp rounds them for Q8_0 (and nothing else); a Q8_0 down projection exact f32
-    chunks, a K-quant or IQ4_XS one the GEMM."""
+    int8 as llama.cpp rounds them for each type (Q8_0's blocks of 32 or Q8_K's of 256, and nothing else); a Q8_0 down
+    projection exact f32 chunks, a K-quant or IQ4_XS one the GEMM."""
     if not native.status()[0] or not native.has("ds_gemm_blocks"):
         pytest.skip(f"no AVX512-VNNI kernels here ({native.status()[1]}): neither the GEMM nor int8 chunks run")
     monkeypatch.delenv("DELTASERVE_PREFILL", raising=False)
@@ -210,15 +221,16 @@ def test_without_amx_every_quantized_type_takes_the_gemm_on_its_own_values_and_a
     got, off = lin(x), 0
     for kind, raw in parts:
         w = L.BlockLinear([(kind, raw)], cols).dense()
-        want = quantized_activations(x, "Q8_0") @ w.double().t()
+        want = gemm_activations(x, kind) @ w.double().t()
         part = got[:, off:off + raw.shape[0]].double()
         assert ((part - want).norm(dim=1) / want.norm(dim=1)).max().item() < 1e-6, kind
         off += raw.shape[0]
     assert all(L.block_gemm(k) for k in L.GEMM_KINDS) and not L.block_gemm("F16")
+    assert set(L.GEMM_A256) == Q8_K_TYPES
     for kind, raw in parts[:2] + parts[3:4]:
         down = L.BlockLinear([(kind, raw)], cols)
         down.int8_activations = False  # the MLP's down projection (outliers in its inputs)
-        want = (x.double() if kind == "Q8_0" else quantized_activations(x, "Q8_0")) @ down.dense().double().t()
+        want = (x.double() if kind == "Q8_0" else gemm_activations(x, kind)) @ down.dense().double().t()
         assert ((down(x).double() - want).norm(dim=1) / want.norm(dim=1)).max().item() < 1e-6, kind
     line = L.blocks_route()
     assert "the blocks of every quantized type on the native kernel's GEMM" in line
@@ -229,11 +241,12 @@ def test_without_amx_every_quantized_type_takes_the_gemm_on_its_own_values_and_a
                                   "MXFP4"])
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 40, 300])
 @pytest.mark.parametrize("out", [32, 33, 100])
-def test_the_block_gemm_is_the_files_values_times_activations_rounded_per_block_of_32_whatever_the_shape(kind, rows,
-                                                                                                         out):
+def test_the_block_gemm_is_the_files_values_times_activations_rounded_as_llama_cpp_rounds_them_whatever_the_shape(
+        kind, rows, out):
     """blocks.c's GEMM on the blocks (panels of 32 output rows, tiles of 6 tokens): any number of rows and tokens,
     the result written only where asked (a slice of a wider output), each token's row alone whatever is beside it.
-    The oracle: gguf's values of the weight times the activations as llama.cpp rounds them for Q8_0, in float64."""
+    The oracle: gguf's values of the weight times the activations as llama.cpp rounds them for the type (Q8_0's
+    blocks of 32, Q8_K's of 256 for the K-quants and IQ4_XS), in float64."""
     if not native.has("ds_gemm_blocks"):
         pytest.skip("blocks.c's GEMM is built only where the CPU has AVX512-VNNI")
     cols = 512
@@ -242,7 +255,7 @@ def test_the_block_gemm_is_the_files_values_times_activations_rounded_per_block_
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)) * 4
     y = torch.full((rows, out + 5), 7.0)
     assert native.gemm_blocks(x, int(T[kind]), raw, y, 2)
-    xa = quantized_activations(x, "Q8_0")
+    xa = gemm_activations(x, kind)
     want = xa @ w.t()
     got = y[:, 2:2 + out].double()
     assert ((got - want).abs() <= 1e-6 * (xa.abs() @ w.abs().t()) + 1e-9).all()  # f32 sums of exact block sums
@@ -257,8 +270,8 @@ def test_the_block_gemm_is_the_files_values_times_activations_rounded_per_block_
 def test_the_block_gemm_takes_the_types_with_a_scale_every_16_from_their_expanded_rows(kind):
     """The grid, ternary, Q2_K, Q3_K and NVFP4 types on blocks.c's GEMM: each row expanded exactly (int8 values, a
     scale and for Q2_K a min per 16; one scale per 32 where both halves share it) and multiplied on the tiles;
-    gguf's values times the activations as llama.cpp rounds them for Q8_0. A 16-bit tensor is not taken: its product
-    says so and writes nothing."""
+    gguf's values times the activations as llama.cpp rounds them (Q8_K's blocks of 256; NVFP4 Q8_0's of 32). A 16-bit
+    tensor is not taken: its product says so and writes nothing."""
     if not native.has("ds_gemm_blocks"):
         pytest.skip("blocks.c's GEMM is built only where the CPU has AVX512-VNNI")
     from tests.test_quant import random_raw
@@ -274,7 +287,7 @@ def test_the_block_gemm_takes_the_types_with_a_scale_every_16_from_their_expande
         x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)) * 4
         y = torch.full((rows, out), 7.0)
         assert native.gemm_blocks(x, int(T[kind]), raw, y, 0)
-        xa = quantized_activations(x, "Q8_0")
+        xa = gemm_activations(x, kind)
         want = xa @ w.t()
         assert ((y.double() - want).abs() <= 1e-6 * (xa.abs() @ w.abs().t()) + 1e-9).all()
     f16 = torch.from_numpy(random_blocks("F16", out, cols, seed=2))

@@ -308,12 +308,18 @@ def chunk_dtype(kind: str | None = None) -> torch.dtype:
 # scale per 16 (Q3_K, the IQ grids, ternary, NVFP4) 6.9-9.9 against 7.3-10.7 and 14.2-19.7
 GEMM_KINDS = ("Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS", "MXFP4",
               "Q3_K", "TQ1_0", "TQ2_0", "NVFP4", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "Q2_K")
+# ... of which those whose activations the GEMM rounds to int8 per block of 256 with an f32 scale (llama.cpp's Q8_K,
+# what it multiplies these types with; blocks.c's gemm_a256): the tile then scales each sub-block's sum by the weight's
+# scale alone and the activations' once per 256, a multiply less per sub-block (Xeon, AMX left out, [3584, 1024] x
+# 512 rows: Q6_K 6.9 -> 5.7 ms, Q4_K 5.1 -> 4.3, IQ2_XS 7.4 -> 5.8). The others' per block of 32 (Q8_0's).
+GEMM_A256 = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S",
+             "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0")
 
 
 def block_gemm(kind: str, int8_activations: bool = True) -> bool:
     """Whether many rows on blocks of `kind` run on blocks.c's GEMM on the blocks themselves (ds_gemm_blocks: the
-    file's values exactly, the activations int8 per block of 32 with an f16 scale, llama.cpp's arithmetic for Q8_0
-    and the 32-blocks, finer than its blocks of 256 for the K-quants and IQ4_XS) rather than on chunks: GEMM_KINDS under
+    file's values exactly, the activations int8 per block as llama.cpp multiplies the type: of 32 with an f16 scale
+    (Q8_0's) or, for GEMM_A256, of 256 with an f32 scale (Q8_K's)) rather than on chunks: GEMM_KINDS under
     DELTASERVE_PREFILL=auto where the CPU has AVX512-VNNI and no AMX (a Zen 4/5); where AMX is there, bf16 chunks on
     its tiles are faster (torch's bf16 GEMM 645-800 GOP/s against this GEMM's 500-690).
     Measured on the Xeon with AMX left out, 512 rows on 2 threads: a Q8_0 [3584, 1024] 5.4-7.5 ms against 16.6-21.5
@@ -498,7 +504,8 @@ def blocks_route() -> str:
     many = {torch.bfloat16: "bf16 chunks and torch's bf16 GEMM (AMX tiles)" if amx_bf16() else
             "bf16 chunks and torch's bf16 GEMM",
             torch.int8: "the blocks of every quantized type on the native kernel's GEMM (the file's values, "
-                        "activations int8 per block of 32; Q8_0's down projection on exact f32 chunks), 16-bit ones' "
+                        "activations int8 per block as llama.cpp's: of 256 for the K-quants and the IQ and TQ types, of 32 "
+                        "for the others; Q8_0's down projection on exact f32 chunks), 16-bit ones' "
                         "exact f32 chunks and torch's f32 GEMM"
                         if auto and block_gemm("Q8_0") else
                         "4- to 6-bit blocks' chunks requantized to int8 per row and torch's int8 GEMM (AVX512-VNNI, "

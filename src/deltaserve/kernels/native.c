@@ -20,6 +20,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "native.h"
 #include "tables.h"
@@ -454,7 +455,8 @@ int ds_scale_product(const int32_t *acc, int M, int N, const float *col, const f
  * The gated delta rule over T tokens of one sequence (a prefill), token by token, updating S [H, dk, dv]:
  * the recurrence of the decode step, S = e^g S; delta = beta (v - S^T k); S += k delta^T; o = S^T q.
  * Each value column of a head's state evolves on its own given the token's k, q and gates, so the work is
- * split into (head, 32 columns) items whose 128 x 32 slice of the state (16 KB) stays in L1 for all T tokens;
+ * split into (head, 32 columns) items whose 128 x 32 slice of the state (16 KB, copied out to a contiguous block
+ * and back) stays in L1 for all T tokens;
  * one pass over the slice per token both applies token t's update and gathers S^T k and S^T q for token
  * t + 1 (o = S_new^T q = e^g S_old^T q + (k.q) delta). q, k: [T, H, dk] (one per value head, normalised, q
  * scaled), v, out: [T, H, dv], g, beta: [T, H]. Returns -1 where dv is not a multiple of 32.
@@ -499,9 +501,15 @@ int ds_delta_rule(const float *q, const float *k, const float *v, const float *g
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int item = 0; item < H * per_head; item++) {
         int h = item / per_head, c0 = (item % per_head) * 32;
-        float *s = S + (size_t)h * dk * dv + c0;
+        float *sg = S + (size_t)h * dk * dv + c0;
+        /* the slice copied to a contiguous dk x 32 block: in place, its rows dv floats apart fall in a few of L1's
+           sets (dv 128: a stride of 512 bytes, 16 of 64 sets), more lines than their ways hold (one thread's 512
+           tokens of 16 heads: 19.3 -> 15.4 ms on the Xeon) */
+        float sbuf[dk * 32] __attribute__((aligned(64)));
+        float *s = sbuf;
+        for (int i = 0; i < dk; i++) memcpy(s + (size_t)i * 32, sg + (size_t)i * dv, 32 * sizeof(float));
         __m512 zero = _mm512_setzero_ps(), kv[2] = {zero, zero}, qs[2] = {zero, zero};
-        dr_pass(s, dk, dv, NULL, zero, zero, zero, k + (size_t)h * dk, q + (size_t)h * dk, kv, qs);  /* the first token's */
+        dr_pass(s, dk, 32, NULL, zero, zero, zero, k + (size_t)h * dk, q + (size_t)h * dk, kv, qs);  /* the first token's */
         for (int t = 0; t < T; t++) {
             size_t th = (size_t)t * H + h;
             const float *kt = k + th * dk, *qt = q + th * dk, *vt = v + th * dv + c0;
@@ -517,10 +525,11 @@ int ds_delta_rule(const float *q, const float *k, const float *v, const float *g
             _mm512_storeu_ps(ot, _mm512_fmadd_ps(vkq, d0, _mm512_mul_ps(vd, qs[0])));
             _mm512_storeu_ps(ot + 16, _mm512_fmadd_ps(vkq, d1, _mm512_mul_ps(vd, qs[1])));
             if (t + 1 < T)  /* token t's update, and what token t + 1 reads from the new state */
-                dr_pass(s, dk, dv, kt, vd, d0, d1, k + (th + H) * dk, q + (th + H) * dk, kv, qs);
+                dr_pass(s, dk, 32, kt, vd, d0, d1, k + (th + H) * dk, q + (th + H) * dk, kv, qs);
             else
-                dr_pass(s, dk, dv, kt, vd, d0, d1, NULL, NULL, kv, qs);
+                dr_pass(s, dk, 32, kt, vd, d0, d1, NULL, NULL, kv, qs);
         }
+        for (int i = 0; i < dk; i++) memcpy(sg + (size_t)i * dv, s + (size_t)i * 32, 32 * sizeof(float));
     }
     return 0;
 }
