@@ -560,8 +560,10 @@ def test_the_native_delta_rule_over_a_span_follows_the_chunked_and_the_stepwise_
     from deltaserve.engine import layers
 
     g = torch.Generator().manual_seed(11)
-    h, dk, dv = 3, 16, 64
-    for t in (1, 2, 7, 70):  # one token, a short span, more than a chunk of 64
+    dk = 16
+    # one token, a short span, more than a chunk of 64 (torch's) and not a multiple of 4 (the kernel's); 3 x 2 groups
+    # of 32 value columns (the kernel runs two at a time), and 3 (one left over)
+    for t, h, dv in ((1, 3, 64), (2, 3, 64), (7, 3, 64), (70, 3, 64), (9, 1, 96)):
         q = layers.l2_normalize(torch.randn(t, h, dk, generator=g)) * dk ** -0.5
         k = layers.l2_normalize(torch.randn(t, h, dk, generator=g))
         v = torch.randn(t, h, dv, generator=g)
