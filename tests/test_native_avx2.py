@@ -61,7 +61,7 @@ def test_the_native_delta_rule_takes_value_sizes_in_multiples_of_32_and_leaves_o
     assert native.delta_rule(q, k, v[..., :48], decay, beta, untouched) is None and bool((untouched == 1).all())
 
 
-@pytest.mark.parametrize("channels", [48, 37])  # a multiple of the vector width, and not
+@pytest.mark.parametrize("channels", [48, 37, 300])  # a multiple of the vector width, and not; blocks of 128 and a part
 def test_the_native_causal_conv_follows_the_torch_conv_over_spans_shorter_and_longer_than_its_window(channels):
     """... on rows that lie apart too (the qkv columns of the DeltaNet's wider in-projection output, read in place)."""
     need("ds_causal_conv")

@@ -373,6 +373,7 @@ static void silu_inplace(float *v, int n) {
 /* The depthwise causal conv of a DeltaNet layer over T new rows, then SiLU: out[t, c] = silu(sum_j
  * w[c, j] * window[t + j, c]) with window = [conv_state; x] ([Kc-1+T, C]); conv_state becomes the window's
  * last Kc-1 rows. One pass over x and out (torch's version is about six passes over [T, C]). */
+#define CONV_BLOCK 512
 int ds_causal_conv(const float *x, float *conv_state, const float *w, float *out, int T, int C, int Kc,
                    int nthreads, long ldx) {
     if (T <= 0 || C <= 0 || Kc < 2 || ldx < C) return -1;
@@ -381,17 +382,29 @@ int ds_causal_conv(const float *x, float *conv_state, const float *w, float *out
     if (!wt) return -1;
     for (int c = 0; c < C; c++)
         for (int j = 0; j < Kc; j++) wt[(size_t)j * C + c] = w[(size_t)c * Kc + j];
+    /* a block of CONV_BLOCK channels at a time down all T rows: its Kc weight rows (8 KB) and the window's last rows
+       stay in L1 (a row at a time over all C channels read the Kc x C weights, 96 KB for the 0.8B's 6144, from L2
+       for every row; a 512-row prefill's 18 layers on the Xeon: 54 ms, 43 in blocks of 512 channels, 61 of 128,
+       52 of 2048) */
+    const int blocks = (C + CONV_BLOCK - 1) / CONV_BLOCK;
     #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int t = 0; t < T; t++) {
-        float *o = out + (size_t)t * C;
-        for (int c = 0; c < C; c++) o[c] = 0.0f;
-        for (int j = 0; j < Kc; j++) {
-            int r = t + j;  /* row of the window */
-            const float *src = r < H ? conv_state + (size_t)r * C : x + (size_t)(r - H) * ldx;
-            const float *wj = wt + (size_t)j * C;
-            for (int c = 0; c < C; c++) o[c] += wj[c] * src[c];
+    for (int cb = 0; cb < blocks; cb++) {
+        const int c0 = cb * CONV_BLOCK, n = C - c0 < CONV_BLOCK ? C - c0 : CONV_BLOCK;
+        for (int t = 0; t < T; t++) {
+            float *o = out + (size_t)t * C + c0;
+            for (int v = 0; v < n; v += 16) {
+                const __mmask16 k = (__mmask16)(v + 16 <= n ? 0xFFFF : (1u << (n - v)) - 1);
+                __m512 acc = _mm512_setzero_ps();
+                for (int j = 0; j < Kc; j++) {
+                    const int r = t + j;  /* row of the window */
+                    const float *src = r < H ? conv_state + (size_t)r * C : x + (size_t)(r - H) * ldx;
+                    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, wt + (size_t)j * C + c0 + v),
+                                          _mm512_maskz_loadu_ps(k, src + c0 + v), acc);
+                }
+                _mm512_mask_storeu_ps(o + v, k, acc);
+            }
+            silu_inplace(o, n);
         }
-        silu_inplace(o, C);
     }
     /* the new state: the window's last H rows (some may still be old state rows when T < H) */
     float *keep = malloc((size_t)H * C * sizeof(float));
