@@ -265,6 +265,25 @@ def test_the_block_gemm_is_the_files_values_times_activations_rounded_as_llama_c
         assert native.gemm_blocks(x[i:i + 1], int(T[kind]), raw, y1, 0) and torch.equal(y1[0], y[i, 2:2 + out])
 
 
+def test_a_long_prefills_tokens_pass_the_panels_in_blocks_and_each_row_comes_out_as_if_alone():
+    """More tokens than GEMM_TOKENS (512: their activations stay in L2 while a panel passes over them): the rows of
+    every block, the last one short, as the oracle has them and bit for bit as each row's product alone."""
+    if not native.has("ds_gemm_blocks"):
+        pytest.skip("blocks.c's GEMM is built only where the CPU has AVX512-VNNI")
+    rows, out, cols = 1100, 40, 256
+    raw = torch.from_numpy(random_blocks("Q4_K", out, cols, seed=8))
+    w = torch.from_numpy(quants.dequantize(raw.numpy(), T["Q4_K"])).double().reshape(out, cols)
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(8))
+    y = torch.full((rows, out), 7.0)
+    assert native.gemm_blocks(x, int(T["Q4_K"]), raw, y, 0)
+    xa = gemm_activations(x, "Q4_K")
+    want = xa @ w.t()
+    assert ((y.double() - want).abs() <= 1e-6 * (xa.abs() @ w.abs().t()) + 1e-9).all()
+    y1 = torch.empty(1, out)
+    for i in (0, 511, 512, 1023, 1024, 1099):
+        assert native.gemm_blocks(x[i:i + 1], int(T["Q4_K"]), raw, y1, 0) and torch.equal(y1[0], y[i]), i
+
+
 @pytest.mark.parametrize("kind", ["Q2_K", "Q3_K", "TQ1_0", "TQ2_0", "NVFP4", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS",
                                   "IQ3_S", "IQ1_S", "IQ1_M"])
 def test_the_block_gemm_takes_the_types_with_a_scale_every_16_from_their_expanded_rows(kind):

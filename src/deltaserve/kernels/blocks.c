@@ -1534,6 +1534,7 @@ static void decode_tile(int type, const uint8_t *row0, size_t row_bytes, int R, 
 #define GT 6
 #define GEMM_RUN 256          /* values of a panel packed at a time where the tokens are few (blk_gemm_panel) */
 #define GEMM_RUN_TOKENS 64    /* ... up to this many tokens */
+#define GEMM_TOKENS 512       /* tokens a panel passes over at a time (ds_gemm_blocks): their activations in L2 */
 
 /* 0: Q8_0, one scale per 32, z = 128; 1: Q6_K, a scale per 16, z = 32; 2: Q4_K/Q5_K, a scale and a min per 32.
  * The types whose rows expand (expand_row) to int8 values with one scale per 32 take mode 0 as v + 128 (Q4_0, Q5_0,
@@ -2105,13 +2106,19 @@ int ds_gemm_blocks(int type, const float *x, int M, int K, long ldx, const uint8
         }
         blk_gemm_prepare(type, x, M, K, ldx, NULL, act);  /* its barrier: every row quantized before any tile */
         if (!failed) {
-            /* each thread a run of consecutive panels, the next one fetched while one is multiplied */
+            /* each thread a run of consecutive panels, the next one fetched while one is multiplied; the tokens
+               GEMM_TOKENS at a time, whose activations stay in L2 while each panel passes over them (all 2048 of
+               a long prefill's chunk, 2 MB at K = 1024, went out to L3 for every panel: 340 GMAC/s against 413 at
+               512 tokens, Q8_0 [3584, 1024] on the Xeon's two threads) */
             const int nt = omp_get_num_threads(), t = omp_get_thread_num();
             const int p0 = (int)((long)panels * t / nt), p1 = (int)((long)panels * (t + 1) / nt);
-            for (int p = p0; p < p1; p++)
-                blk_gemm_panel(type, blocks, N, K, p, act, M, 0, M, y, ldy, work,
-                               p + 1 < p1 ? blk_gemm_panel_at(type, blocks, K, p + 1) : NULL,
-                               p + 1 < p1 ? blk_gemm_panel_bytes(type, N, K, p + 1) : 0);
+            for (int m0 = 0; m0 < M; m0 += GEMM_TOKENS) {
+                const int mb = M - m0 < GEMM_TOKENS ? M - m0 : GEMM_TOKENS;
+                for (int p = p0; p < p1; p++)
+                    blk_gemm_panel(type, blocks, N, K, p, act, M, m0, mb, y + (size_t)m0 * ldy, ldy, work,
+                                   p + 1 < p1 ? blk_gemm_panel_at(type, blocks, K, p + 1) : NULL,
+                                   p + 1 < p1 ? blk_gemm_panel_bytes(type, N, K, p + 1) : 0);
+            }
         }
         free(work);
     }
