@@ -175,7 +175,8 @@ def test_bench_quants_runs_the_presets_named_and_refuses_one_it_does_not_know(tm
     from tools.bench import quants
 
     assert set(quants.NEEDS_IMATRIX) <= set(quants.PRESETS)  # the importance-matrix presets are made, not skipped
-    a = argparse.Namespace(out=str(tmp_path), quick=False, presets="IQ2_XXS,Q9_9", threads=2, repeats=1,
-                           command_line="deltaserve bench quants --presets IQ2_XXS,Q9_9")
+    assert "MXFP4_MOE" in quants.PRESETS and quants.MOE_SHAPE == "35B-A3B"  # the MoE preset, on the MoE shape
+    a = argparse.Namespace(out=str(tmp_path), quick=False, presets="IQ2_XXS,MXFP4_MOE,Q9_9", threads=2, repeats=1,
+                           command_line="deltaserve bench quants --presets IQ2_XXS,MXFP4_MOE,Q9_9")
     with pytest.raises(SystemExit, match="Q9_9 not among"):
         quants.main(a)

@@ -5,8 +5,10 @@ same file, side by side: load, pp512, decode, peak RSS, and each engine's distan
 
 Presets that llama-quantize makes only with an importance matrix (the 1- and 2-bit IQ types, IQ3_XXS / IQ3_XS,
 Q2_K_S) are made with one: llama.cpp's llama-imatrix (built here from the same source) over this checkout's README
-on the f16 file, then its llama-quantize --imatrix. `--presets A,B` runs those presets alone. Each engine runs in a
-fresh process per file.
+on the f16 file, then its llama-quantize --imatrix. MXFP4_MOE (MXFP4 experts, the rest Q8_0) is a preset of the
+MoE models: it is made from the Qwen3.5-35B-A3B shape at MOE_LAYERS of its 40 layers (f16, the full width: 256
+experts of 512, the real vocabulary), its distance measured from that f16 file's logits (deltaserve's f32 products
+of its f16 values). `--presets A,B` runs those presets alone. Each engine runs in a fresh process per file.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from tools.bench.sizes import PP, side_by_side
 NEEDS_IMATRIX = ("IQ3_XS", "IQ3_XXS", "IQ2_M", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S", "Q2_K_S")
 PRESETS = ("Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5_1", "Q5_0", "Q4_K_M", "Q4_K_S", "Q4_1", "Q4_0", "IQ4_NL", "IQ4_XS",
            "Q3_K_L", "Q3_K_M", "Q3_K_S", "IQ3_M", "IQ3_S", "Q2_K", "TQ2_0", "TQ1_0") + NEEDS_IMATRIX
+MOE_PRESETS = ("MXFP4_MOE",)  # on the MoE shape
+PRESETS += MOE_PRESETS
+MOE_SHAPE, MOE_LAYERS = "35B-A3B", 4  # (fewer than 4 hold no attention layer: llama.cpp aborts on a model without one)
 QUICK = ("Q5_0", "Q3_K_M", "IQ4_NL", "IQ4_XS", "IQ3_S", "Q2_K", "IQ2_XXS")
 LOGIT_TOKENS = 128
 
@@ -59,6 +64,14 @@ def preset_file(preset: str) -> Path | None:
     from tools.bench.peers import _llama_built
     from tools.bench.randmodel import quantize_with_llama_cpp
 
+    if preset in MOE_PRESETS:
+        out = CACHE / f"qwen35-{MOE_SHAPE}-{MOE_LAYERS}L-{preset}.gguf"
+        if out.exists():
+            return out
+        try:
+            return quantize_with_llama_cpp(model_file(MOE_SHAPE, "f16", MOE_LAYERS), out, preset)
+        except RuntimeError:
+            return None
     out = CACHE / f"qwen35-0.8B-{preset}.gguf"
     if out.exists():
         return out
@@ -77,13 +90,15 @@ def preset_file(preset: str) -> Path | None:
         return None
 
 
-def reference_logits(path: Path, out: Path) -> Path:
-    """deltaserve's exact f32 logits of the f16 file over the bench prompt's first LOGIT_TOKENS tokens (.npy)."""
+def reference_logits(path: Path, out: Path, weights: str = "exact") -> Path:
+    """deltaserve's exact f32 logits of the f16 file over the bench prompt's first LOGIT_TOKENS tokens (.npy).
+    `weights` "blocks" for the MoE shape: its f16 values multiplied in f32 as they are (exact f32 copies of all of
+    them would not fit this machine's memory)."""
     if not out.exists():
         import deltaserve
         from tools.bench.peers import bench_ids
 
-        m = deltaserve.load(path, weights="exact", cache=False)
+        m = deltaserve.load(path, weights=weights, cache=False)
         np.save(out, m.logits(bench_ids(m.config.vocab_size)[:LOGIT_TOKENS]).numpy())
     return out
 
@@ -131,6 +146,9 @@ def main(a) -> None:
                      "not_made": {}}
     ref = reference_logits(model_file("0.8B", "f16"), CACHE / "qwen35-0.8B-f16-exact-logits.npy")
     for preset in presets:
+        if preset in MOE_PRESETS:  # its own reference: the MoE shape's f16 file, made first (the preset from it)
+            f16 = model_file(MOE_SHAPE, "f16", MOE_LAYERS)
+            ref_of = reference_logits(f16, CACHE / f"qwen35-{MOE_SHAPE}-{MOE_LAYERS}L-f16-logits.npy", weights="blocks")
         path = preset_file(preset)
         if path is None:
             results["not_made"][preset] = "llama-quantize refused it" + (" (with the importance matrix)"
@@ -139,7 +157,8 @@ def main(a) -> None:
         row = {"preset": preset, "file_bytes": path.stat().st_size}
         row.update(side_by_side(path, a.threads, 16, a.repeats, f"quants {preset}"))
         for engine, fn in (("llama.cpp", "llama_distance"), ("deltaserve", "deltaserve_distance")):
-            row[engine].update(in_fresh_process(fn, path, a.threads, str(ref), module="tools.bench.quants"))
+            row[engine].update(in_fresh_process(fn, path, a.threads, str(ref_of if preset in MOE_PRESETS else ref),
+                                                module="tools.bench.quants"))
         results["rows"].append(row)
         (out / "results.json").write_text(json.dumps(results, indent=1))
     md = write_report(results, out)
@@ -148,7 +167,8 @@ def main(a) -> None:
 
 def write_report(r: dict, out: Path) -> Path:
     lines = [f"# deltaserve bench quants ({r['date']})", "", f"Command: `{r['command']}`  ",
-             f"CPU: {r['cpu']}, {r['threads']} threads. Random weights of the Qwen3.5-0.8B shape, each preset made by "
+             f"CPU: {r['cpu']}, {r['threads']} threads. Random weights of the Qwen3.5-0.8B shape (MXFP4_MOE: of the "
+             f"{MOE_SHAPE} shape at {MOE_LAYERS} of its layers), each preset made by "
              f"llama.cpp's quantizer from the f16 file; each engine in a fresh process per file: load, a {r['pp']}-token "
              f"prefill, {r['tg']} decoded tokens, peak RSS; distance: mean |logit - the f16 file's exact logit| over "
              f"{LOGIT_TOKENS} tokens. llama.cpp: llama-cpp-python on a libllama built here with "
