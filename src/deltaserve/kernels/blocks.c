@@ -1519,8 +1519,8 @@ static void decode_tile(int type, const uint8_t *row0, size_t row_bytes, int R, 
  * type: see gemm_mode) where the CPU has AVX512-VNNI and no AMX (a Zen 4/5):
  * the file's values exactly, the activations int8 as llama.cpp quantizes them for the type: per block of 32 with an
  * f16-rounded scale (Q8_0's) or, for the K-quants and the IQ and TQ types, per block of 256 with an f32 scale (Q8_K's;
- * gemm_a256), so the only rounding is the activations'. torch has no such product: its int8 GEMM wants one scale per row (requantizing Q8_0 per row
- * doubled its error), and its f32 GEMM on exact chunks ran at a third of this speed.
+ * gemm_a256), so the only rounding is the activations'. torch has no such product: its int8 GEMM wants one scale per
+ * row (requantizing Q8_0 per row doubled its error), and its f32 GEMM on exact chunks ran at a third of this speed.
  * Each thread copies a panel of GP = 32 weight rows into a buffer laid out for vpdpbusd, once per product: each
  * sub-block of 32 (Q6_K: 16) values as unsigned bytes u, 16 rows' 4 bytes per vector, and per row and sub-block a
  * scale s (and for Q4_K/Q5_K a min m) with w = s (u - z) (Q8_0: u = w + 128, z = 128; Q6_K: z = 32) or
@@ -1586,9 +1586,9 @@ static int gemm_direct(int type) {
     return type == T_Q8_0 || type == T_Q4_K || type == T_Q5_K || type == T_Q6_K;
 }
 
-static inline __attribute__((always_inline)) void gemm_tile(const int mode, const int a256, const int GT_, const uint8_t *pw,
-                                                            const float *ps, const float *po, int nb, int nbs,
-                                                            const int8_t *xq, const float *xd, const int32_t *xi,
+static inline __attribute__((always_inline)) void gemm_tile(const int mode, const int a256, const int GT_,
+                                                            const uint8_t *pw, const float *ps, const float *po,
+                                                            int nb, int nbs, const int8_t *xq, const float *xd, const int32_t *xi,
                                                             const float *xf, int K, float *out, long ldo, int nrows,
                                                             const uint8_t *pf, int pf_lines, int more) {
     /* nb blocks of the panel (pw, ps, po from the first of them; xq, xd, xi, xf likewise, a token's rows nbs blocks
