@@ -103,6 +103,14 @@ def reference_logits(path: Path, out: Path, weights: str = "exact") -> Path:
     return out
 
 
+def moe_reference() -> Path:
+    """The MoE shape's f16 logits (.npy), its f16 file written only where they are not there yet."""
+    from tools.bench.models import CACHE, model_file
+
+    out = CACHE / f"qwen35-{MOE_SHAPE}-{MOE_LAYERS}L-f16-logits.npy"
+    return out if out.exists() else reference_logits(model_file(MOE_SHAPE, "f16", MOE_LAYERS), out, weights="blocks")
+
+
 def deltaserve_distance(path: Path, threads: int, ref: str) -> dict:
     import torch
 
@@ -146,9 +154,8 @@ def main(a) -> None:
                      "not_made": {}}
     ref = reference_logits(model_file("0.8B", "f16"), CACHE / "qwen35-0.8B-f16-exact-logits.npy")
     for preset in presets:
-        if preset in MOE_PRESETS:  # its own reference: the MoE shape's f16 file, made first (the preset from it)
-            f16 = model_file(MOE_SHAPE, "f16", MOE_LAYERS)
-            ref_of = reference_logits(f16, CACHE / f"qwen35-{MOE_SHAPE}-{MOE_LAYERS}L-f16-logits.npy", weights="blocks")
+        # the MoE preset's own reference: its shape's f16 logits, made (with the f16 file) first and once
+        row_ref = moe_reference() if preset in MOE_PRESETS else ref
         path = preset_file(preset)
         if path is None:
             results["not_made"][preset] = "llama-quantize refused it" + (" (with the importance matrix)"
@@ -157,8 +164,7 @@ def main(a) -> None:
         row = {"preset": preset, "file_bytes": path.stat().st_size}
         row.update(side_by_side(path, a.threads, 16, a.repeats, f"quants {preset}"))
         for engine, fn in (("llama.cpp", "llama_distance"), ("deltaserve", "deltaserve_distance")):
-            row[engine].update(in_fresh_process(fn, path, a.threads, str(ref_of if preset in MOE_PRESETS else ref),
-                                                module="tools.bench.quants"))
+            row[engine].update(in_fresh_process(fn, path, a.threads, str(row_ref), module="tools.bench.quants"))
         results["rows"].append(row)
         (out / "results.json").write_text(json.dumps(results, indent=1))
     md = write_report(results, out)

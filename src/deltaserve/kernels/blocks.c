@@ -702,6 +702,22 @@ static inline float amax32(const float *x) {
     return hmax8(m);
 }
 
+static inline float amax256(const float *x) {
+    float amax = 0.0f;
+    for (int i = 0; i < 256; i += 32) { float a = amax32(x + i); if (a > amax) amax = a; }
+    return amax;
+}
+
+#ifdef BLK_VNNI
+/* -128 times the sum of each 4 of the 32 int8 values v, into c [8] (what the tiles' sums start from); returns the
+ * 4-sums themselves */
+static inline __m256i neg_sums4(__m256i v, int32_t *c) {
+    __m256i s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8((char)0x80), v);
+    _mm256_storeu_si256((__m256i *)c, _mm256_sub_epi32(_mm256_setzero_si256(), s));
+    return s;
+}
+#endif
+
 /* Q8_0 blocks of 32: q int8 [K], d [K/32] (the f16-rounded scale, as the block would store it); with VNNI also
  * c [K/4]: -128 times the sum of each 4 values (the decode tile multiplies w + 128 by them, see tile_q32). */
 static void quant_q8_0(const float *x, int K, int8_t *q, float *d, int32_t *c, int32_t *cb) {
@@ -712,8 +728,7 @@ static void quant_q8_0(const float *x, int K, int8_t *q, float *d, int32_t *c, i
         _mm256_storeu_si256((__m256i *)(q + b), v);
         d[b / 32] = _cvtsh_ss(_cvtss_sh(dd, 0));
 #ifdef BLK_VNNI
-        __m256i s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8((char)0x80), v);
-        _mm256_storeu_si256((__m256i *)(c + b / 4), _mm256_sub_epi32(_mm256_setzero_si256(), s));
+        __m256i s = neg_sums4(v, c + b / 4);
         if (cb) {
             __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
             h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
@@ -730,15 +745,12 @@ static void quant_q8_0(const float *x, int K, int8_t *q, float *d, int32_t *c, i
 /* quant_q8_0's output with one f32 scale per 256 values (d [K/256]; Q8_K's values, for the GEMM) */
 static void quant_q8_256(const float *x, int K, int8_t *q, float *d, int32_t *c) {
     for (int b = 0; b < K; b += 256) {
-        float amax = 0.0f;
-        for (int i = 0; i < 256; i += 32) { float a = amax32(x + b + i); if (a > amax) amax = a; }
-        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const float amax = amax256(x + b), id = amax > 0.0f ? 127.0f / amax : 0.0f;
         d[b / 256] = amax / 127.0f;
         for (int i = b; i < b + 256; i += 32) {
             __m256i v = round32(x + i, id);
             _mm256_storeu_si256((__m256i *)(q + i), v);
-            __m256i s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8((char)0x80), v);
-            _mm256_storeu_si256((__m256i *)(c + i / 4), _mm256_sub_epi32(_mm256_setzero_si256(), s));
+            neg_sums4(v, c + i / 4);
         }
     }
 }
@@ -750,9 +762,7 @@ static void quant_q8_256(const float *x, int K, int8_t *q, float *d, int32_t *c)
 #define Q45_ORDER {0, 2, 1, 3, 4, 6, 5, 7}
 static void quant_q8_k(const float *x, int K, int8_t *q, float *d, int16_t *bs, int8_t *qp) {
     for (int b = 0; b < K; b += 256) {
-        float amax = 0.0f;
-        for (int i = 0; i < 256; i += 32) { float a = amax32(x + b + i); if (a > amax) amax = a; }
-        float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const float amax = amax256(x + b), id = amax > 0.0f ? 127.0f / amax : 0.0f;
         d[b / 256] = amax / 127.0f;
         for (int i = 0; i < 256; i += 32) _mm256_storeu_si256((__m256i *)(q + b + i), round32(x + b + i, id));
         for (int i = 0; i < 256; i += 16) {
@@ -2071,16 +2081,11 @@ void blk_gemm_panel(int type, const uint8_t *blocks, int N, int K, int p, const 
 #define GEMM_TILES(MODE, A) switch (gt) { \
             case 1: GEMM_TILE(MODE, A, 1); break; case 2: GEMM_TILE(MODE, A, 2); break; case 3: GEMM_TILE(MODE, A, 3); break; \
             case 4: GEMM_TILE(MODE, A, 4); break; case 5: GEMM_TILE(MODE, A, 5); break; default: GEMM_TILE(MODE, A, GT); }
-            if (a256) {  /* (mode 4 is Q2_K's alone, per 256) */
-                if (mode == 0) GEMM_TILES(0, 1)
-                else if (mode == 4) GEMM_TILES(4, 1)
-                else if (gemm_per16(mode)) GEMM_TILES(1, 1)
-                else GEMM_TILES(2, 1)
-            } else {
-                if (mode == 0) GEMM_TILES(0, 0)
-                else if (gemm_per16(mode)) GEMM_TILES(1, 0)
-                else GEMM_TILES(2, 0)
-            }
+#define GEMM_MODES(A) if (mode == 0) GEMM_TILES(0, A) else if (mode == 4) GEMM_TILES(4, A) \
+            else if (gemm_per16(mode)) GEMM_TILES(1, A) else GEMM_TILES(2, A)
+            if (a256) GEMM_MODES(1)
+            else GEMM_MODES(0)
+#undef GEMM_MODES
 #undef GEMM_TILES
 #undef GEMM_TILE
         }

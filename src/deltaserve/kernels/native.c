@@ -534,6 +534,12 @@ typedef struct {
     __m512 kv[DR_C][2], qs[DR_C][2];
 } dr_item_t;
 
+/* rows[j]: row (token t0 + j, head h) of a [T, H, dk] array, or zero past T (a last chunk's missing tokens) */
+static inline void dr_rows(const float *a, const float *zero, int t0, int T, int H, int h, int dk,
+                           const float *rows[DR_C]) {
+    for (int j = 0; j < DR_C; j++) rows[j] = t0 + j < T ? a + ((size_t)(t0 + j) * H + h) * dk : zero;
+}
+
 static void dr_item_start(dr_item_t *it, int item, int per_head, float *buf, float *S, const float *k, const float *q,
                           const float *zero, int T, int H, int dk, int dv) {
     it->h = item / per_head, it->c0 = (item % per_head) * 32;
@@ -546,9 +552,9 @@ static void dr_item_start(dr_item_t *it, int item, int per_head, float *buf, flo
     for (int j = 0; j < DR_C; j++) {
         ku[j] = zero;
         dl[j][0] = dl[j][1] = zv;
-        kn[j] = j < T ? k + ((size_t)j * H + it->h) * dk : zero;
-        qn[j] = j < T ? q + ((size_t)j * H + it->h) * dk : zero;
     }
+    dr_rows(k, zero, 0, T, H, it->h, dk, kn);
+    dr_rows(q, zero, 0, T, H, it->h, dk, qn);
     dr_pass4(it->s, dk, _mm512_set1_ps(1.0f), dl, ku, kn, qn, it->kv, it->qs);  /* the first chunk's sums (rows unchanged) */
 }
 
@@ -580,16 +586,14 @@ static void dr_item_chunk(dr_item_t *it, int c, const dr_chunk_t *cc, const floa
         _mm512_storeu_ps(ot + 16, _mm512_fmadd_ps(vkq, dd[j][1], _mm512_mul_ps(vg, w1)));
     }
     for (int j = 0; j < DR_C; j++) {
-        const int tn = t0 + DR_C + j;  /* the next chunk's tokens, zeros past T */
-        ku[j] = j < n ? k + ((size_t)(t0 + j) * H + h) * dk : zero;
         dl[j][0] = j < n ? _mm512_mul_ps(_mm512_set1_ps(x->e[j]), dd[j][0]) : zv;
         dl[j][1] = j < n ? _mm512_mul_ps(_mm512_set1_ps(x->e[j]), dd[j][1]) : zv;
-        kn[j] = tn < T ? k + ((size_t)tn * H + h) * dk : zero;
-        qn[j] = tn < T ? q + ((size_t)tn * H + h) * dk : zero;
     }
+    dr_rows(k, zero, t0, T, H, h, dk, ku);  /* this chunk's tokens, applied; the next chunk's, gathered */
+    dr_rows(k, zero, t0 + DR_C, T, H, h, dk, kn);
+    dr_rows(q, zero, t0 + DR_C, T, H, h, dk, qn);
     dr_pass4(it->s, dk, _mm512_set1_ps(x->pn), dl, ku, kn, qn, it->kv, it->qs);
 }
-
 
 int ds_delta_rule(const float *q, const float *k, const float *v, const float *g, const float *beta, float *S,
                   float *out, int T, int H, int dk, int dv, int nthreads) {
@@ -605,7 +609,7 @@ int ds_delta_rule(const float *q, const float *k, const float *v, const float *g
     {
         /* denormals flushed to zero on this kernel's threads: a chunk's products of decays (and the state times them)
            fall below f32's normal range where the decays are strong, and each such operand or result costs a
-           microcode assist (a 0.8B prefill's 512 tokens: 21.8 ms a layer, 3.8 without them) */
+           microcode assist (a 0.8B prefill's 512 tokens: 21.8 ms a layer, 6.0 without them) */
         const unsigned int csr = _mm_getcsr();
         _mm_setcsr(csr | 0x8040);  /* FTZ, DAZ */
         #pragma omp for schedule(static)
