@@ -512,3 +512,63 @@ def test_the_gathered_experts_a_device_decodes_with_compute_the_moe_block(weight
                         + torch.sigmoid(x[t].double() @ lw.moe.shared_gate.double()) * shared[t] for t in range(3)])
     got = L.moe_gathered(x, lw.moe, lw.gate_up, lw.down).double()
     assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+
+
+# -- bench moe's decode floor ------------------------------------------------------------------------------------
+
+def test_the_decode_floor_counts_each_layers_weights_with_the_routed_experts_at_top_k_of_n_plus_its_state():
+    """bench moe's floor (the bytes a decoded token must read, from the file alone) on the fixture's f32 GGUF,
+    against transformers' parameter counts: per layer its parameters x 4 bytes with the routed experts' at 4 of 16,
+    plus a DeltaNet layer's f32 state and conv window read and written, or an attention layer's f16 K and V up to
+    the position; the head (untied here) and the final norm fixed, the embedding not."""
+    from tools.bench.moe import decode_floor
+
+    model, position = oracle_model(), 100
+    cfg = model.config
+    floor = decode_floor(fx.gguf_path(NAME, "f32"), position)
+    share = cfg.num_experts_per_tok / cfg.num_experts
+    conv_channels = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    state = 2 * 4 * (cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+                     + (cfg.linear_conv_kernel_dim - 1) * conv_channels)
+    kv = 2 * 2 * cfg.num_key_value_heads * cfg.head_dim * position
+    assert len(floor["layers"]) == cfg.num_hidden_layers
+    for i, layer in enumerate(model.model.layers):
+        params = sum(p.numel() * (share if ".experts." in name else 1.0) for name, p in layer.named_parameters())
+        extra = state if cfg.layer_types[i] == "linear_attention" else kv
+        assert floor["layers"][i] == pytest.approx(4 * params + extra, rel=1e-9), i
+    assert floor["fixed"] == 4 * (model.lm_head.weight.numel() + model.model.norm.weight.numel())
+
+
+def test_bench_moe_sets_its_floor_by_the_highest_bandwidth_and_gives_each_rounds_own_ratio(tmp_path):
+    from tools.bench import moe
+
+    def engine(pp: tuple, tg: tuple) -> dict:
+        runs = [{"load_s": 1.0, "pp": p, "tg": t, "peak_rss": 1 << 30, "route": "r"} for p, t in zip(pp, tg)]
+        return {"load_s": 1.0, "pp": moe.median(pp), "tg": moe.median(tg), "peak_rss": 1 << 30, "runs": runs}
+
+    # round 2 of llama.cpp ran on a slower host: its own ratio stands apart from the others
+    rows = [{"kind": "Q4_K_M", "layers": 4, "file_bytes": 1 << 31, "llama.cpp": engine((100, 100), (20, 20)),
+             "deltaserve": engine((300, 300), (30, 30))},
+            {"kind": "Q4_K_M", "layers": 8, "file_bytes": 1 << 32, "llama.cpp": engine((50, 50), (10, 8)),
+             "deltaserve": engine((150, 150), (15, 15))}]
+    r = {"command": "deltaserve bench moe", "threads": 2, "cpu": "x", "pp": 512, "tg": 128, "shape": "35B-A3B",
+         "layers": [4, 8], "full_layers": 40, "date": "d", "rows": rows, "read_bandwidth_runs": [20e9, 25e9, 22e9],
+         "decode_bytes": {"Q4_K_M": {"layers": [40e6] * 4, "fixed": 400e6}}}
+    r["full"] = {"Q4_K_M": {e: {w: moe.extrapolate({row["layers"]: row[e][w] for row in rows}) for w in ("pp", "tg")}
+                            for e in ("llama.cpp", "deltaserve")}}
+    r["rounds"] = {"Q4_K_M": {w: [d / l for d, l in zip(moe.per_round(rows, "deltaserve", w), moe.per_round(rows, "llama.cpp", w))]
+                              for w in ("pp", "tg")}}
+    r["floor"] = moe.ceilings(r)
+    f = r["floor"]["Q4_K_M"]
+    assert f["read_bandwidth"] == 25e9 and f["per_layer_ms"] == pytest.approx(1.6)  # 40 MB at 25 GB/s
+    # llama.cpp (medians 20 and 9 tok/s): 1/9 - 1/20 s over 4 layers, at 40 layers 0.6 s a token. The floor: 16 ms
+    # fixed + 40 x 1.6 = 80 ms, 12.5 tok/s: 7.5x llama.cpp's is the most any engine could show here
+    assert f["full"] == pytest.approx(12.5) and f["ratio_ceiling"] == pytest.approx(7.5)
+    assert f["of_floor"]["deltaserve"] == pytest.approx(1.6 / (1e3 * (1 / 15 - 1 / 30) / 4))
+    # each round's own 40-layer ratio: round 2's llama.cpp decode at 8 layers was slower
+    tg = r["rounds"]["Q4_K_M"]["tg"]
+    assert tg[0] == pytest.approx(1.5) and tg[1] > tg[0]  # 3 tok/s at 40 layers against 2, then against less
+    text = moe.write_report(r, tmp_path).read_text()
+    assert "25.0 GB/s, the highest of 3 measurements in the run (20.0-25.0 GB/s)" in text
+    assert "| Q4_K_M | 38.1 | 381 | 1.60 | 9.55x | 5.21x | 12.50 | 7.50x |" in text
+    assert "tg 1.50x, " in text
