@@ -180,3 +180,12 @@ def test_bench_quants_runs_the_presets_named_and_refuses_one_it_does_not_know(tm
                            command_line="deltaserve bench quants --presets IQ2_XXS,MXFP4_MOE,Q9_9")
     with pytest.raises(SystemExit, match="Q9_9 not among"):
         quants.main(a)
+
+
+def test_a_bench_reports_command_line_starts_with_the_route_variables_set_so_that_it_reruns_the_same_route():
+    from tools.bench.run import command_line
+
+    env = {"DELTASERVE_AMX": "off", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "HOME": "/root", "DELTASERVE_ISA": ""}
+    assert command_line(["moe", "--repeats", "3"], env) == \
+        "DELTASERVE_AMX=off ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 deltaserve bench moe --repeats 3"
+    assert command_line(["quants", "--presets", "Q4_0,IQ2_XS"], {}) == "deltaserve bench quants --presets Q4_0,IQ2_XS"

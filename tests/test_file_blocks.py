@@ -486,6 +486,8 @@ def test_bf16_chunks_of_blocks_with_a_nan_or_infinite_scale_round_as_torch_round
 def test_int8_chunks_multiply_each_chunk_requantized_per_row_and_leave_the_down_projection_exact(monkeypatch):
     """DELTASERVE_PREFILL=int8 (the int8 tables' prefill without the tables, for AVX512-VNNI CPUs without AMX): the
     weight's exact values requantized per row, the activations per row, an int8 GEMM, nothing kept."""
+    if not L.int8_gemm_exact():
+        pytest.skip("torch's int8 GEMM is not exact on this CPU: the next test covers what runs instead")
     monkeypatch.setenv("DELTASERVE_PREFILL", "int8")
     rows, cols = 300, 512
     for kind in ("Q8_0", "Q4_K", "Q6_K"):
@@ -502,3 +504,34 @@ def test_int8_chunks_multiply_each_chunk_requantized_per_row_and_leave_the_down_
         exact = x.double() @ lin.dense().double().t()
         assert ((lin(x) - exact).norm(dim=1) / exact.norm(dim=1)).max().item() < 1e-6, kind
     assert "int8 GEMM" in L.blocks_route()
+
+
+def test_torchs_int8_gemm_is_found_inexact_where_onednn_has_no_vnni_or_amx():
+    """oneDNN held to AVX2 (a Zen 3's) multiplies u8 x s8 pairs into saturating int16: linear.int8_gemm_exact's probe
+    finds it, on any CPU (a process of its own: oneDNN reads the variable once)."""
+    import os
+    import subprocess
+    import sys
+
+    probe = "from deltaserve.kernels import linear; print(linear.int8_gemm_exact())"
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == "False", out.stderr[-500:]
+
+
+def test_where_torchs_int8_gemm_is_not_exact_int8_prefills_run_exact_chunks_or_bf16_tables_and_say_so(monkeypatch):
+    """DELTASERVE_PREFILL=int8 and the int8 tables' many-row products never reach an inexact int8 GEMM: the blocks'
+    chunks run exact f32, the tables bf16, and the route lines say why."""
+    monkeypatch.setattr(L, "_INT8_EXACT", [False])
+    monkeypatch.setattr(L.torch, "_int_mm", lambda *a: (_ for _ in ()).throw(AssertionError("int8 GEMM called")))
+    monkeypatch.setenv("DELTASERVE_PREFILL", "int8")  # settings read again (conftest)
+    rows, cols = 300, 512
+    raw = torch.from_numpy(random_blocks("Q4_K", rows, cols, seed=23))
+    lin = L.BlockLinear([("Q4_K", raw)], cols)
+    x = torch.randn(L.block_rows() + 40, cols, generator=torch.Generator().manual_seed(5))
+    exact = x.double() @ lin.dense().double().t()
+    assert ((lin(x) - exact).norm(dim=1) / exact.norm(dim=1)).max().item() < 1e-6
+    assert "DELTASERVE_PREFILL=int8 not taken: torch's int8 GEMM does not sum exactly" in L.blocks_route()
+    table = L.Int8Linear.from_float(lin.dense())
+    assert table.path(L.BF16_GEMM_ROWS + 1) == "bf16"
+    assert "prefills on bf16 tables, not int8 x int8" in L.int8_route()

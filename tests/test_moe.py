@@ -527,7 +527,8 @@ def test_the_decode_floor_counts_each_layers_weights_with_the_routed_experts_at_
     cfg = model.config
     floor = decode_floor(fx.gguf_path(NAME, "f32"), position)
     share = cfg.num_experts_per_tok / cfg.num_experts
-    conv_channels = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    conv_channels = (2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
+                     + cfg.linear_num_value_heads * cfg.linear_value_head_dim)
     state = 2 * 4 * (cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
                      + (cfg.linear_conv_kernel_dim - 1) * conv_channels)
     kv = 2 * 2 * cfg.num_key_value_heads * cfg.head_dim * position
@@ -556,8 +557,8 @@ def test_bench_moe_sets_its_floor_by_the_highest_bandwidth_and_gives_each_rounds
          "decode_bytes": {"Q4_K_M": {"layers": [40e6] * 4, "fixed": 400e6}}}
     r["full"] = {"Q4_K_M": {e: {w: moe.extrapolate({row["layers"]: row[e][w] for row in rows}) for w in ("pp", "tg")}
                             for e in ("llama.cpp", "deltaserve")}}
-    r["rounds"] = {"Q4_K_M": {w: [d / l for d, l in zip(moe.per_round(rows, "deltaserve", w), moe.per_round(rows, "llama.cpp", w))]
-                              for w in ("pp", "tg")}}
+    r["rounds"] = {"Q4_K_M": {w: [d / l for d, l in zip(moe.per_round(rows, "deltaserve", w),
+                                                         moe.per_round(rows, "llama.cpp", w))] for w in ("pp", "tg")}}
     r["floor"] = moe.ceilings(r)
     f = r["floor"]["Q4_K_M"]
     assert f["read_bandwidth"] == 25e9 and f["per_layer_ms"] == pytest.approx(1.6)  # 40 MB at 25 GB/s

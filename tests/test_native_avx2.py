@@ -259,3 +259,41 @@ def test_on_a_trained_q4_k_m_file_the_one_call_decode_on_its_blocks_is_the_torch
     own = (theirs - want).abs().mean().item()
     assert (ours - theirs).abs().mean().item() <= 0.1 * own, ((ours - theirs).abs().mean().item(), own)
     assert ((ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()) >= 0.97
+
+
+# the tests a Zen 3 (AVX2, FMA, F16C; no AVX512) runs its kernels by: this file's, and the MoE decode's against
+# transformers and torch on the file's blocks
+AVX2_ROUTE_TESTS = ["tests/test_native_avx2.py"] + [
+    f"tests/test_moe.py::test_{name}" for name in (
+        "token_by_token_decode_matches_transformers", "one_prefill_matches_transformers",
+        "the_one_call_decode_is_the_torch_decode_to_rounding_ties_and_a_batch_is_each_sequence_alone",
+        "llama_quantizes_files_are_no_farther_from_f32_than_llama_cpp_on_the_same_files")]
+AVX2_ENV = {"DELTASERVE_ISA": "avx2", "DELTASERVE_AMX": "off", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2",
+            "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
+
+def test_an_avx512_machine_builds_the_avx2_route_a_zen_3_takes_and_its_kernels_pass_their_tests():
+    """DELTASERVE_ISA=avx2 builds the library for AVX2 alone and hides AVX512 and AMX from the route decisions; on an
+    AVX512 machine (where the suite would not touch those kernels otherwise) the AVX2 build's kernels pass this
+    file's tests and the MoE decode's, in a pytest of its own (the settings are read once a process)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if not native.status()[0]:
+        pytest.skip("this machine's library is the AVX2 route already: the suite runs its kernels")
+    if os.environ.get("DELTASERVE_ISA"):
+        pytest.skip("the suite runs on a chosen route already")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, **AVX2_ENV}
+    probe = ("from deltaserve.kernels import native; print(native.portable()[1], native.has('ds_gemm_blocks'), "
+             "sorted(f for f in native.cpu_flags() if f.startswith(('avx512', 'amx'))))")
+    out = subprocess.run([sys.executable, "-c", probe], env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert out.stdout.split("\n")[0] == "AVX2 False []", out.stderr[-800:]
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not avx2_route",
+                          *AVX2_ROUTE_TESTS], env=env, cwd=root, capture_output=True, text=True, timeout=1200)
+    tail = run.stdout[-3000:]
+    assert run.returncode == 0, tail
+    passed = int(tail.rsplit(" passed", 1)[0].split()[-1])
+    assert passed >= 20 and " failed" not in tail, tail

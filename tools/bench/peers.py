@@ -34,11 +34,11 @@ LLAMA_AVX512_FLAGS = {"avx512f": "-DGGML_AVX512=ON", "avx512_vnni": "-DGGML_AVX5
 
 
 def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
-    except OSError:
-        return set()
+    """This CPU's flags as deltaserve's build sees them (DELTASERVE_ISA=avx2: without AVX512 and AMX, so that the
+    llama.cpp beside it is built for AVX2 too)."""
+    from deltaserve.kernels.native import cpu_flags as flags
+
+    return set(flags())
 
 
 def llama_cpu_flags(flags: set[str] | None = None) -> tuple[str, ...]:

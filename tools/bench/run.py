@@ -8,6 +8,7 @@ directory ($DELTASERVE_CACHE_DIR or ~/.cache/deltaserve, in bench/).
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 import time
@@ -73,8 +74,19 @@ def out_dir(what: str, out: str | None, now: float | None = None) -> Path:
     return path
 
 
+# variables that change a route: a report's command line starts with those set, so that it reproduces the run
+ROUTE_VARIABLES = ("DELTASERVE_ISA", "DELTASERVE_AMX", "DELTASERVE_WEIGHTS", "DELTASERVE_PREFILL",
+                   "DELTASERVE_ACTIVATIONS", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
+
+
+def command_line(argv: list[str], environ=os.environ) -> str:
+    """The command as a shell would rerun it: the route variables set, then `deltaserve bench` and its arguments."""
+    env = [f"{k}={shlex.quote(environ[k])}" for k in ROUTE_VARIABLES if environ.get(k)]
+    return " ".join(env + ["deltaserve bench"] + [shlex.quote(x) for x in argv])
+
+
 def main(a) -> int:
-    a.command_line = "deltaserve bench " + " ".join(shlex.quote(x) for x in sys.argv[1:])
+    a.command_line = command_line(sys.argv[1:])
     a.out = str(out_dir(a.what, a.out))
     print(f"[bench] results go under {Path(a.out).resolve()}", file=sys.stderr)
     if a.threads:

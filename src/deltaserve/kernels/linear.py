@@ -108,6 +108,25 @@ def quantize_rows_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+_INT8_EXACT: list[bool] = []
+
+
+def int8_gemm_exact() -> bool:
+    """Whether torch's int8 GEMM (torch._int_mm) sums exactly on this CPU. Where oneDNN has neither AVX512-VNNI nor
+    AMX (an AVX2 CPU, a Zen 3; or oneDNN held to AVX2) it multiplies u8 x s8 pairs into int16 with saturation
+    (vpmaddubsw), and its sums come out wrong: off by up to 90,924 on random int8 [64, 512] x [512, 64] with
+    ONEDNN_MAX_CPU_ISA=AVX2 on the Xeon here, exact without it. Probed once, on a product whose answer is known."""
+    if not _INT8_EXACT:
+        g = torch.Generator().manual_seed(0)
+        a = torch.randint(-127, 128, (32, 256), dtype=torch.int8, generator=g)
+        b = torch.randint(-127, 128, (256, 32), dtype=torch.int8, generator=g)
+        try:
+            _INT8_EXACT.append(bool(torch.equal(torch._int_mm(a, b), a.int() @ b.int())))
+        except RuntimeError:
+            _INT8_EXACT.append(False)
+    return _INT8_EXACT[0]
+
+
 def int8_product(xq: tuple[torch.Tensor, torch.Tensor], wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
     """f32 [M, N] of int8 rows times an int8 weight [N, K] (xq: the rows and their scales; ws: the weight's row
     scales): torch's int8 GEMM, then both scales in one pass."""
@@ -184,7 +203,7 @@ class Int8Linear(Linear):
         int8 = activations() == "int8"
         if rows <= NATIVE_ROWS and int8 and native.takes(self.in_features):
             return "native"  # per-block activation scales: also fine for the down projection's outliers
-        int8 = self.int8_activations and int8
+        int8 = self.int8_activations and int8 and int8_gemm_exact()  # else bf16 (int8_route says so)
         if rows <= DECODE_ROWS or (rows <= BF16_GEMM_ROWS and not int8):
             return "weight-only"
         return "int8" if int8 else "bf16"
@@ -281,6 +300,8 @@ def int8_chunks_fast() -> bool:
 def prefill_mode() -> str:
     """DELTASERVE_PREFILL: "f32", "bf16" or "int8" (every chunk in that dtype), else "auto"."""
     mode = settings.current().prefill
+    if mode == "int8" and not int8_gemm_exact():
+        return "f32"  # blocks_route says why
     return mode if mode in ("f32", "bf16", "int8") else "auto"
 
 
@@ -512,8 +533,13 @@ def blocks_route() -> str:
                         "no AMX), Q8_0 and 16-bit ones' exact f32 chunks and torch's f32 GEMM" if auto else
                         "chunks requantized to int8 per row and torch's int8 GEMM (DELTASERVE_PREFILL=int8)"}.get(
         chunk_dtype(), "exact f32 chunks and torch's f32 GEMM")
+    if settings.current().prefill == "int8" and prefill_mode() != "int8":
+        many += f" (DELTASERVE_PREFILL=int8 not taken: {INT8_INEXACT})"
     return (f"products on the file's own blocks: up to {block_rows()} rows on the native kernel ({why}, "
             f"activations int8 per block as llama.cpp's), more rows on {many}")
+
+
+INT8_INEXACT = "torch's int8 GEMM does not sum exactly on this CPU (no AVX512-VNNI or AMX: its int16 pair sums saturate)"
 
 
 def int8_route() -> str:
@@ -521,9 +547,10 @@ def int8_route() -> str:
     if activations() != "int8":
         return f"int8 tables with bf16 activations (DELTASERVE_ACTIVATIONS={activations()})"
     ok, why = native.status()
+    prefill = "" if int8_gemm_exact() else f"; prefills on bf16 tables, not int8 x int8: {INT8_INEXACT}"
     if ok:
-        return f"int8 decode products on the native kernel ({why})"
-    return f"int8 decode products on torch's weight-only kernel (native kernel not used: {why})"
+        return f"int8 decode products on the native kernel ({why}){prefill}"
+    return f"int8 decode products on torch's weight-only kernel (native kernel not used: {why}){prefill}"
 
 
 def row_view(layer: Linear, r0: int, r1: int) -> Linear:

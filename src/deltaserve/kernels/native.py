@@ -88,14 +88,25 @@ def cache_dir() -> Path:
 
 
 def _cpu_flags() -> set[str]:
+    """/proc/cpuinfo's flags, less AVX512's and AMX's under DELTASERVE_ISA=avx2 (every decision taken on them then
+    takes an AVX2 CPU's route: the build, AMX, the bench's llama.cpp)."""
+    flags: set[str] = set()
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+            flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
     except OSError:
         pass
-    return set()
+    if settings.current().isa == "avx2":
+        flags = {f for f in flags if not f.startswith(("avx512", "amx", "avx_vnni"))}
+    return flags
+
+
+def build_flags() -> list[str]:
+    """The compiler's flags: this CPU's instructions, or AVX2, FMA and F16C alone (Haswell's) under
+    DELTASERVE_ISA=avx2."""
+    if settings.current().isa == "avx2":
+        return [f if f != "-march=native" else "-march=haswell" for f in FLAGS]
+    return FLAGS
 
 
 def cpu_flags() -> set[str]:
@@ -111,7 +122,7 @@ def _sources() -> list[Path]:
 
 def _build(cc: str) -> Path:
     """The shared library for these sources, compiler and CPU, built if not cached. Raises RuntimeError."""
-    return build_library("native", _sources(), FLAGS, cc=cc, headers=sorted(HERE.glob("*.h")),
+    return build_library("native", _sources(), build_flags(), cc=cc, headers=sorted(HERE.glob("*.h")),
                          source_flags=SOURCE_FLAGS, link=["-fopenmp", "-lm"], key_extra=" ".join(sorted(_cpu_flags())),
                          what="the native kernel")
 
