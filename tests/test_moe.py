@@ -542,10 +542,11 @@ def test_the_decode_floor_counts_each_layers_weights_with_the_routed_experts_at_
 
 def test_bench_moe_sets_its_floor_by_the_highest_bandwidth_and_gives_each_rounds_own_ratio(tmp_path):
     from tools.bench import moe
+    from tools.bench.peers import median
 
     def engine(pp: tuple, tg: tuple) -> dict:
         runs = [{"load_s": 1.0, "pp": p, "tg": t, "peak_rss": 1 << 30, "route": "r"} for p, t in zip(pp, tg)]
-        return {"load_s": 1.0, "pp": moe.median(pp), "tg": moe.median(tg), "peak_rss": 1 << 30, "runs": runs}
+        return {"load_s": 1.0, "pp": median(pp), "tg": median(tg), "peak_rss": 1 << 30, "runs": runs}
 
     # round 2 of llama.cpp ran on a slower host: its own ratio stands apart from the others
     rows = [{"kind": "Q4_K_M", "layers": 4, "file_bytes": 1 << 31, "llama.cpp": engine((100, 100), (20, 20)),

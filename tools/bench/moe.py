@@ -25,8 +25,8 @@ import json
 import time
 from pathlib import Path
 
-from tools.bench.peers import _cpu_name, in_fresh_process, median, use_best_llama
-from tools.bench.sizes import PP, side_by_side
+from tools.bench.peers import _cpu_name, in_fresh_process, use_best_llama
+from tools.bench.sizes import PP, engine_medians, side_by_side
 
 SHAPE = "35B-A3B"
 LAYERS = (4, 8)
@@ -84,7 +84,8 @@ def decode_floor(path: Path, position: int) -> dict:
 
 
 def bandwidth_run(path: Path, threads: int) -> dict:
-    """The host's read bandwidth now (in a process of its own: the bench's own process keeps no OpenMP team)."""
+    """The host's read bandwidth now (in a process of its own: the bench's own process keeps no OpenMP team; `path`
+    unused, as in_fresh_process passes one)."""
     from tools.bench.peers import read_bandwidth
 
     return {"read_bandwidth": read_bandwidth(threads)}
@@ -97,11 +98,11 @@ def ceilings(results: dict) -> dict:
     bw = max(results["read_bandwidth_runs"])
     out = {}
     for kind, d in results["decode_bytes"].items():
-        per_layer = sum(d["layers"]) / len(d["layers"]) / bw
-        fixed = d["fixed"] / bw
+        layer_bytes = sum(d["layers"]) / len(d["layers"])
+        per_layer, fixed = layer_bytes / bw, d["fixed"] / bw
         full = 1.0 / (fixed + FULL * per_layer)
         engines = results["full"][kind]
-        out[kind] = {"read_bandwidth": bw, "bytes_per_layer": sum(d["layers"]) / len(d["layers"]),
+        out[kind] = {"read_bandwidth": bw, "bytes_per_layer": layer_bytes,
                      "fixed_bytes": d["fixed"], "per_layer_ms": per_layer * 1e3, "fixed_ms": fixed * 1e3,
                      "full": full, "ratio_ceiling": full / engines["llama.cpp"]["tg"]["full"],
                      "of_floor": {e: per_layer * 1e3 / m["tg"]["per_layer_ms"] for e, m in engines.items()}}
@@ -137,10 +138,13 @@ def main(a) -> None:
             results["read_bandwidth_runs"].append(in_fresh_process("bandwidth_run", paths[min(LAYERS)], a.threads,
                                                                    module="tools.bench.moe")["read_bandwidth"])
             for layers, path in paths.items():
-                rounds[layers].append(side_by_side(path, a.threads, tg, 1, f"moe {kind} {layers} layers, round {i + 1}"))
+                label = f"moe {kind} {layers} layers, round {i + 1}"
+                rounds[layers].append(side_by_side(path, a.threads, tg, 1, label))
         for layers, path in paths.items():
             row = {"kind": kind, "layers": layers, "file_bytes": path.stat().st_size}
-            row.update(merge_rounds(rounds[layers]))
+            # side_by_side's rounds of one run each, as one: each engine's medians over the rounds, and its runs
+            row.update(engine_medians({e: [run for r in rounds[layers] for run in r[e]["runs"]]
+                                       for e in ("llama.cpp", "deltaserve")}))
             results["rows"].append(row)
         (out / "results.json").write_text(json.dumps(results, indent=1))
     results["read_bandwidth_runs"].append(in_fresh_process("bandwidth_run", paths[min(LAYERS)], a.threads,
@@ -157,15 +161,6 @@ def main(a) -> None:
     (out / "results.json").write_text(json.dumps(results, indent=1))
     md = write_report(results, out)
     print(md.read_text())
-
-
-def merge_rounds(rounds: list[dict]) -> dict:
-    """side_by_side's results of one round each, as one: each engine's medians over the rounds and all its runs."""
-    out = {}
-    for engine in ("llama.cpp", "deltaserve"):
-        runs = [run for r in rounds for run in r[engine]["runs"]]
-        out[engine] = {**{k: median([run[k] for run in runs]) for k in ("load_s", "pp", "tg", "peak_rss")}, "runs": runs}
-    return out
 
 
 def write_report(r: dict, out: Path) -> Path:

@@ -118,6 +118,11 @@ def side_by_side(path: Path, threads: int, tg: int, repeats: int, label: str, ru
                 run.update(in_fresh_process(fn.replace("_sizes", "_run_rss"), path, threads, PP, tg,
                                             module="tools.bench.sizes"))
             runs[engine].append(run)
+    return engine_medians(runs, run_rss)
+
+
+def engine_medians(runs: dict[str, list], run_rss: bool = False) -> dict:
+    """{engine: its runs' medians of each measure, and the runs} from {engine: [one run's measures, ..]}."""
     keys = ("load_s", "pp", "tg", "peak_rss") + (("run_rss",) if run_rss else ())
     return {engine: {**{k: median([r[k] for r in rs]) for k in keys}, "runs": rs} for engine, rs in runs.items()}
 

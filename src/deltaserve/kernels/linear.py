@@ -127,6 +127,9 @@ def int8_gemm_exact() -> bool:
     return _INT8_EXACT[0]
 
 
+INT8_INEXACT = "torch's int8 GEMM does not sum exactly on this CPU (no AVX512-VNNI or AMX: its int16 pair sums saturate)"
+
+
 def int8_product(xq: tuple[torch.Tensor, torch.Tensor], wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
     """f32 [M, N] of int8 rows times an int8 weight [N, K] (xq: the rows and their scales; ws: the weight's row
     scales): torch's int8 GEMM, then both scales in one pass."""
@@ -538,8 +541,6 @@ def blocks_route() -> str:
     return (f"products on the file's own blocks: up to {block_rows()} rows on the native kernel ({why}, "
             f"activations int8 per block as llama.cpp's), more rows on {many}")
 
-
-INT8_INEXACT = "torch's int8 GEMM does not sum exactly on this CPU (no AVX512-VNNI or AMX: its int16 pair sums saturate)"
 
 
 def int8_route() -> str:
