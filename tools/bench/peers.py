@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from deltaserve.kernels.native import cpu_flags  # as deltaserve's build sees them (DELTASERVE_ISA=avx2: no AVX512)
 from tools.bench.models import CACHE, REPO, model_file
 
 PP = 512
@@ -31,14 +32,6 @@ PP = 512
 LLAMA_BASE_FLAGS = ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON")
 LLAMA_AVX512_FLAGS = {"avx512f": "-DGGML_AVX512=ON", "avx512_vnni": "-DGGML_AVX512_VNNI=ON",
                       "avx512_bf16": "-DGGML_AVX512_BF16=ON", "avx512vbmi": "-DGGML_AVX512_VBMI=ON"}
-
-
-def cpu_flags() -> set[str]:
-    """This CPU's flags as deltaserve's build sees them (DELTASERVE_ISA=avx2: without AVX512 and AMX, so that the
-    llama.cpp beside it is built for AVX2 too)."""
-    from deltaserve.kernels.native import cpu_flags as flags
-
-    return set(flags())
 
 
 def llama_cpu_flags(flags: set[str] | None = None) -> tuple[str, ...]:

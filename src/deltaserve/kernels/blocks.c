@@ -977,6 +977,13 @@ static inline __attribute__((always_inline)) void row_q6k(const uint8_t *row, in
     }
     for (int m = 0; m < M; m++) out[m] = blk_hsum8(vacc[m]);
 }
+
+/* a Q6_K row, or a Q4_K/Q5_K one */
+static inline __attribute__((always_inline)) void row_k(int type, const uint8_t *row, int K, const act_t *a,
+                                                        const int M, float *out) {
+    if (type == T_Q6_K) row_q6k(row, K, a, M, out);
+    else row_q45k(type, row, K, a, M, out);
+}
 #endif
 
 /* F16 / BF16: the weights widened to f32 (exact) and multiplied with the f32 activations, 8 at a time. */
@@ -2746,16 +2753,12 @@ void blk_tiles_rows(int type, const uint8_t *blocks, int N, int K, void *scratch
             float out[MG];
             if (kind == 3) row_half(type, row, K, a, mg, out);
 #ifndef BLK_VNNI
-            else if (type == T_Q6_K) {  /* M a constant for one row (a decode) and for MG: the sums stay in
-                                           registers (with M a variable they lived on the stack: Q6_K 1.8x and
-                                           Q4_K 2.5x slower, hot in L2) */
-                if (mg == 1) row_q6k(row, K, a, 1, out);
-                else if (mg == MG) row_q6k(row, K, a, MG, out);
-                else row_q6k(row, K, a, mg, out);
-            } else if (kind == 2) {
-                if (mg == 1) row_q45k(type, row, K, a, 1, out);
-                else if (mg == MG) row_q45k(type, row, K, a, MG, out);
-                else row_q45k(type, row, K, a, mg, out);
+            else if (type == T_Q6_K || kind == 2) {  /* M a constant for one row (a decode) and for MG: the sums
+                                                        stay in registers (with M a variable they lived on the
+                                                        stack: Q6_K 1.8x and Q4_K 2.5x slower, hot in L2) */
+                if (mg == 1) row_k(type, row, K, a, 1, out);
+                else if (mg == MG) row_k(type, row, K, a, MG, out);
+                else row_k(type, row, K, a, mg, out);
             } else row_q32(type, row, K, a, mg, out);
 #endif
             for (int m = 0; m < mg; m++) y[(size_t)(m0 + m) * ldy + n] = out[m];

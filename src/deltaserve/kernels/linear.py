@@ -542,7 +542,6 @@ def blocks_route() -> str:
             f"activations int8 per block as llama.cpp's), more rows on {many}")
 
 
-
 def int8_route() -> str:
     """What a CPU decode product of an int8 table runs on, said in the backend's description."""
     if activations() != "int8":

@@ -123,7 +123,7 @@ def _sources() -> list[Path]:
 def _build(cc: str) -> Path:
     """The shared library for these sources, compiler and CPU, built if not cached. Raises RuntimeError."""
     return build_library("native", _sources(), build_flags(), cc=cc, headers=sorted(HERE.glob("*.h")),
-                         source_flags=SOURCE_FLAGS, link=["-fopenmp", "-lm"], key_extra=" ".join(sorted(_cpu_flags())),
+                         source_flags=SOURCE_FLAGS, link=["-fopenmp", "-lm"], key_extra=" ".join(sorted(cpu_flags())),
                          what="the native kernel")
 
 
@@ -157,7 +157,7 @@ SIGNATURES = {
 def _load() -> tuple[ctypes.CDLL | None, str]:
     if not settings.current().native:
         return None, "turned off by DELTASERVE_NATIVE"
-    missing = [f for f in NEEDS if f not in _cpu_flags()]
+    missing = [f for f in NEEDS if f not in cpu_flags()]
     if missing:
         return None, f"this CPU lacks {', '.join(missing)}"
     cc = compiler()
@@ -209,7 +209,7 @@ def status() -> tuple[bool, str]:
     if lib is None:
         return False, _state["why"]
     if not hasattr(lib, "ds_linear_i8"):
-        missing = [f for f in NEEDS_AVX512 if f not in _cpu_flags()]
+        missing = [f for f in NEEDS_AVX512 if f not in cpu_flags()]
         return False, f"this CPU lacks {', '.join(missing or NEEDS_AVX512)}"
     return True, "AVX512-VNNI, int8 activations per block of 32"
 
