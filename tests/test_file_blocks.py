@@ -237,6 +237,10 @@ def test_without_amx_every_quantized_type_takes_the_gemm_on_its_own_values_and_a
     assert "16-bit ones' exact f32 chunks" in line and "requantized" not in line
 
 
+# the kinds the AVX2 build's GEMM takes (vpmaddubsw: their packed values below 64)
+AVX2_GEMM_KINDS = ("Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q5_1", "Q2_K")
+
+
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS",
                                   "MXFP4"])
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 40, 300])
@@ -248,12 +252,16 @@ def test_the_block_gemm_is_the_files_values_times_activations_rounded_as_llama_c
     The oracle: gguf's values of the weight times the activations as llama.cpp rounds them for the type (Q8_0's
     blocks of 32, Q8_K's of 256 for the K-quants and IQ4_XS), in float64."""
     if not native.has("ds_gemm_blocks"):
-        pytest.skip("blocks.c's GEMM is built only where the CPU has AVX512-VNNI")
+        pytest.skip("blocks.c's GEMM is not built here")
     cols = 512
     raw = torch.from_numpy(random_blocks(kind, out, cols, seed=out))
     w = torch.from_numpy(quants.dequantize(raw.numpy(), T[kind])).double().reshape(out, cols)
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)) * 4
     y = torch.full((rows, out + 5), 7.0)
+    if not native.gemm_takes(int(T[kind])):  # the AVX2 build: Q8_0 and the types packed as v + 128 saturate there
+        assert kind not in AVX2_GEMM_KINDS and not native.status()[0]
+        assert not native.gemm_blocks(x, int(T[kind]), raw, y, 2) and (y == 7).all()
+        return
     assert native.gemm_blocks(x, int(T[kind]), raw, y, 2)
     xa = gemm_activations(x, kind)
     want = xa @ w.t()
@@ -269,7 +277,7 @@ def test_a_long_prefills_tokens_pass_the_panels_in_blocks_and_each_row_comes_out
     """More tokens than GEMM_TOKENS (512: their activations stay in L2 while a panel passes over them): the rows of
     every block, the last one short, as the oracle has them and bit for bit as each row's product alone."""
     if not native.has("ds_gemm_blocks"):
-        pytest.skip("blocks.c's GEMM is built only where the CPU has AVX512-VNNI")
+        pytest.skip("blocks.c's GEMM is not built here")
     rows, out, cols = 1100, 40, 256
     raw = torch.from_numpy(random_blocks("Q4_K", out, cols, seed=8))
     w = torch.from_numpy(quants.dequantize(raw.numpy(), T["Q4_K"])).double().reshape(out, cols)
@@ -292,7 +300,7 @@ def test_the_block_gemm_takes_the_types_with_a_scale_every_16_from_their_expande
     gguf's values times the activations as llama.cpp rounds them (Q8_K's blocks of 256; NVFP4 Q8_0's of 32). A 16-bit
     tensor is not taken: its product says so and writes nothing."""
     if not native.has("ds_gemm_blocks"):
-        pytest.skip("blocks.c's GEMM is built only where the CPU has AVX512-VNNI")
+        pytest.skip("blocks.c's GEMM is not built here")
     from tests.test_quant import random_raw
 
     out, cols = 40, 512
@@ -305,6 +313,10 @@ def test_the_block_gemm_takes_the_types_with_a_scale_every_16_from_their_expande
     for rows in (1, 7, 40):
         x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)) * 4
         y = torch.full((rows, out), 7.0)
+        if not native.gemm_takes(int(T[kind])):  # the AVX2 build (see above)
+            assert kind not in AVX2_GEMM_KINDS and not native.status()[0]
+            assert not native.gemm_blocks(x, int(T[kind]), raw, y, 0) and (y == 7).all()
+            continue
         assert native.gemm_blocks(x, int(T[kind]), raw, y, 0)
         xa = gemm_activations(x, kind)
         want = xa @ w.t()
@@ -374,8 +386,9 @@ def test_the_default_weights_are_the_files_own_blocks_with_or_without_amx(amx, m
     elif native.status()[0]:
         assert "4- to 6-bit blocks' chunks requantized to int8 per row and torch's int8 GEMM (AVX512-VNNI, no AMX)" \
             in line, line
-    else:
-        assert "more rows on exact f32 chunks and torch's f32 GEMM" in line, line
+    else:  # the AVX2 route: its GEMM takes the K-quants (not Q8_0: its pair sums would saturate)
+        assert "more rows on the Q4_K, Q5_K, Q6_K, Q4_1, Q5_1, Q2_K blocks on the native kernel's GEMM" in line, line
+        assert "the other types' exact f32 chunks and torch's f32 GEMM" in line, line
 
 
 @pytest.mark.parametrize("amx", ["on", "off"])

@@ -263,7 +263,13 @@ def test_on_a_trained_q4_k_m_file_the_one_call_decode_on_its_blocks_is_the_torch
 
 # the tests a Zen 3 (AVX2, FMA, F16C; no AVX512) runs its kernels by: this file's, and the MoE decode's against
 # transformers and torch on the file's blocks
-AVX2_ROUTE_TESTS = ["tests/test_native_avx2.py"] + [
+AVX2_ROUTE_TESTS = ["tests/test_native_avx2.py",
+                    "tests/test_file_blocks.py::test_the_block_gemm_takes_the_types_with_a_scale_every_16_from_their_expanded_rows",
+                    "tests/test_file_blocks.py::test_a_long_prefills_tokens_pass_the_panels_in_blocks_and_each_row_comes_out_as_if_alone",
+                    "tests/test_file_blocks.py::test_the_default_weights_are_the_files_own_blocks_with_or_without_amx"] + [
+    "tests/test_file_blocks.py::test_the_block_gemm_is_the_files_values_times_activations_rounded_as_llama_cpp_rounds_them_"
+    f"whatever_the_shape[{out}-{rows}-{kind}]" for kind in ("Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_1")
+    for rows, out in ((7, 33), (40, 100))] + [
     f"tests/test_moe.py::test_{name}" for name in (
         "token_by_token_decode_matches_transformers", "one_prefill_matches_transformers",
         "the_one_call_decode_is_the_torch_decode_to_rounding_ties_and_a_batch_is_each_sequence_alone",
@@ -290,7 +296,7 @@ def test_an_avx512_machine_builds_the_avx2_route_a_zen_3_takes_and_its_kernels_p
     probe = ("from deltaserve.kernels import native; print(native.portable()[1], native.has('ds_gemm_blocks'), "
              "sorted(f for f in native.cpu_flags() if f.startswith(('avx512', 'amx'))))")
     out = subprocess.run([sys.executable, "-c", probe], env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    assert out.stdout.split("\n")[0] == "AVX2 False []", out.stderr[-800:]
+    assert out.stdout.split("\n")[0] == "AVX2 True []", out.stderr[-800:]  # its GEMM too (the K-quants)
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not avx2_route",
                           *AVX2_ROUTE_TESTS], env=env, cwd=root, capture_output=True, text=True, timeout=1200)
     tail = run.stdout[-3000:]

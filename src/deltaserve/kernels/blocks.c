@@ -708,15 +708,17 @@ static inline float amax256(const float *x) {
     return amax;
 }
 
-#ifdef BLK_VNNI
 /* -128 times the sum of each 4 of the 32 int8 values v, into c [8] (what the tiles' sums start from); returns the
  * 4-sums themselves */
 static inline __m256i neg_sums4(__m256i v, int32_t *c) {
+#ifdef BLK_VNNI
     __m256i s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8((char)0x80), v);
+#else  /* the same: the sums of 4 (pairs by maddubs with ones, exact: |2 v| <= 256) times 128 */
+    __m256i s = _mm256_slli_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), v), _mm256_set1_epi16(1)), 7);
+#endif
     _mm256_storeu_si256((__m256i *)c, _mm256_sub_epi32(_mm256_setzero_si256(), s));
     return s;
 }
-#endif
 
 /* Q8_0 blocks of 32: q int8 [K], d [K/32] (the f16-rounded scale, as the block would store it); with VNNI also
  * c [K/4]: -128 times the sum of each 4 values (the decode tile multiplies w + 128 by them, see tile_q32). */
@@ -727,7 +729,7 @@ static void quant_q8_0(const float *x, int K, int8_t *q, float *d, int32_t *c, i
         __m256i v = round32(x + b, id);
         _mm256_storeu_si256((__m256i *)(q + b), v);
         d[b / 32] = _cvtsh_ss(_cvtss_sh(dd, 0));
-#ifdef BLK_VNNI
+        if (!c) continue;  /* (the AVX2 decode products do not use them) */
         __m256i s = neg_sums4(v, c + b / 4);
         if (cb) {
             __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
@@ -735,13 +737,9 @@ static void quant_q8_0(const float *x, int K, int8_t *q, float *d, int32_t *c, i
             h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
             cb[b / 32] = -_mm_cvtsi128_si32(h);
         }
-#else
-        (void)c, (void)cb;
-#endif
     }
 }
 
-#ifdef BLK_VNNI
 /* quant_q8_0's output with one f32 scale per 256 values (d [K/256]; Q8_K's values, for the GEMM) */
 static void quant_q8_256(const float *x, int K, int8_t *q, float *d, int32_t *c) {
     for (int b = 0; b < K; b += 256) {
@@ -754,7 +752,6 @@ static void quant_q8_256(const float *x, int K, int8_t *q, float *d, int32_t *c)
         }
     }
 }
-#endif
 
 /* blocks of 256 (llama.cpp's Q8_K): q int8 [K], d [K/256] f32, bs [K/16] sums of 16 quantized values; with
  * BLK_VNNI also qp [K]: the values with the sub-blocks of 32 of each block in the order the Q4_K/Q5_K decode tile
@@ -1541,6 +1538,8 @@ static void decode_tile(int type, const uint8_t *row0, size_t row_bytes, int R, 
     }
 }
 
+#endif  /* BLK_VNNI: the 512-bit decode tiles */
+
 /* ---- many rows on the blocks: a GEMM on panels of the file's blocks -----------------------------------------
  * The prefill's products on Q8_0, Q4_K, Q5_K and Q6_K tensors (and, from their expanded rows, every other quantized
  * type: see gemm_mode) where the CPU has AVX512-VNNI and no AMX (a Zen 4/5):
@@ -1613,6 +1612,7 @@ static int gemm_direct(int type) {
     return type == T_Q8_0 || type == T_Q4_K || type == T_Q5_K || type == T_Q6_K;
 }
 
+#ifdef BLK_VNNI
 static inline __attribute__((always_inline)) void gemm_tile(const int mode, const int a256, const int GT_,
                                                             const uint8_t *pw, const float *ps, const float *po,
                                                             int nb, int nbs, const int8_t *xq, const float *xd, const int32_t *xi,
@@ -1702,6 +1702,169 @@ static inline __attribute__((always_inline)) void gemm_tile(const int mode, cons
         }
 }
 
+#else
+/* The AVX2 tile (a Zen 3's, no VNNI): the same panels and sums with vpmaddubsw (u8 x s8 pairs into int16, saturating)
+ * and vpmaddwd (int16 pairs into int32). A pair's sum stays exact where the weights' u is small: gemm_umax(type) 2 x
+ * umax x 128 <= 32767 for every type taken here (Q4_K, Q4_1: 15; Q5_K, Q5_1: 31; Q6_K: 63, z = 32; Q2_K: 3), and
+ * `run` groups of 4 values are summed in int16 before one vpmaddwd widens them (run x 2 x umax x 128 <= 32767: Q4_K
+ * a whole sub-block of 32, Q5_K half of one, Q6_K 8 values), so most groups cost a vpmaddubsw and an add per 8 rows
+ * and token where vpdpbusd would cost one. Q8_0 and the types packed as v + 128 (u up to 255) would saturate: they
+ * stay on the row products (blk_gemm_type). A pass takes 16 of the panel's rows and TT2 tokens; the sums are the
+ * VNNI tile's exactly (the same integers, the same f32 operations in the same order). */
+#define TT2 4
+static inline __attribute__((always_inline)) void gemm_pass2(const int mode, const int a256, const int TT, const int run,
+                                                             const int hr, const uint8_t *pw, const float *ps,
+                                                             const float *po, int nb, int nbs, const int8_t *xq,
+                                                             const float *xd, const int32_t *xi, const float *xf, int K,
+                                                             float *out, long ldo, int nrows, const uint8_t *pf,
+                                                             int pf_lines, int more) {
+    const int subs = mode == 1 || mode == 4 ? 2 : 1, groups = 8 / subs, ni = subs * nbs;
+    const int full = nrows >= 16 * hr + 16;
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), ones = _mm256_set1_epi16(1);
+    const __m256i k0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(nrows - 16 * hr), lane),
+                  k1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(nrows - 16 * hr - 8), lane);
+    out += 16 * hr, ps += 16 * hr, po += 16 * hr;
+#define LOAD2(p, k) (full ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, k))
+#define STORE2(p, k, v) (full ? _mm256_storeu_ps(p, v) : _mm256_maskstore_ps(p, k, v))
+    __m256 f[TT2][2];
+    for (int t = 0; t < TT; t++) {
+        f[t][0] = more && !a256 ? LOAD2(out + t * ldo, k0) : _mm256_setzero_ps();
+        f[t][1] = more && !a256 ? LOAD2(out + t * ldo + 8, k1) : _mm256_setzero_ps();
+    }
+    int first = !more;
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *w = pw + (size_t)b * 8 * 128 + 64 * hr;
+        if (a256 && b % 8 == 0)
+            for (int t = 0; t < TT; t++) f[t][0] = f[t][1] = _mm256_setzero_ps();
+        for (int i = 0; pf && i < pf_lines; i++)
+            _mm_prefetch((const char *)pf + ((size_t)b * pf_lines + i) * 64, _MM_HINT_T1);
+        for (int h = 0; h < subs; h++) {
+            __m256i acc[TT2][2];
+            for (int t = 0; t < TT; t++)
+                acc[t][0] = acc[t][1] = gemm_mins(mode) ? _mm256_setzero_si256()
+                                                        : _mm256_set1_epi32(xi[(size_t)t * ni + b * subs + h]);
+            for (int k0_ = h * groups; k0_ < (h + 1) * groups; k0_ += run) {
+                __m256i s16[TT2][2];
+                for (int t = 0; t < TT; t++) s16[t][0] = s16[t][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+                for (int k = k0_; k < k0_ + run; k++) {
+                    const __m256i w0 = _mm256_load_si256((const __m256i *)(w + k * 128)),
+                                  w1 = _mm256_load_si256((const __m256i *)(w + k * 128 + 32));
+                    for (int t = 0; t < TT; t++) {
+                        int32_t v;
+                        memcpy(&v, xq + (size_t)t * K + 32 * b + 4 * k, 4);
+                        const __m256i xb = _mm256_set1_epi32(v);
+                        s16[t][0] = _mm256_add_epi16(s16[t][0], _mm256_maddubs_epi16(w0, xb));
+                        s16[t][1] = _mm256_add_epi16(s16[t][1], _mm256_maddubs_epi16(w1, xb));
+                    }
+                }
+                for (int t = 0; t < TT; t++) {
+                    acc[t][0] = _mm256_add_epi32(acc[t][0], _mm256_madd_epi16(s16[t][0], ones));
+                    acc[t][1] = _mm256_add_epi32(acc[t][1], _mm256_madd_epi16(s16[t][1], ones));
+                }
+            }
+            const float *sv = ps + ((size_t)b * subs + h) * 32;
+            const __m256 s0 = _mm256_loadu_ps(sv), s1 = _mm256_loadu_ps(sv + 8);
+            for (int t = 0; t < TT; t++) {
+                if (a256) {
+                    f[t][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[t][0]), s0, f[t][0]);
+                    f[t][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[t][1]), s1, f[t][1]);
+                } else {
+                    const __m256 d = _mm256_set1_ps(xd[(size_t)t * nbs + b]);
+                    f[t][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[t][0]), _mm256_mul_ps(s0, d), f[t][0]);
+                    f[t][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[t][1]), _mm256_mul_ps(s1, d), f[t][1]);
+                }
+            }
+            if (mode == 4) {
+                const float *mv = po + ((size_t)b * 2 + h) * 32;
+                const __m256 m0 = _mm256_loadu_ps(mv), m1 = _mm256_loadu_ps(mv + 8);
+                for (int t = 0; t < TT; t++) {
+                    const __m256 a = _mm256_set1_ps(xf[(size_t)t * ni + b * 2 + h]);
+                    f[t][0] = _mm256_fnmadd_ps(m0, a, f[t][0]);
+                    f[t][1] = _mm256_fnmadd_ps(m1, a, f[t][1]);
+                }
+            }
+        }
+        if (mode == 2) {
+            const __m256 m0 = _mm256_loadu_ps(po + (size_t)b * 32), m1 = _mm256_loadu_ps(po + (size_t)b * 32 + 8);
+            for (int t = 0; t < TT; t++) {
+                const __m256 a = _mm256_set1_ps(xf[(size_t)t * nbs + b]);
+                f[t][0] = _mm256_fnmadd_ps(m0, a, f[t][0]);
+                f[t][1] = _mm256_fnmadd_ps(m1, a, f[t][1]);
+            }
+        }
+        if (a256 && b % 8 == 7) {
+            for (int t = 0; t < TT; t++) {
+                const __m256 d = _mm256_set1_ps(xd[(size_t)t * nbs + b / 8]);
+                float *o = out + t * ldo;
+                STORE2(o, k0, first ? _mm256_mul_ps(f[t][0], d) : _mm256_fmadd_ps(f[t][0], d, LOAD2(o, k0)));
+                STORE2(o + 8, k1, first ? _mm256_mul_ps(f[t][1], d) : _mm256_fmadd_ps(f[t][1], d, LOAD2(o + 8, k1)));
+            }
+            first = 0;
+        }
+    }
+    if (!a256)
+        for (int t = 0; t < TT; t++) {
+            STORE2(out + t * ldo, k0, f[t][0]);
+            STORE2(out + t * ldo + 8, k1, f[t][1]);
+        }
+#undef LOAD2
+#undef STORE2
+}
+
+/* u's largest value in a panel of `type` (2 x umax x 128 must fit int16: see gemm_pass2) */
+static int gemm_umax(int type) {
+    switch (type) {
+    case T_Q4_K: case T_Q4_1: return 15;
+    case T_Q5_K: case T_Q5_1: return 31;
+    case T_Q6_K: return 63;
+    case T_Q2_K: return 3;
+    default: return 255;
+    }
+}
+
+/* groups of 4 values a tile sums in int16 before widening them (a power of two dividing a sub-block's groups) */
+static int gemm_run16(int type, int mode) {
+    int run = gemm_per16(mode) ? 4 : 8;
+    while (run > 1 && run * 2 * gemm_umax(type) * 128 > 32767) run /= 2;
+    return run;
+}
+
+/* gemm_pass2 over the tile: both halves of the panel's rows, the tokens TT2 at a time */
+#define PASS2(MODE, A, TT, RUN) gemm_pass2(MODE, A, TT, RUN, hr, pw, ps, po, nb, nbs, xq + (size_t)t0 * K, \
+        xd + (size_t)t0 * nbs, xi + (size_t)t0 * ni, xf + (size_t)t0 * ni, K, out + t0 * ldo, ldo, nrows, \
+        hr == 0 && t0 == 0 ? pf : NULL, pf_lines, more)
+#define PASS2_TT(MODE, A, RUN) { if (tt == TT2) PASS2(MODE, A, TT2, RUN); else if (tt == 2) PASS2(MODE, A, 2, RUN); \
+                                 else PASS2(MODE, A, 1, RUN); }
+static void gemm_tile_avx2(const int mode, const int a256, const int run, const int GT_, const uint8_t *pw,
+                           const float *ps, const float *po, int nb, int nbs, const int8_t *xq, const float *xd,
+                           const int32_t *xi, const float *xf, int K, float *out, long ldo, int nrows,
+                           const uint8_t *pf, int pf_lines, int more) {
+    const int ni = (gemm_per16(mode) ? 2 : 1) * nbs;
+    for (int hr = 0; hr < 2 && 16 * hr < nrows; hr++)
+        for (int t0 = 0, tt; t0 < GT_; t0 += tt) {
+            tt = GT_ - t0 >= TT2 ? TT2 : GT_ - t0 >= 2 ? 2 : 1;  /* the last few tokens two or one at a time */
+            if (mode == 1) PASS2_TT(1, 1, 2)
+            else if (mode == 4) PASS2_TT(4, 1, 4)
+            else if (a256 && run == 8) PASS2_TT(2, 1, 8)
+            else if (a256) PASS2_TT(2, 1, 4)
+            else if (run == 8) PASS2_TT(2, 0, 8)
+            else PASS2_TT(2, 0, 4)
+        }
+}
+#undef PASS2_TT
+#undef PASS2
+
+/* blk_gemm_panel calls it as the VNNI tile (the mode, a256 and the token count as constants) */
+static inline __attribute__((always_inline)) void gemm_tile(const int mode, const int a256, const int GT_,
+                                                            const uint8_t *pw, const float *ps, const float *po,
+                                                            int nb, int nbs, const int8_t *xq, const float *xd, const int32_t *xi,
+                                                            const float *xf, int K, float *out, long ldo, int nrows,
+                                                            const uint8_t *pf, int pf_lines, int more, int run) {
+    gemm_tile_avx2(mode, a256, run, GT_, pw, ps, po, nb, nbs, xq, xd, xi, xf, K, out, ldo, nrows, pf, pf_lines, more);
+}
+#endif  /* BLK_VNNI */
+
 /* Row `row`'s values as unsigned bytes u [K] into `u` (see the section's comment: Q8_0's w + 128, Q4_K/Q5_K's q, Q6_K's
  * q with its two high bits); its scales are row_scales'. */
 static void unpack_row(int type, const uint8_t *row, int K, uint8_t *u) {
@@ -1751,6 +1914,7 @@ static void unpack_row(int type, const uint8_t *row, int K, uint8_t *u) {
     }
 }
 
+#ifdef BLK_VNNI
 /* 16 rows of 8 words (32 bytes at base + r stride) as 8 vectors of 16 words, vector k holding word k of every row
  * (at dst + 128 k): rows r and r + 8 in the two halves of a vector, an 8 x 8 transpose of words in each half (words,
  * then pairs of words, within 128-bit lanes), and the lanes put in row order by one two-source permute a vector. */
@@ -1782,6 +1946,8 @@ static inline void transpose16x8(const uint8_t *base, size_t stride, uint8_t *ds
     transpose16x8_v(base, stride, v);
     for (int k = 0; k < 8; k++) _mm512_store_si512(dst + k * 128, v[k]);
 }
+
+#endif
 
 /* Row r's scales (and mins) per sub-block into ps[i * 32 + r] (po[b * 32 + r]); its values are unpack_row's. */
 static void row_scales(int type, const uint8_t *row, int K, float *ps, float *po, int r) {
@@ -1815,6 +1981,7 @@ static void row_scales(int type, const uint8_t *row, int K, float *ps, float *po
     }
 }
 
+#ifdef BLK_VNNI
 /* row_scales of 16 rows at once (rows r0 .. r0 + 15 of ps/po, the first at `rows`, row_bytes apart): each block's
  * scale words of the 16 rows by one gather apiece, the scales and mins taken apart in the vector, and each
  * sub-block's 16 values stored as one run (the rows' scalar unpacking was a third of a 16-token expert's product). The
@@ -1938,6 +2105,146 @@ static void pack_panel_direct(int type, const uint8_t *blocks, size_t row_bytes,
     }
 }
 
+#else
+/* 8 rows of 8 words (32 bytes at base + r stride) as 8 vectors of 8 words, vector k holding word k of every row
+ * in row order: an 8 x 8 transpose of words (words, then pairs of words within 128-bit lanes, then the lanes). */
+static inline __attribute__((always_inline)) void transpose8x8_v(const uint8_t *base, size_t stride, __m256i v[8]) {
+    __m256i z[8], t[8], u[8];
+    for (int i = 0; i < 8; i++) z[i] = _mm256_loadu_si256((const __m256i *)(base + i * stride));
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_epi32(z[2 * i], z[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_epi32(z[2 * i], z[2 * i + 1]);
+    }
+    for (int h = 0; h < 2; h++) {  /* u[4h + c]: word c (low lane) and c + 4 (high lane) of rows 4h .. 4h + 3 */
+        u[4 * h + 0] = _mm256_unpacklo_epi64(t[4 * h], t[4 * h + 2]);
+        u[4 * h + 1] = _mm256_unpackhi_epi64(t[4 * h], t[4 * h + 2]);
+        u[4 * h + 2] = _mm256_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
+        u[4 * h + 3] = _mm256_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        v[c] = _mm256_permute2x128_si256(u[c], u[c + 4], 0x20);
+        v[c + 4] = _mm256_permute2x128_si256(u[c], u[c + 4], 0x31);
+    }
+}
+
+static inline void transpose8x8(const uint8_t *base, size_t stride, uint8_t *dst) {
+    __m256i v[8];
+    transpose8x8_v(base, stride, v);
+    for (int k = 0; k < 8; k++) _mm256_store_si256((__m256i *)(dst + k * 128), v[k]);
+}
+
+/* row_scales of 8 rows (r0 .. r0 + 7) at once for the K-quants: each row's scales of a block as f32 vectors into a
+ * small table, transposed (transpose8x8_v: they are words) into runs of 8 rows per sub-block. The same values as
+ * row_scales, bit for bit (the same f16 conversions and products). */
+static void row_scales8(int type, const uint8_t *rows, size_t row_bytes, int K, float *ps, float *po, int r0) {
+    float sc[8][16] __attribute__((aligned(32))), mn[8][8] __attribute__((aligned(32)));
+    __m256i v[8];
+    switch (type) {
+    case T_Q4_K:
+    case T_Q5_K: {
+        const int bytes = type == T_Q5_K ? 176 : 144;
+        for (int jb = 0; jb < K / 256; jb++) {
+            for (int r = 0; r < 8; r++) {
+                const uint8_t *blk = rows + (size_t)r * row_bytes + (size_t)jb * bytes;
+                const __m128i smv = k_scales_vec(blk + 4);
+                const __m256 d = _mm256_set1_ps(h2f(blk)), dmin = _mm256_set1_ps(h2f(blk + 2));
+                _mm256_store_ps(sc[r], _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(smv))));
+                _mm256_store_ps(mn[r], _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(smv, 8)))));
+            }
+            transpose8x8_v((const uint8_t *)sc, sizeof sc[0], v);
+            for (int j = 0; j < 8; j++) _mm256_storeu_si256((__m256i *)(ps + (size_t)(jb * 8 + j) * 32 + r0), v[j]);
+            transpose8x8_v((const uint8_t *)mn, sizeof mn[0], v);
+            for (int j = 0; j < 8; j++) _mm256_storeu_si256((__m256i *)(po + (size_t)(jb * 8 + j) * 32 + r0), v[j]);
+        }
+        return;
+    }
+    case T_Q6_K:
+        for (int jb = 0; jb < K / 256; jb++) {
+            for (int r = 0; r < 8; r++) {
+                const uint8_t *blk = rows + (size_t)r * row_bytes + (size_t)jb * 210;
+                const __m256 d = _mm256_set1_ps(h2f(blk + 208));
+                const __m128i s8 = _mm_loadu_si128((const __m128i *)(blk + 192));
+                _mm256_store_ps(sc[r], _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8))));
+                _mm256_store_ps(sc[r] + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s8, 8)))));
+            }
+            for (int hh = 0; hh < 2; hh++) {
+                transpose8x8_v((const uint8_t *)sc + 32 * hh, sizeof sc[0], v);
+                for (int j = 0; j < 8; j++)
+                    _mm256_storeu_si256((__m256i *)(ps + (size_t)(jb * 16 + 8 * hh + j) * 32 + r0), v[j]);
+            }
+        }
+        return;
+    default:
+        for (int r = 0; r < 8; r++) row_scales(type, rows + (size_t)r * row_bytes, K, ps, po, r0 + r);
+    }
+}
+
+/* pack_panel_direct with 256-bit vectors: 8 rows' 32-byte runs of quants transposed at a time (transpose8x8_v); the
+ * same layout (and bytes) as the 512-bit one's. */
+static void pack_panel_direct(int type, const uint8_t *blocks, size_t row_bytes, int n0, int K, uint8_t *pw,
+                              float *ps, float *po) {
+    const __m256i lo4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1), three = _mm256_set1_epi8(3);
+    __m256i v[8], w[8];
+    for (int g = 0; g < GP / 8; g++) {
+        const uint8_t *rows = blocks + (size_t)(n0 + 8 * g) * row_bytes;
+        uint8_t *dst = pw + g * 32;
+        row_scales8(type, rows, row_bytes, K, ps, po, 8 * g);
+        switch (type) {
+        case T_Q8_0:
+            for (int b = 0; b < K / 32; b++) {
+                transpose8x8_v(rows + (size_t)b * 34 + 2, row_bytes, v);
+                for (int k = 0; k < 8; k++)
+                    _mm256_store_si256((__m256i *)(dst + (size_t)b * 1024 + k * 128),
+                                       _mm256_xor_si256(v[k], _mm256_set1_epi8((char)0x80)));
+            }
+            break;
+        case T_Q4_K:
+        case T_Q5_K: {
+            const int q5 = type == T_Q5_K, bytes = q5 ? 176 : 144;
+            for (int jb = 0; jb < K / 256; jb++) {
+                const uint8_t *blk = rows + (size_t)jb * bytes, *qs = blk + (q5 ? 48 : 16);
+                if (q5) transpose8x8_v(blk + 16, row_bytes, w);
+                for (int p = 0; p < 4; p++) {
+                    transpose8x8_v(qs + 32 * p, row_bytes, v);
+                    for (int h = 0; h < 2; h++) {
+                        const int j = 2 * p + h;
+                        uint8_t *o = dst + (size_t)(jb * 8 + j) * 1024;
+                        for (int k = 0; k < 8; k++) {
+                            __m256i q = _mm256_and_si256(h ? _mm256_srli_epi16(v[k], 4) : v[k], lo4);
+                            if (q5)
+                                q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(w[k], j), one), 4));
+                            _mm256_store_si256((__m256i *)(o + k * 128), q);
+                        }
+                    }
+                }
+            }
+            break;
+        }
+        case T_Q6_K:
+            for (int jb = 0; jb < K / 256; jb++) {
+                const uint8_t *blk = rows + (size_t)jb * 210;
+                for (int h = 0; h < 2; h++) {
+                    transpose8x8_v(blk + 128 + 32 * h, row_bytes, w);
+                    for (int c = 0; c < 2; c++) {
+                        transpose8x8_v(blk + 64 * h + 32 * c, row_bytes, v);
+                        for (int s = 0; s < 2; s++) {
+                            const int gq = c + 2 * s;
+                            uint8_t *o = dst + (size_t)(jb * 8 + 4 * h + gq) * 1024;
+                            for (int k = 0; k < 8; k++) {
+                                __m256i low = _mm256_and_si256(s ? _mm256_srli_epi16(v[k], 4) : v[k], lo4);
+                                __m256i top = _mm256_and_si256(_mm256_srli_epi16(w[k], 2 * gq), three);
+                                _mm256_store_si256((__m256i *)(o + k * 128), _mm256_or_si256(low, _mm256_slli_epi16(top, 4)));
+                            }
+                        }
+                    }
+                }
+            }
+            break;
+        }
+    }
+}
+#endif  /* BLK_VNNI */
+
 /* rows n0 .. n0 + nrows - 1 (nrows <= GP) of a tensor laid out for gemm_tile: pw [nb][8][2][16 rows x 4 bytes],
  * ps [subs][32], po [nb or 2 nb][32] (the modes with a min); rows past the tensor: u = z (a zero weight), s = m = 0. Each row unpacked to
  * bytes (unpack_row) into `ubuf` [GP][K], then each sub-block's 16 rows x 8 words transposed into the 8 vectors of
@@ -1975,7 +2282,11 @@ static void pack_panel(int type, int mode, const uint8_t *blocks, size_t row_byt
         }
     }
     for (int b = 0; b < nb; b++)
+#ifdef BLK_VNNI
         for (int g = 0; g < 2; g++) transpose16x8(ubuf + (size_t)(16 * g) * K + 32 * b, K, pw + (size_t)b * 1024 + g * 64);
+#else
+        for (int g = 0; g < 4; g++) transpose8x8(ubuf + (size_t)(8 * g) * K + 32 * b, K, pw + (size_t)b * 1024 + g * 32);
+#endif
 }
 
 /* ---- the GEMM's pieces, for a caller's team (blocks.h): activations prepared once, panels as work items ----
@@ -2012,9 +2323,15 @@ size_t blk_gemm_act_bytes(int M, int K) {
 
 int blk_gemm_type(int type) {
     int vals, bytes;
+#ifndef BLK_VNNI
+    if (gemm_umax(type) > 63) return 0;  /* AVX2: Q4_K, Q5_K, Q6_K, Q4_1, Q5_1, Q2_K (see gemm_pass2) */
+#endif
     /* the expanded types once the IQ grids' tables are set (ds_set_tables, at the library's load) */
     return gemm_mode(type) >= 0 && !block_info(type, &vals, &bytes) && (gemm_direct(type) || g_ksigns);
 }
+
+/* whether ds_gemm_blocks takes `type` in this build (1) or returns -1 for it (0) */
+int ds_gemm_type(int type) { return blk_gemm_type(type); }
 
 void blk_gemm_prepare(int type, const float *x, int M, int K, long ldx, const int *rows, void *act) {
     const int mode = gemm_mode(type), a256 = gemm_a256(type), Mp = (M + GT - 1) / GT * GT + GT;
@@ -2081,6 +2398,9 @@ void blk_gemm_panel(int type, const uint8_t *blocks, int N, int K, int p, const 
     const int run = nrows == GP && M <= GEMM_RUN_TOKENS && K % GEMM_RUN == 0 && gemm_direct(type) ? GEMM_RUN : K,
               runs = K / run;
     const int rb = run / 32, subs = gemm_per16(mode) ? 2 : 1;
+#ifndef BLK_VNNI
+    const int run16 = gemm_run16(type, mode);
+#endif
     if (runs == 1) pack_panel(type, mode, blocks, row_bytes, n0, nrows, K, pw, ps, po, ubuf);
     const int pf_lines = next ? (int)((next_bytes + 63) / 64 + nb - 1) / nb : 0;  /* lines a block of the first tile */
     for (int c = 0; c < runs; c++) {
@@ -2094,7 +2414,11 @@ void blk_gemm_panel(int type, const uint8_t *blocks, int N, int K, int p, const 
             const float *xd = g.d + at * nb + (a256 ? b0 / 8 : b0), *xf = g.f + at * ni + (size_t)b0 * subs;
             const int32_t *xi = g.i + at * ni + (size_t)b0 * subs;
             const uint8_t *pf = m0 == 0 && next ? next + (size_t)b0 * pf_lines * 64 : NULL;
+#ifdef BLK_VNNI
 #define GEMM_TILE(MODE, A, T) gemm_tile(MODE, A, T, pw, ps, po, rb, nb, xq, xd, xi, xf, K, out, ldy, nrows, pf, pf_lines, c > 0)
+#else
+#define GEMM_TILE(MODE, A, T) gemm_tile(MODE, A, T, pw, ps, po, rb, nb, xq, xd, xi, xf, K, out, ldy, nrows, pf, pf_lines, c > 0, run16)
+#endif
 #define GEMM_TILES(MODE, A) switch (gt) { \
             case 1: GEMM_TILE(MODE, A, 1); break; case 2: GEMM_TILE(MODE, A, 2); break; case 3: GEMM_TILE(MODE, A, 3); break; \
             case 4: GEMM_TILE(MODE, A, 4); break; case 5: GEMM_TILE(MODE, A, 5); break; default: GEMM_TILE(MODE, A, GT); }
@@ -2114,7 +2438,7 @@ void blk_gemm_panel(int type, const uint8_t *blocks, int N, int K, int p, const 
 int ds_gemm_blocks(int type, const float *x, int M, int K, long ldx, const uint8_t *blocks, int N, float *y,
                    long ldy, int nthreads) {
     int vals, bytes;
-    if (gemm_mode(type) < 0 || M <= 0 || N <= 0 || (block_info(type, &vals, &bytes), K % vals)) return -1;
+    if (!blk_gemm_type(type) || M <= 0 || N <= 0 || (block_info(type, &vals, &bytes), K % vals)) return -1;
     const int panels = (N + GP - 1) / GP;
     void *act = aligned_alloc(64, blk_gemm_act_bytes(M, K));
     if (!act) return -1;
@@ -2148,7 +2472,7 @@ int ds_gemm_blocks(int type, const float *x, int M, int K, long ldx, const uint8
     return failed ? -1 : 0;
 }
 
-#endif  /* BLK_VNNI */
+/* (the GEMM ends) */
 
 /* ---- the other types' products: each row expanded to int8 values with a scale (and a min) per 16 -------------
  * A row of Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, MXFP4, NVFP4, Q2_K, Q3_K, TQ1_0, TQ2_0 or an IQ1/IQ2/IQ3 grid type is

@@ -34,8 +34,10 @@ void blk_tiles(int type, const uint8_t *blocks, int N, int K, void *scratch, int
 void blk_tiles_rows(int type, const uint8_t *blocks, int N, int K, void *scratch, int Mall, int m_first, int M, float *y,
                     long ldy);
 
-/* blocks.c's GEMM on Q8_0 and K-quant blocks (AVX512-VNNI builds): its own OpenMP team, any M (see blocks.c) */
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__) && defined(__AVX512F__)
+/* blocks.c's GEMM on Q8_0 and K-quant blocks: its own OpenMP team, any M (see blocks.c). AVX512-VNNI builds take
+ * every type gemm_mode names; AVX2 ones those whose packed values stay below 64 (blk_gemm_type: Q4_K, Q5_K, Q6_K,
+ * Q4_1, Q5_1, Q2_K; ds_gemm_blocks returns -1 for the others) */
+#if defined(__AVX2__)
 #define BLK_GEMM 1
 int ds_gemm_blocks(int type, const float *x, int M, int K, long ldx, const uint8_t *blocks, int N, float *y, long ldy,
                    int nthreads);

@@ -354,7 +354,7 @@ def block_gemm(kind: str, int8_activations: bool = True) -> bool:
     f32 chunks: on the GEMM the Q8_0 prefill came to 1.11x llama.cpp's error, on f32 chunks 0.95x; a 4- to 6-bit
     weight's own error is far larger than that rounding (Q4_K_M: 0.953x with it on the GEMM, 0.954x without)."""
     return kind in GEMM_KINDS and (int8_activations or kind != "Q8_0") and prefill_mode() == "auto" \
-        and not amx_bf16() and native.has("ds_gemm_blocks")
+        and not amx_bf16() and native.has("ds_gemm_blocks") and native.gemm_takes(GGUF_TYPES[kind])
 
 
 def block_rows() -> int:
@@ -536,6 +536,9 @@ def blocks_route() -> str:
                         "no AMX), Q8_0 and 16-bit ones' exact f32 chunks and torch's f32 GEMM" if auto else
                         "chunks requantized to int8 per row and torch's int8 GEMM (DELTASERVE_PREFILL=int8)"}.get(
         chunk_dtype(), "exact f32 chunks and torch's f32 GEMM")
+    if chunk_dtype() == torch.float32 and auto and block_gemm("Q4_K") and not block_gemm("Q8_0"):  # the AVX2 GEMM
+        many = (f"the {', '.join(k for k in GEMM_KINDS if block_gemm(k))} blocks on the native kernel's GEMM (the "
+                f"file's values, activations int8 per block as llama.cpp's), the other types' {many}")
     if settings.current().prefill == "int8" and prefill_mode() != "int8":
         many += f" (DELTASERVE_PREFILL=int8 not taken: {INT8_INEXACT})"
     return (f"products on the file's own blocks: up to {block_rows()} rows on the native kernel ({why}, "

@@ -143,6 +143,7 @@ SIGNATURES = {
     "ds_dequant_bf16": [_I, _P, _L, _I, _P, _L, _I],
     "ds_linear_blocks": [_I, _P, _I, _I, _L, _P, _I, _P, _L, _I],
     "ds_gemm_blocks": [_I, _P, _I, _I, _L, _P, _I, _P, _L, _I],
+    "ds_gemm_type": [_I],
     "ds_moe_experts": [_P, _P, _P, _I, _I, _P, _P, _P, _P, _P, _P, _I, _P, _I, _P, _I, _P, _P],
     "ds_set_tables": [_P] * 7,
     "ds_attention_bf16": [_P, _P, _P, _P, _I, _I, _I, _F, _I],
@@ -337,10 +338,17 @@ def moe_experts(experts: tuple, hidden: int, uniq: torch.Tensor, first: torch.Te
                                     ws.data_ptr() if ws is not None else None) == 0
 
 
+def gemm_takes(gguf_type: int) -> bool:
+    """Whether blocks.c's GEMM (gemm_blocks) takes blocks of this type in this build: every quantized type it knows
+    on AVX512-VNNI; on AVX2 the ones whose packed values stay below 64 (Q4_K, Q5_K, Q6_K, Q4_1, Q5_1, Q2_K: its
+    vpmaddubsw pair sums would saturate on Q8_0's)."""
+    return has("ds_gemm_type") and bool(library().ds_gemm_type(gguf_type))
+
+
 def gemm_blocks(x: torch.Tensor, gguf_type: int, data: torch.Tensor, y: torch.Tensor, off: int) -> bool:
-    """y[:, off:off + rows] = x [M, K] (f32, rows contiguous) times blocks of any quantized type (uint8 [rows,
-    row bytes]) on blocks.c's GEMM for many rows (AVX512-VNNI: the file's values, the activations int8 per block of
-    32); False, with nothing written, where it does not take it."""
+    """y[:, off:off + rows] = x [M, K] (f32, rows contiguous) times blocks of a quantized type gemm_takes (uint8
+    [rows, row bytes]) on blocks.c's GEMM for many rows (the file's values, the activations int8 per block of 32 or
+    256 as llama.cpp rounds them); False, with nothing written, where it does not take it."""
     if not has("ds_gemm_blocks") or data.stride(-1) != 1 or (data.shape[0] > 1 and data.stride(0) != data.shape[1]):
         return False
     m, k = x.shape
