@@ -1746,7 +1746,7 @@ static inline __attribute__((always_inline)) void gemm_pass2(const int mode, con
             for (int k0_ = h * groups; k0_ < (h + 1) * groups; k0_ += run) {
                 __m256i s16[TT2][2];
                 for (int t = 0; t < TT; t++) s16[t][0] = s16[t][1] = _mm256_setzero_si256();
-#pragma GCC unroll 8
+#pragma GCC unroll 2
                 for (int k = k0_; k < k0_ + run; k++) {
                     const __m256i w0 = _mm256_load_si256((const __m256i *)(w + k * 128)),
                                   w1 = _mm256_load_si256((const __m256i *)(w + k * 128 + 32));
