@@ -886,12 +886,11 @@ static inline __m128i k_scales_vec(const uint8_t *s) {
 /* Q4_K / Q5_K: v = d sc q - dmin m per sub-block of 32 (q 0..15, or 0..31 with the fifth bit of qh). */
 static inline __attribute__((always_inline)) void row_q45k(int type, const uint8_t *row, int K, const act_t *a,
                                                            const int M, float *out) {
-    float acc[MG];
     __m256 vacc[MG];
-    for (int m = 0; m < M; m++) vacc[m] = _mm256_setzero_ps();
+    __m128 macc[MG];
+    for (int m = 0; m < M; m++) vacc[m] = _mm256_setzero_ps(), macc[m] = _mm_setzero_ps();
     int q5 = type == T_Q5_K, bytes = q5 ? 176 : 144;
     const __m256i lo4 = _mm256_set1_epi8(0xF), one = _mm256_set1_epi8(1);
-    for (int m = 0; m < M; m++) acc[m] = 0.0f;
     for (int j = 0; j < K / 256; j++) {
         const uint8_t *b = row + (size_t)j * bytes;
         prefetch_ahead(b, bytes);
@@ -923,14 +922,17 @@ static inline __attribute__((always_inline)) void row_q45k(int type, const uint8
             const int16_t *bs = a[m].bs + 16 * j;
             __m128i pairs = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)bs), _mm_loadu_si128((const __m128i *)(bs + 8)));
             __m128i ms = _mm_madd_epi16(pairs, mins);  /* sub-block s's min times its 32 activations' sum */
-            ms = _mm_add_epi32(ms, _mm_srli_si128(ms, 8));
-            ms = _mm_add_epi32(ms, _mm_srli_si128(ms, 4));
             float da = a[m].d[j];
             vacc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_set1_ps(d * da), vacc[m]);
-            acc[m] -= dmin * da * (float)_mm_cvtsi128_si32(ms);
+            /* the four sums of two mins' products kept in a vector: their horizontal sum once, at the row's end */
+            macc[m] = _mm_fmadd_ps(_mm_cvtepi32_ps(ms), _mm_set1_ps(dmin * da), macc[m]);
         }
     }
-    for (int m = 0; m < M; m++) out[m] = acc[m] + blk_hsum8(vacc[m]);
+    for (int m = 0; m < M; m++) {
+        __m128 h = _mm_add_ps(macc[m], _mm_movehl_ps(macc[m], macc[m]));
+        h = _mm_add_ss(h, _mm_movehdup_ps(h));
+        out[m] = blk_hsum8(vacc[m]) - _mm_cvtss_f32(h);
+    }
 }
 
 /* Q6_K: v = d sc (q - 32) per sub-block of 16, q 0..63 (four bits of ql, two of qh). */
@@ -944,6 +946,13 @@ static inline __attribute__((always_inline)) void row_q6k(const uint8_t *row, in
         prefetch_ahead(b, 210);
         float d = h2f(b + 208);
         const int8_t *sc = (const int8_t *)(b + 192);
+        /* the 16 scales as int16, the even sub-blocks' in the low lane and the odd ones' in the high: a group's
+           two scales (sub-blocks 2i, 2i + 1) are then one in-lane shuffle (each taken by two scalar loads, a
+           broadcast and an insert, they were a fifth of the product's operations) */
+        const __m128i s8 = _mm_loadu_si128((const __m128i *)sc);
+        const __m256i seo = _mm256_set_m128i(
+            _mm_cvtepi8_epi16(_mm_shuffle_epi8(s8, _mm_setr_epi8(1, 3, 5, 7, 9, 11, 13, 15, -1, -1, -1, -1, -1, -1, -1, -1))),
+            _mm_cvtepi8_epi16(_mm_shuffle_epi8(s8, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1))));
         __m256i isum[MG];
         for (int m = 0; m < M; m++) isum[m] = _mm256_setzero_si256();
         for (int h = 0; h < 2; h++) {
@@ -957,8 +966,8 @@ static inline __attribute__((always_inline)) void row_q6k(const uint8_t *row, in
                 _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), lo4), _mm256_and_si256(_mm256_srli_epi16(hb, 2), hi2)),
             };
             for (int g = 0; g < 4; g++) {
-                int s = 8 * h + 2 * g;  /* the group's two sub-blocks of 16 */
-                __m256i sv = _mm256_set_m128i(_mm_set1_epi16(sc[s + 1]), _mm_set1_epi16(sc[s]));
+                const int i = 4 * h + g;  /* the group's two sub-blocks of 16: 2i (low lane), 2i + 1 (high) */
+                const __m256i sv = _mm256_shuffle_epi8(seo, _mm256_set1_epi16((short)((2 * i + 1) << 8 | (2 * i))));
                 for (int m = 0; m < M; m++) {
                     __m256i p = _mm256_maddubs_epi16(w[g], _mm256_loadu_si256((const __m256i *)(a[m].q + 256 * j + 128 * h + 32 * g)));
                     isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(p, sv));
