@@ -266,9 +266,10 @@ def test_on_a_trained_q4_k_m_file_the_one_call_decode_on_its_blocks_is_the_torch
 AVX2_ROUTE_TESTS = ["tests/test_native_avx2.py",
                     "tests/test_file_blocks.py::test_the_block_gemm_takes_the_types_with_a_scale_every_16_from_their_expanded_rows",
                     "tests/test_file_blocks.py::test_a_long_prefills_tokens_pass_the_panels_in_blocks_and_each_row_comes_out_as_if_alone",
-                    "tests/test_file_blocks.py::test_the_default_weights_are_the_files_own_blocks_with_or_without_amx"] + [
+                    "tests/test_file_blocks.py::test_the_default_weights_are_the_files_own_blocks_with_or_without_amx",
+                    "tests/test_file_blocks.py::test_a_prefill_takes_the_block_gemm_where_it_beats_torchs_f32_gemm_on_exact_chunks"] + [
     "tests/test_file_blocks.py::test_the_block_gemm_is_the_files_values_times_activations_rounded_as_llama_cpp_rounds_them_"
-    f"whatever_the_shape[{out}-{rows}-{kind}]" for kind in ("Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_1")
+    f"whatever_the_shape[{out}-{rows}-{kind}]" for kind in ("Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_1", "IQ4_NL")
     for rows, out in ((7, 33), (40, 100))] + [
     f"tests/test_moe.py::test_{name}" for name in (
         "token_by_token_decode_matches_transformers", "one_prefill_matches_transformers",

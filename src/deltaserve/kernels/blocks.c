@@ -1723,7 +1723,7 @@ static inline __attribute__((always_inline)) void gemm_tile(const int mode, cons
  * VNNI tile's exactly (the same integers, the same f32 operations in the same order). */
 #define TT2 4
 static inline __attribute__((always_inline)) void gemm_pass2(const int mode, const int a256, const int TT, const int run,
-                                                             const int hr, const uint8_t *pw, const float *ps,
+                                                             const int split, const int hr, const uint8_t *pw, const float *ps,
                                                              const float *po, int nb, int nbs, const int8_t *xq,
                                                              const float *xd, const int32_t *xi, const float *xf, int K,
                                                              float *out, long ldo, int nrows, const uint8_t *pf,
@@ -1753,7 +1753,35 @@ static inline __attribute__((always_inline)) void gemm_pass2(const int mode, con
             for (int t = 0; t < TT; t++)
                 acc[t][0] = acc[t][1] = gemm_mins(mode) ? _mm256_setzero_si256()
                                                         : _mm256_set1_epi32(xi[(size_t)t * ni + b * subs + h]);
-            for (int k0_ = h * groups; k0_ < (h + 1) * groups; k0_ += run) {
+            for (int k0_ = h * groups; k0_ < (h + 1) * groups && split; k0_ += run) {
+                /* u up to 255 (Q8_0's w + 128, the types expanded as v + 128): its low and high nibbles multiplied
+                   apart (each pair sum at most 2 x 15 x 128), the high ones' sums then times 16 by vpmaddwd */
+                __m256i sl[TT2][2], sh[TT2][2];
+                const __m256i lo4 = _mm256_set1_epi8(0x0F);
+                for (int t = 0; t < TT; t++) sl[t][0] = sl[t][1] = sh[t][0] = sh[t][1] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+                for (int k = k0_; k < k0_ + run; k++) {
+                    const __m256i w0 = _mm256_load_si256((const __m256i *)(w + k * 128)),
+                                  w1 = _mm256_load_si256((const __m256i *)(w + k * 128 + 32));
+                    const __m256i l0 = _mm256_and_si256(w0, lo4), h0 = _mm256_and_si256(_mm256_srli_epi16(w0, 4), lo4),
+                                  l1 = _mm256_and_si256(w1, lo4), h1 = _mm256_and_si256(_mm256_srli_epi16(w1, 4), lo4);
+                    for (int t = 0; t < TT; t++) {
+                        int32_t v;
+                        memcpy(&v, xq + (size_t)t * K + 32 * b + 4 * k, 4);
+                        const __m256i xb = _mm256_set1_epi32(v);
+                        sl[t][0] = _mm256_add_epi16(sl[t][0], _mm256_maddubs_epi16(l0, xb));
+                        sh[t][0] = _mm256_add_epi16(sh[t][0], _mm256_maddubs_epi16(h0, xb));
+                        sl[t][1] = _mm256_add_epi16(sl[t][1], _mm256_maddubs_epi16(l1, xb));
+                        sh[t][1] = _mm256_add_epi16(sh[t][1], _mm256_maddubs_epi16(h1, xb));
+                    }
+                }
+                const __m256i sixteen = _mm256_set1_epi16(16);
+                for (int t = 0; t < TT; t++)
+                    for (int i = 0; i < 2; i++)
+                        acc[t][i] = _mm256_add_epi32(acc[t][i], _mm256_add_epi32(_mm256_madd_epi16(sl[t][i], ones),
+                                                                                 _mm256_madd_epi16(sh[t][i], sixteen)));
+            }
+            for (int k0_ = h * groups; k0_ < (h + 1) * groups && !split; k0_ += run) {
                 __m256i s16[TT2][2];
                 for (int t = 0; t < TT; t++) s16[t][0] = s16[t][1] = _mm256_setzero_si256();
 #pragma GCC unroll 2
@@ -1833,15 +1861,17 @@ static int gemm_umax(int type) {
     }
 }
 
-/* groups of 4 values a tile sums in int16 before widening them (a power of two dividing a sub-block's groups) */
+/* groups of 4 values a tile sums in int16 before widening them (a power of two dividing a sub-block's groups); 0: u
+ * goes past 63 (Q8_0, the types packed as v + 128), its nibbles multiplied apart (gemm_pass2's split) */
 static int gemm_run16(int type, int mode) {
+    if (gemm_umax(type) > 63) return 0;
     int run = gemm_per16(mode) ? 4 : 8;
     while (run > 1 && run * 2 * gemm_umax(type) * 128 > 32767) run /= 2;
     return run;
 }
 
 /* gemm_pass2 over the tile: both halves of the panel's rows, the tokens TT2 at a time */
-#define PASS2(MODE, A, TT, RUN) gemm_pass2(MODE, A, TT, RUN, hr, pw, ps, po, nb, nbs, xq + (size_t)t0 * K, \
+#define PASS2(MODE, A, TT, RUN) gemm_pass2(MODE, A, TT, RUN ? RUN : MODE == 0 ? 8 : 4, RUN == 0, hr, pw, ps, po, nb, nbs, xq + (size_t)t0 * K, \
         xd + (size_t)t0 * nbs, xi + (size_t)t0 * ni, xf + (size_t)t0 * ni, K, out + t0 * ldo, ldo, nrows, \
         hr == 0 && t0 == 0 ? pf : NULL, pf_lines, more)
 #define PASS2_TT(MODE, A, RUN) { if (tt == TT2) PASS2(MODE, A, TT2, RUN); else if (tt == 2) PASS2(MODE, A, 2, RUN); \
@@ -1853,8 +1883,14 @@ static void gemm_tile_avx2(const int mode, const int a256, const int run, const 
     const int ni = (gemm_per16(mode) ? 2 : 1) * nbs;
     for (int hr = 0; hr < 2 && 16 * hr < nrows; hr++)
         for (int t0 = 0, tt; t0 < GT_; t0 += tt) {
-            tt = GT_ - t0 >= TT2 ? TT2 : GT_ - t0 >= 2 ? 2 : 1;  /* the last few tokens two or one at a time */
-            if (mode == 1) PASS2_TT(1, 1, 2)
+            tt = GT_ - t0 >= TT2 && run ? TT2 : GT_ - t0 >= 2 ? 2 : 1;  /* the last few tokens two or one at a time
+                                                                          (the split ones always: twice the sums) */
+            if (!run) {  /* u past 63 */
+                if (mode == 0 && a256) PASS2_TT(0, 1, 0)
+                else if (mode == 0) PASS2_TT(0, 0, 0)
+                else if (a256) PASS2_TT(1, 1, 0)
+                else PASS2_TT(1, 0, 0)
+            } else if (mode == 1) PASS2_TT(1, 1, 2)
             else if (mode == 4) PASS2_TT(4, 1, 4)
             else if (a256 && run == 8) PASS2_TT(2, 1, 8)
             else if (a256) PASS2_TT(2, 1, 4)
@@ -2333,15 +2369,20 @@ size_t blk_gemm_act_bytes(int M, int K) {
 
 int blk_gemm_type(int type) {
     int vals, bytes;
-#ifndef BLK_VNNI
-    if (gemm_umax(type) > 63) return 0;  /* AVX2: Q4_K, Q5_K, Q6_K, Q4_1, Q5_1, Q2_K (see gemm_pass2) */
-#endif
     /* the expanded types once the IQ grids' tables are set (ds_set_tables, at the library's load) */
     return gemm_mode(type) >= 0 && !block_info(type, &vals, &bytes) && (gemm_direct(type) || g_ksigns);
 }
 
-/* whether ds_gemm_blocks takes `type` in this build (1) or returns -1 for it (0) */
-int ds_gemm_type(int type) { return blk_gemm_type(type); }
+/* whether ds_gemm_blocks takes `type` in this build: 0 no (it returns -1), 1 yes, 2 yes at about the speed of
+ * torch's f32 GEMM on exact chunks (AVX2's split tiles: Q8_0 [8192, 2048] x 512 rows 91 GMAC/s against 105 for
+ * the chunks, dequantization included; 74-82 against 63-70 for the row products at an expert's 16 rows) */
+int ds_gemm_type(int type) {
+    if (!blk_gemm_type(type)) return 0;
+#ifndef BLK_VNNI
+    if (!gemm_run16(type, gemm_mode(type))) return 2;
+#endif
+    return 1;
+}
 
 void blk_gemm_prepare(int type, const float *x, int M, int K, long ldx, const int *rows, void *act) {
     const int mode = gemm_mode(type), a256 = gemm_a256(type), Mp = (M + GT - 1) / GT * GT + GT;

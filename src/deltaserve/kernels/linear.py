@@ -354,7 +354,7 @@ def block_gemm(kind: str, int8_activations: bool = True) -> bool:
     f32 chunks: on the GEMM the Q8_0 prefill came to 1.11x llama.cpp's error, on f32 chunks 0.95x; a 4- to 6-bit
     weight's own error is far larger than that rounding (Q4_K_M: 0.953x with it on the GEMM, 0.954x without)."""
     return kind in GEMM_KINDS and (int8_activations or kind != "Q8_0") and prefill_mode() == "auto" \
-        and not amx_bf16() and native.has("ds_gemm_blocks") and native.gemm_takes(GGUF_TYPES[kind])
+        and not amx_bf16() and native.has("ds_gemm_blocks") and native.gemm_beats_f32(GGUF_TYPES[kind])
 
 
 def block_rows() -> int:

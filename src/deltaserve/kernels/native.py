@@ -339,10 +339,16 @@ def moe_experts(experts: tuple, hidden: int, uniq: torch.Tensor, first: torch.Te
 
 
 def gemm_takes(gguf_type: int) -> bool:
-    """Whether blocks.c's GEMM (gemm_blocks) takes blocks of this type in this build: every quantized type it knows
-    on AVX512-VNNI; on AVX2 the ones whose packed values stay below 64 (Q4_K, Q5_K, Q6_K, Q4_1, Q5_1, Q2_K: its
-    vpmaddubsw pair sums would saturate on Q8_0's)."""
-    return has("ds_gemm_type") and bool(library().ds_gemm_type(gguf_type))
+    """Whether blocks.c's GEMM (gemm_blocks) takes blocks of this type in this build (every quantized type it knows)."""
+    return has("ds_gemm_type") and library().ds_gemm_type(gguf_type) > 0
+
+
+def gemm_beats_f32(gguf_type: int) -> bool:
+    """Whether blocks.c's GEMM on this type beats torch's f32 GEMM on exact chunks for a prefill's many rows: every
+    type on AVX512-VNNI; on AVX2 the ones whose packed values stay below 64 (Q4_K, Q5_K, Q6_K, Q4_1, Q5_1, Q2_K):
+    the others' vpmaddubsw pair sums would saturate, so their tiles multiply each value's two nibbles apart, at
+    about the f32 GEMM's speed (ds_gemm_type 2; the MoE experts' few rows still take them there)."""
+    return has("ds_gemm_type") and library().ds_gemm_type(gguf_type) == 1
 
 
 def gemm_blocks(x: torch.Tensor, gguf_type: int, data: torch.Tensor, y: torch.Tensor, off: int) -> bool:
