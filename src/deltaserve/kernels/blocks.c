@@ -1552,7 +1552,8 @@ static void decode_tile(int type, const uint8_t *row0, size_t row_bytes, int R, 
 
 /* ---- many rows on the blocks: a GEMM on panels of the file's blocks -----------------------------------------
  * The prefill's products on Q8_0, Q4_K, Q5_K and Q6_K tensors (and, from their expanded rows, every other quantized
- * type: see gemm_mode) where the CPU has AVX512-VNNI and no AMX (a Zen 4/5):
+ * type: see gemm_mode) where the CPU has AVX512-VNNI and no AMX (a Zen 4/5), and the MoE experts' (ds_moe_experts);
+ * built for AVX2 alone (a Zen 3) the same panels go through gemm_pass2's vpmaddubsw tiles (see there):
  * the file's values exactly, the activations int8 as llama.cpp quantizes them for the type: per block of 32 with an
  * f16-rounded scale (Q8_0's) or, for the K-quants and the IQ and TQ types, per block of 256 with an f32 scale (Q8_K's;
  * gemm_a256), so the only rounding is the activations'. torch has no such product: its int8 GEMM wants one scale per
@@ -1715,12 +1716,13 @@ static inline __attribute__((always_inline)) void gemm_tile(const int mode, cons
 #else
 /* The AVX2 tile (a Zen 3's, no VNNI): the same panels and sums with vpmaddubsw (u8 x s8 pairs into int16, saturating)
  * and vpmaddwd (int16 pairs into int32). A pair's sum stays exact where the weights' u is small: gemm_umax(type) 2 x
- * umax x 128 <= 32767 for every type taken here (Q4_K, Q4_1: 15; Q5_K, Q5_1: 31; Q6_K: 63, z = 32; Q2_K: 3), and
- * `run` groups of 4 values are summed in int16 before one vpmaddwd widens them (run x 2 x umax x 128 <= 32767: Q4_K
- * a whole sub-block of 32, Q5_K half of one, Q6_K 8 values), so most groups cost a vpmaddubsw and an add per 8 rows
- * and token where vpdpbusd would cost one. Q8_0 and the types packed as v + 128 (u up to 255) would saturate: they
- * stay on the row products (blk_gemm_type). A pass takes 16 of the panel's rows and TT2 tokens; the sums are the
- * VNNI tile's exactly (the same integers, the same f32 operations in the same order). */
+ * umax x 128 <= 32767 (Q4_K, Q4_1: 15; Q5_K, Q5_1: 31; Q6_K: 63, z = 32; Q2_K: 3), and `run` groups of 4 values
+ * are summed in int16 before one vpmaddwd widens them (run x 2 x umax x 128 <= 32767: Q4_K a whole sub-block of 32,
+ * Q5_K half of one, Q6_K 8 values), so most groups cost a vpmaddubsw and an add per 8 rows and token where vpdpbusd
+ * would cost one. Q8_0 and the types packed as v + 128 (u up to 255) would saturate: `split` multiplies the low and
+ * the high nibbles of u apart (twice the work: ds_gemm_type says so) and adds 16 x the high ones' sums. A pass takes
+ * 16 of the panel's rows and TT2 tokens (2 when split); the sums are the VNNI tile's exactly (the same integers, the
+ * same f32 operations in the same order). */
 #define TT2 4
 static inline __attribute__((always_inline)) void gemm_pass2(const int mode, const int a256, const int TT, const int run,
                                                              const int split, const int hr, const uint8_t *pw, const float *ps,

@@ -344,8 +344,10 @@ def block_gemm(kind: str, int8_activations: bool = True) -> bool:
     """Whether many rows on blocks of `kind` run on blocks.c's GEMM on the blocks themselves (ds_gemm_blocks: the
     file's values exactly, the activations int8 per block as llama.cpp multiplies the type: of 32 with an f16 scale
     (Q8_0's) or, for GEMM_A256, of 256 with an f32 scale (Q8_K's)) rather than on chunks: GEMM_KINDS under
-    DELTASERVE_PREFILL=auto where the CPU has AVX512-VNNI and no AMX (a Zen 4/5); where AMX is there, bf16 chunks on
-    its tiles are faster (torch's bf16 GEMM 645-800 GOP/s against this GEMM's 500-690).
+    DELTASERVE_PREFILL=auto where the CPU has AVX512-VNNI and no AMX (a Zen 4/5), and on an AVX2 CPU (a Zen 3) the
+    kinds its vpmaddubsw tiles take faster than torch's f32 GEMM takes exact chunks (native.gemm_beats_f32: Q4_K,
+    Q5_K, Q6_K, Q4_1, Q5_1, Q2_K; a Q4_K [8192, 2048] x 512 rows 50-65 ms against 96); where AMX is there, bf16
+    chunks on its tiles are faster (torch's bf16 GEMM 645-800 GOP/s against this GEMM's 500-690).
     Measured on the Xeon with AMX left out, 512 rows on 2 threads: a Q8_0 [3584, 1024] 5.4-7.5 ms against 16.6-21.5
     for torch's f32 GEMM on the exact chunks; Q4_K 5.7 against 16.8; Q6_K 8.5 against 18.1 (its scales come every
     16 values). The int8 chunks (requantized per row) ran as fast, but took the trained demo's Q8_0 prefill to 1.31x
