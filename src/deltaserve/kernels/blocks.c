@@ -720,8 +720,9 @@ static inline __m256i neg_sums4(__m256i v, int32_t *c) {
     return s;
 }
 
-/* Q8_0 blocks of 32: q int8 [K], d [K/32] (the f16-rounded scale, as the block would store it); with VNNI also
- * c [K/4]: -128 times the sum of each 4 values (the decode tile multiplies w + 128 by them, see tile_q32). */
+/* Q8_0 blocks of 32: q int8 [K], d [K/32] (the f16-rounded scale, as the block would store it); where c is given
+ * also c [K/4]: -128 times the sum of each 4 values (the VNNI decode tile and the GEMM multiply w + 128 by them, see
+ * tile_q32), and where cb is, cb [K/32]: -128 times each block's sum. */
 static void quant_q8_0(const float *x, int K, int8_t *q, float *d, int32_t *c, int32_t *cb) {
     for (int b = 0; b < K; b += 32) {
         float amax = amax32(x + b);
@@ -729,7 +730,7 @@ static void quant_q8_0(const float *x, int K, int8_t *q, float *d, int32_t *c, i
         __m256i v = round32(x + b, id);
         _mm256_storeu_si256((__m256i *)(q + b), v);
         d[b / 32] = _cvtsh_ss(_cvtss_sh(dd, 0));
-        if (!c) continue;  /* (the AVX2 decode products do not use them) */
+        if (!c) continue;
         __m256i s = neg_sums4(v, c + b / 4);
         if (cb) {
             __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
@@ -2087,72 +2088,6 @@ static void row_scales16(int type, const uint8_t *rows, size_t row_bytes, int K,
 #undef BYTE
 }
 
-/* A full panel (GP rows) packed straight from the file's blocks: each group of 16 rows' 32-byte runs of quants
- * transposed once (transpose16x8_v) and the values taken out of the transposed words, with no unpacked copy of
- * the rows in between (the copy and its second pass were a third of a 16-token expert's product). The same
- * layout as pack_panel's. */
-static void pack_panel_direct(int type, const uint8_t *blocks, size_t row_bytes, int n0, int K, uint8_t *pw,
-                              float *ps, float *po) {
-    for (int g = 0; g < GP / 16; g++) row_scales16(type, blocks + (size_t)(n0 + 16 * g) * row_bytes, row_bytes, K, ps, po, 16 * g);
-    const __m512i lo4 = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(1), three = _mm512_set1_epi8(3);
-    __m512i v[8], w[8];
-    for (int g = 0; g < 2; g++) {
-        const uint8_t *rows = blocks + (size_t)(n0 + 16 * g) * row_bytes;
-        uint8_t *dst = pw + g * 64;
-        switch (type) {
-        case T_Q8_0:
-            for (int b = 0; b < K / 32; b++) {
-                transpose16x8_v(rows + (size_t)b * 34 + 2, row_bytes, v);
-                for (int k = 0; k < 8; k++)
-                    _mm512_store_si512(dst + (size_t)b * 1024 + k * 128, _mm512_xor_si512(v[k], _mm512_set1_epi8((char)0x80)));
-            }
-            break;
-        case T_Q4_K:
-        case T_Q5_K: {
-            const int q5 = type == T_Q5_K, bytes = q5 ? 176 : 144;
-            for (int jb = 0; jb < K / 256; jb++) {
-                const uint8_t *blk = rows + (size_t)jb * bytes, *qs = blk + (q5 ? 48 : 16);
-                if (q5) transpose16x8_v(blk + 16, row_bytes, w);  /* qh: bit j of byte l is value l of sub-block j */
-                for (int p = 0; p < 4; p++) {  /* sub-blocks 2p (low nibbles) and 2p + 1 (high) */
-                    transpose16x8_v(qs + 32 * p, row_bytes, v);
-                    for (int h = 0; h < 2; h++) {
-                        const int j = 2 * p + h;
-                        uint8_t *o = dst + (size_t)(jb * 8 + j) * 1024;
-                        for (int k = 0; k < 8; k++) {
-                            __m512i q = _mm512_and_si512(h ? _mm512_srli_epi16(v[k], 4) : v[k], lo4);
-                            if (q5)
-                                q = _mm512_or_si512(q, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(w[k], j), one), 4));
-                            _mm512_store_si512(o + k * 128, q);
-                        }
-                    }
-                }
-            }
-            break;
-        }
-        case T_Q6_K:
-            for (int jb = 0; jb < K / 256; jb++) {
-                const uint8_t *blk = rows + (size_t)jb * 210;
-                for (int h = 0; h < 2; h++) {
-                    transpose16x8_v(blk + 128 + 32 * h, row_bytes, w);  /* the two high bits of 4 groups */
-                    for (int c = 0; c < 2; c++) {
-                        transpose16x8_v(blk + 64 * h + 32 * c, row_bytes, v);  /* groups c (low) and c + 2 (high) */
-                        for (int s = 0; s < 2; s++) {
-                            const int gq = c + 2 * s;
-                            uint8_t *o = dst + (size_t)(jb * 8 + 4 * h + gq) * 1024;
-                            for (int k = 0; k < 8; k++) {
-                                __m512i low = _mm512_and_si512(s ? _mm512_srli_epi16(v[k], 4) : v[k], lo4);
-                                __m512i top = _mm512_and_si512(_mm512_srli_epi16(w[k], 2 * gq), three);
-                                _mm512_store_si512(o + k * 128, _mm512_or_si512(low, _mm512_slli_epi16(top, 4)));
-                            }
-                        }
-                    }
-                }
-            }
-            break;
-        }
-    }
-}
-
 #else
 /* 8 rows of 8 words (32 bytes at base + r stride) as 8 vectors of 8 words, vector k holding word k of every row
  * in row order: an 8 x 8 transpose of words (words, then pairs of words within 128-bit lanes, then the lanes). */
@@ -2227,23 +2162,51 @@ static void row_scales8(int type, const uint8_t *rows, size_t row_bytes, int K, 
     }
 }
 
-/* pack_panel_direct with 256-bit vectors: 8 rows' 32-byte runs of quants transposed at a time (transpose8x8_v); the
- * same layout (and bytes) as the 512-bit one's. */
+#endif  /* BLK_VNNI */
+
+/* A full panel (GP rows) packed straight from the file's blocks: each group of PV_ROWS rows' 32-byte runs of quants
+ * transposed once (transpose16x8_v, or transpose8x8_v on AVX2) and the values taken out of the transposed words, with
+ * no unpacked copy of the rows in between (the copy and its second pass were a third of a 16-token expert's product).
+ * The same layout as pack_panel's, on either build. */
+#ifdef BLK_VNNI
+typedef __m512i pvec_t;
+#define PV_ROWS 16
+#define PV_AND _mm512_and_si512
+#define PV_OR _mm512_or_si512
+#define PV_XOR _mm512_xor_si512
+#define PV_SRLI16 _mm512_srli_epi16
+#define PV_SLLI16 _mm512_slli_epi16
+#define PV_SET1_8 _mm512_set1_epi8
+#define PV_STORE(p, v) _mm512_store_si512(p, v)
+#define PV_TRANSPOSE transpose16x8_v
+#define PV_SCALES row_scales16
+#else
+typedef __m256i pvec_t;
+#define PV_ROWS 8
+#define PV_AND _mm256_and_si256
+#define PV_OR _mm256_or_si256
+#define PV_XOR _mm256_xor_si256
+#define PV_SRLI16 _mm256_srli_epi16
+#define PV_SLLI16 _mm256_slli_epi16
+#define PV_SET1_8 _mm256_set1_epi8
+#define PV_STORE(p, v) _mm256_store_si256((__m256i *)(p), v)
+#define PV_TRANSPOSE transpose8x8_v
+#define PV_SCALES row_scales8
+#endif
 static void pack_panel_direct(int type, const uint8_t *blocks, size_t row_bytes, int n0, int K, uint8_t *pw,
                               float *ps, float *po) {
-    const __m256i lo4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1), three = _mm256_set1_epi8(3);
-    __m256i v[8], w[8];
-    for (int g = 0; g < GP / 8; g++) {
-        const uint8_t *rows = blocks + (size_t)(n0 + 8 * g) * row_bytes;
-        uint8_t *dst = pw + g * 32;
-        row_scales8(type, rows, row_bytes, K, ps, po, 8 * g);
+    const pvec_t lo4 = PV_SET1_8(0x0F), one = PV_SET1_8(1), three = PV_SET1_8(3);
+    pvec_t v[8], w[8];
+    for (int g = 0; g < GP / PV_ROWS; g++) {
+        const uint8_t *rows = blocks + (size_t)(n0 + PV_ROWS * g) * row_bytes;
+        uint8_t *dst = pw + g * PV_ROWS * 4;
+        PV_SCALES(type, rows, row_bytes, K, ps, po, PV_ROWS * g);
         switch (type) {
         case T_Q8_0:
             for (int b = 0; b < K / 32; b++) {
-                transpose8x8_v(rows + (size_t)b * 34 + 2, row_bytes, v);
+                PV_TRANSPOSE(rows + (size_t)b * 34 + 2, row_bytes, v);
                 for (int k = 0; k < 8; k++)
-                    _mm256_store_si256((__m256i *)(dst + (size_t)b * 1024 + k * 128),
-                                       _mm256_xor_si256(v[k], _mm256_set1_epi8((char)0x80)));
+                    PV_STORE(dst + (size_t)b * 1024 + k * 128, PV_XOR(v[k], PV_SET1_8((char)0x80)));
             }
             break;
         case T_Q4_K:
@@ -2251,17 +2214,16 @@ static void pack_panel_direct(int type, const uint8_t *blocks, size_t row_bytes,
             const int q5 = type == T_Q5_K, bytes = q5 ? 176 : 144;
             for (int jb = 0; jb < K / 256; jb++) {
                 const uint8_t *blk = rows + (size_t)jb * bytes, *qs = blk + (q5 ? 48 : 16);
-                if (q5) transpose8x8_v(blk + 16, row_bytes, w);
-                for (int p = 0; p < 4; p++) {
-                    transpose8x8_v(qs + 32 * p, row_bytes, v);
+                if (q5) PV_TRANSPOSE(blk + 16, row_bytes, w);  /* qh: bit j of byte l is value l of sub-block j */
+                for (int p = 0; p < 4; p++) {  /* sub-blocks 2p (low nibbles) and 2p + 1 (high) */
+                    PV_TRANSPOSE(qs + 32 * p, row_bytes, v);
                     for (int h = 0; h < 2; h++) {
                         const int j = 2 * p + h;
                         uint8_t *o = dst + (size_t)(jb * 8 + j) * 1024;
                         for (int k = 0; k < 8; k++) {
-                            __m256i q = _mm256_and_si256(h ? _mm256_srli_epi16(v[k], 4) : v[k], lo4);
-                            if (q5)
-                                q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(w[k], j), one), 4));
-                            _mm256_store_si256((__m256i *)(o + k * 128), q);
+                            pvec_t q = PV_AND(h ? PV_SRLI16(v[k], 4) : v[k], lo4);
+                            if (q5) q = PV_OR(q, PV_SLLI16(PV_AND(PV_SRLI16(w[k], j), one), 4));
+                            PV_STORE(o + k * 128, q);
                         }
                     }
                 }
@@ -2272,16 +2234,16 @@ static void pack_panel_direct(int type, const uint8_t *blocks, size_t row_bytes,
             for (int jb = 0; jb < K / 256; jb++) {
                 const uint8_t *blk = rows + (size_t)jb * 210;
                 for (int h = 0; h < 2; h++) {
-                    transpose8x8_v(blk + 128 + 32 * h, row_bytes, w);
+                    PV_TRANSPOSE(blk + 128 + 32 * h, row_bytes, w);  /* the two high bits of 4 groups */
                     for (int c = 0; c < 2; c++) {
-                        transpose8x8_v(blk + 64 * h + 32 * c, row_bytes, v);
+                        PV_TRANSPOSE(blk + 64 * h + 32 * c, row_bytes, v);  /* groups c (low) and c + 2 (high) */
                         for (int s = 0; s < 2; s++) {
                             const int gq = c + 2 * s;
                             uint8_t *o = dst + (size_t)(jb * 8 + 4 * h + gq) * 1024;
                             for (int k = 0; k < 8; k++) {
-                                __m256i low = _mm256_and_si256(s ? _mm256_srli_epi16(v[k], 4) : v[k], lo4);
-                                __m256i top = _mm256_and_si256(_mm256_srli_epi16(w[k], 2 * gq), three);
-                                _mm256_store_si256((__m256i *)(o + k * 128), _mm256_or_si256(low, _mm256_slli_epi16(top, 4)));
+                                pvec_t low = PV_AND(s ? PV_SRLI16(v[k], 4) : v[k], lo4);
+                                pvec_t top = PV_AND(PV_SRLI16(w[k], 2 * gq), three);
+                                PV_STORE(o + k * 128, PV_OR(low, PV_SLLI16(top, 4)));
                             }
                         }
                     }
@@ -2291,7 +2253,6 @@ static void pack_panel_direct(int type, const uint8_t *blocks, size_t row_bytes,
         }
     }
 }
-#endif  /* BLK_VNNI */
 
 /* rows n0 .. n0 + nrows - 1 (nrows <= GP) of a tensor laid out for gemm_tile: pw [nb][8][2][16 rows x 4 bytes],
  * ps [subs][32], po [nb or 2 nb][32] (the modes with a min); rows past the tensor: u = z (a zero weight), s = m = 0. Each row unpacked to
@@ -2524,8 +2485,6 @@ int ds_gemm_blocks(int type, const float *x, int M, int K, long ldx, const uint8
     free(act);
     return failed ? -1 : 0;
 }
-
-/* (the GEMM ends) */
 
 /* ---- the other types' products: each row expanded to int8 values with a scale (and a min) per 16 -------------
  * A row of Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, MXFP4, NVFP4, Q2_K, Q3_K, TQ1_0, TQ2_0 or an IQ1/IQ2/IQ3 grid type is
