@@ -1756,7 +1756,7 @@ static inline __attribute__((always_inline)) void gemm_pass2(const int mode, con
             for (int t = 0; t < TT; t++)
                 acc[t][0] = acc[t][1] = gemm_mins(mode) ? _mm256_setzero_si256()
                                                         : _mm256_set1_epi32(xi[(size_t)t * ni + b * subs + h]);
-            for (int k0_ = h * groups; k0_ < (h + 1) * groups && split; k0_ += run) {
+            if (split) for (int k0_ = h * groups; k0_ < (h + 1) * groups; k0_ += run) {
                 /* u up to 255 (Q8_0's w + 128, the types expanded as v + 128): its low and high nibbles multiplied
                    apart (each pair sum at most 2 x 15 x 128), the high ones' sums then times 16 by vpmaddwd */
                 __m256i sl[TT2][2], sh[TT2][2];
@@ -1784,7 +1784,7 @@ static inline __attribute__((always_inline)) void gemm_pass2(const int mode, con
                         acc[t][i] = _mm256_add_epi32(acc[t][i], _mm256_add_epi32(_mm256_madd_epi16(sl[t][i], ones),
                                                                                  _mm256_madd_epi16(sh[t][i], sixteen)));
             }
-            for (int k0_ = h * groups; k0_ < (h + 1) * groups && !split; k0_ += run) {
+            else for (int k0_ = h * groups; k0_ < (h + 1) * groups; k0_ += run) {
                 __m256i s16[TT2][2];
                 for (int t = 0; t < TT; t++) s16[t][0] = s16[t][1] = _mm256_setzero_si256();
 #pragma GCC unroll 2
@@ -1879,6 +1879,7 @@ static int gemm_run16(int type, int mode) {
         hr == 0 && t0 == 0 ? pf : NULL, pf_lines, more)
 #define PASS2_TT(MODE, A, RUN) { if (tt == TT2) PASS2(MODE, A, TT2, RUN); else if (tt == 2) PASS2(MODE, A, 2, RUN); \
                                  else PASS2(MODE, A, 1, RUN); }
+#define PASS2_SPLIT(MODE, A) { if (tt == 2) PASS2(MODE, A, 2, 0); else PASS2(MODE, A, 1, 0); }
 static void gemm_tile_avx2(const int mode, const int a256, const int run, const int GT_, const uint8_t *pw,
                            const float *ps, const float *po, int nb, int nbs, const int8_t *xq, const float *xd,
                            const int32_t *xi, const float *xf, int K, float *out, long ldo, int nrows,
@@ -1889,10 +1890,10 @@ static void gemm_tile_avx2(const int mode, const int a256, const int run, const 
             tt = GT_ - t0 >= TT2 && run ? TT2 : GT_ - t0 >= 2 ? 2 : 1;  /* the last few tokens two or one at a time
                                                                           (the split ones always: twice the sums) */
             if (!run) {  /* u past 63 */
-                if (mode == 0 && a256) PASS2_TT(0, 1, 0)
-                else if (mode == 0) PASS2_TT(0, 0, 0)
-                else if (a256) PASS2_TT(1, 1, 0)
-                else PASS2_TT(1, 0, 0)
+                if (mode == 0 && a256) PASS2_SPLIT(0, 1)
+                else if (mode == 0) PASS2_SPLIT(0, 0)
+                else if (a256) PASS2_SPLIT(1, 1)
+                else PASS2_SPLIT(1, 0)
             } else if (mode == 1) PASS2_TT(1, 1, 2)
             else if (mode == 4) PASS2_TT(4, 1, 4)
             else if (a256 && run == 8) PASS2_TT(2, 1, 8)
@@ -1901,6 +1902,7 @@ static void gemm_tile_avx2(const int mode, const int a256, const int run, const 
             else PASS2_TT(2, 0, 4)
         }
 }
+#undef PASS2_SPLIT
 #undef PASS2_TT
 #undef PASS2
 
@@ -2923,7 +2925,9 @@ static act_t act_row(int kind, void *scratch, int M, int K, int m) {
     a.q = p.q + (size_t)m * K;
     a.d = p.d + (size_t)m * (K / 32);
     if (kind == 2) a.bs = p.bs + (size_t)m * (K / 16), a.qp = p.qp + (size_t)m * K;
+#ifdef BLK_VNNI  /* (only the 512-bit products read them: NULL, quant_q8_0 does not compute them) */
     else a.c = p.c + (size_t)m * (K / 4), a.cb = p.cb + (size_t)m * (K / 32);
+#endif
     return a;
 }
 
