@@ -574,3 +574,28 @@ def test_bench_moe_sets_its_floor_by_the_highest_bandwidth_and_gives_each_rounds
     assert "25.0 GB/s, the highest of 3 measurements in the run (20.0-25.0 GB/s)" in text
     assert "| Q4_K_M | 38.1 | 381 | 1.60 | 9.55x | 5.21x | 12.50 | 7.50x |" in text
     assert "tg 1.50x, " in text
+
+
+def test_bench_moe_takes_peak_rss_and_load_to_the_full_layers_as_it_takes_the_files_size(tmp_path):
+    """A process's peak RSS is the file it maps plus what it allocates (a fixed ~400 MiB): 1.20x a 2 GiB 4-layer
+    file, ~1.02x at 40 layers, where the file is 20 GiB; load time likewise by the line through the two counts."""
+    from tools.bench import moe
+
+    def engine(load: float, rss_mib: int) -> dict:
+        return {"load_s": load, "pp": 100.0, "tg": 10.0, "peak_rss": rss_mib << 20, "runs": []}
+
+    rows = [{"kind": "Q4_K_M", "layers": 4, "file_bytes": 2 << 30, "llama.cpp": engine(2.0, 3500),
+             "deltaserve": engine(0.1, 2048 + 400)},
+            {"kind": "Q4_K_M", "layers": 8, "file_bytes": 4 << 30, "llama.cpp": engine(4.0, 7000),
+             "deltaserve": engine(0.1, 4096 + 400)}]
+    ours, theirs = moe.memory_at_full(rows, "deltaserve"), moe.memory_at_full(rows, "llama.cpp")
+    assert ours["file_bytes"] == 20 << 30 and ours["peak_rss"] == (20480 + 400) << 20
+    assert ours["rss_over_file"] == pytest.approx(20880 / 20480) and ours["load_s"] == pytest.approx(0.1)
+    assert theirs["peak_rss"] == 35000 << 20 and theirs["load_s"] == pytest.approx(20.0)
+    r = {"command": "c", "threads": 2, "cpu": "x", "pp": 512, "tg": 128, "shape": "35B-A3B", "layers": [4, 8],
+         "full_layers": 40, "date": "d", "rows": rows,
+         "full": {"Q4_K_M": {e: {"pp": moe.extrapolate({4: 100.0, 8: 50.0}), "tg": moe.extrapolate({4: 10.0, 8: 5.0}),
+                                 "memory": moe.memory_at_full(rows, e)} for e in ("llama.cpp", "deltaserve")}}}
+    text = moe.write_report(r, tmp_path).read_text()
+    assert "| Q4_K_M | deltaserve | 20480 MiB | 20880 MiB | 1.02x | 0.10 | 0.01x |" in text
+    assert "| Q4_K_M | llama.cpp | 20480 MiB | 35000 MiB | 1.71x | 20.00 | 1.00x |" in text

@@ -55,6 +55,22 @@ def extrapolate(rates: dict[int, float]) -> dict:
     return {"per_layer_ms": per_layer * 1e3, "fixed_ms": fixed * 1e3, "full": 1.0 / (fixed + FULL * per_layer)}
 
 
+def memory_at_full(rows: list[dict], engine: str) -> dict:
+    """An engine's peak RSS and load time at FULL layers, each a straight line through the two layer counts (as the
+    token's time), and the file's size likewise: a process holds what the file maps (the weights it touches) plus
+    what it allocates, whose fixed part (the runtime, the prefill's working set) weighs on a 4-layer file as it does
+    not on the 40-layer one."""
+    (l0, r0), (l1, r1) = sorted((r["layers"], r) for r in rows)
+
+    def line(v0: float, v1: float) -> float:
+        return v0 + (v1 - v0) / (l1 - l0) * (FULL - l0)
+
+    rss = line(r0[engine]["peak_rss"], r1[engine]["peak_rss"])
+    file = line(r0["file_bytes"], r1["file_bytes"])
+    return {"peak_rss": rss, "file_bytes": file, "rss_over_file": rss / file,
+            "load_s": line(r0[engine]["load_s"], r1[engine]["load_s"])}
+
+
 def decode_floor(path: Path, position: int) -> dict:
     """The bytes one decoded token must read in a qwen35moe file, from its tensors and metadata alone (whatever the
     engine): per layer its tensors, the routed experts' (`*_exps`) at n_used of n_expert; a DeltaNet layer's
@@ -154,6 +170,8 @@ def main(a) -> None:
         rows = [r for r in results["rows"] if r["kind"] == kind]
         results["full"][kind] = {engine: {what: extrapolate({r["layers"]: r[engine][what] for r in rows})
                                           for what in ("pp", "tg")} for engine in ("llama.cpp", "deltaserve")}
+        for engine, m in results["full"][kind].items():
+            m["memory"] = memory_at_full(rows, engine)
         results["rounds"][kind] = {what: [d / l for d, l in zip(per_round(rows, "deltaserve", what),
                                                                  per_round(rows, "llama.cpp", what))]
                                    for what in ("pp", "tg")}
@@ -194,6 +212,19 @@ def write_report(r: dict, out: Path) -> Path:
                              f"{m['pp']['full']:.1f} | "
                              f"{m['tg']['per_layer_ms']:.2f} | {m['tg']['fixed_ms']:.2f} | {m['tg']['full']:.2f} | "
                              f"{m['pp']['full'] / ref['pp']['full']:.2f}x | {m['tg']['full'] / ref['tg']['full']:.2f}x |")
+        if all("memory" in m for engines in r["full"].values() for m in engines.values()):
+            lines += ["", f"Peak RSS and load at {r['full_layers']} layers, each a straight line through the two "
+                          "layer counts, as the file's size: what a process holds beyond the file (the runtime, the "
+                          "prefill's working set) weighs on the small files as it does not on the full one.", "",
+                      f"| file | engine | file at {r['full_layers']} | peak RSS at {r['full_layers']} | RSS / file | "
+                      f"load s at {r['full_layers']} | load / llama |", "|---|---|---|---|---|---|---|"]
+            for kind, engines in r["full"].items():
+                ref = engines["llama.cpp"]["memory"]
+                for engine, m in engines.items():
+                    mm = m["memory"]
+                    lines.append(f"| {kind} | {engine} | {mm['file_bytes'] / 2**20:.0f} MiB | "
+                                 f"{mm['peak_rss'] / 2**20:.0f} MiB | {mm['rss_over_file']:.2f}x | "
+                                 f"{mm['load_s']:.2f} | {mm['load_s'] / ref['load_s']:.2f}x |")
     for kind, ratios in r.get("rounds", {}).items():
         lines.append(f"- {kind}: the {r['full_layers']}-layer ratios of each round's own two layer counts: pp "
                      + ", ".join(f"{x:.2f}x" for x in ratios["pp"]) + "; tg " + ", ".join(f"{x:.2f}x" for x in ratios["tg"]))
