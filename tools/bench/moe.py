@@ -60,7 +60,8 @@ def memory_at_full(rows: list[dict], engine: str) -> dict:
     token's time), and the file's size likewise: a process holds what the file maps (the weights it touches) plus
     what it allocates, whose fixed part (the runtime, the prefill's working set) weighs on a 4-layer file as it does
     not on the 40-layer one."""
-    (l0, r0), (l1, r1) = sorted((r["layers"], r) for r in rows)
+    r0, r1 = sorted(rows, key=lambda r: r["layers"])
+    l0, l1 = r0["layers"], r1["layers"]
 
     def line(v0: float, v1: float) -> float:
         return v0 + (v1 - v0) / (l1 - l0) * (FULL - l0)
