@@ -55,21 +55,21 @@ def extrapolate(rates: dict[int, float]) -> dict:
     return {"per_layer_ms": per_layer * 1e3, "fixed_ms": fixed * 1e3, "full": 1.0 / (fixed + FULL * per_layer)}
 
 
+def at_full(values: dict[int, float]) -> float:
+    """The value at FULL layers of the straight line through two (layer count, value) points."""
+    (l0, v0), (l1, v1) = sorted(values.items())
+    return v0 + (v1 - v0) / (l1 - l0) * (FULL - l0)
+
+
 def memory_at_full(rows: list[dict], engine: str) -> dict:
     """An engine's peak RSS and load time at FULL layers, each a straight line through the two layer counts (as the
     token's time), and the file's size likewise: a process holds what the file maps (the weights it touches) plus
     what it allocates, whose fixed part (the runtime, the prefill's working set) weighs on a 4-layer file as it does
     not on the 40-layer one."""
-    r0, r1 = sorted(rows, key=lambda r: r["layers"])
-    l0, l1 = r0["layers"], r1["layers"]
-
-    def line(v0: float, v1: float) -> float:
-        return v0 + (v1 - v0) / (l1 - l0) * (FULL - l0)
-
-    rss = line(r0[engine]["peak_rss"], r1[engine]["peak_rss"])
-    file = line(r0["file_bytes"], r1["file_bytes"])
+    rss = at_full({r["layers"]: r[engine]["peak_rss"] for r in rows})
+    file = at_full({r["layers"]: r["file_bytes"] for r in rows})
     return {"peak_rss": rss, "file_bytes": file, "rss_over_file": rss / file,
-            "load_s": line(r0[engine]["load_s"], r1[engine]["load_s"])}
+            "load_s": at_full({r["layers"]: r[engine]["load_s"] for r in rows})}
 
 
 def decode_floor(path: Path, position: int) -> dict:
