@@ -1387,58 +1387,83 @@ static inline __attribute__((always_inline)) void tile_q23k(const int type, cons
         for (int m = 0; m < M; m++) out[r * 2 + m] = _mm512_reduce_add_ps(acc[r][m]);
 }
 
-/* k_scales_vec for the blocks at b, b + row_bytes, .. of R <= 4 rows at once, row r's in 128-bit lane r. */
-static inline __m512i k_scales_rows(const uint8_t *b, size_t row_bytes, const int R) {
+/* The first 16 bytes of a Q4_K/Q5_K block (d, dmin and the 12 scale bytes) at b, b + row_bytes, .. of R <= 4 rows
+ * at once, row r's in 128-bit lane r: *raw as loaded (its dword 0 is the row's [d, dmin]), and returned, the
+ * unpacked six-bit scales and mins (k_scales_vec's arithmetic, the words one dword on): in each lane bytes 0-3 are
+ * scales 4-7, 4-7 scales 0-3, 8-11 mins 0-3, 12-15 mins 4-7 (K_SC_BYTE). */
+#define K_SC_BYTE(s) ((s) < 4 ? 4 + (s) : (s) - 4)
+static inline __m512i k_scales_rows(const uint8_t *b, size_t row_bytes, const int R, __m512i *raw) {
     __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)b));
     if (R > 1) v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b + row_bytes)), 1);
     if (R > 2) v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b + 2 * row_bytes)), 2);
     if (R > 3) v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b + 3 * row_bytes)), 3);
+    *raw = v;
+    /* dwords [dd, u0, u1, u2]: lo = [., scales 0-3, mins 0-3, .]; t = [u2 & 0x0f.., (u0 >> 6) & 0x03..,
+     * (u1 >> 6) & 0x03.., (u2 >> 4) & 0x0f..] and its neighbours swapped give scales 4-7 in dword 0, mins 4-7 in 3 */
     __m512i lo = _mm512_and_si512(v, _mm512_set1_epi8(0x3F));
-    __m512i t = _mm512_srlv_epi32(_mm512_shuffle_epi32(v, (_MM_PERM_ENUM)_MM_SHUFFLE(1, 0, 2, 2)), _mm512_set4_epi32(6, 6, 4, 0));
-    t = _mm512_and_si512(t, _mm512_set4_epi32(0x03030303, 0x03030303, 0x0F0F0F0F, 0x0F0F0F0F));
-    return _mm512_unpacklo_epi32(lo, _mm512_or_si512(t, _mm512_slli_epi32(_mm512_bsrli_epi128(t, 8), 4)));
+    __m512i t = _mm512_srlv_epi32(_mm512_shuffle_epi32(v, (_MM_PERM_ENUM)_MM_SHUFFLE(3, 2, 1, 3)), _mm512_set4_epi32(4, 6, 6, 0));
+    t = _mm512_and_si512(t, _mm512_set4_epi32(0x0F0F0F0F, 0x03030303, 0x03030303, 0x0F0F0F0F));
+    __m512i hi = _mm512_or_si512(t, _mm512_slli_epi32(_mm512_shuffle_epi32(t, (_MM_PERM_ENUM)_MM_SHUFFLE(2, 3, 0, 1)), 4));
+    return _mm512_mask_blend_epi32((__mmask16)0x9999, lo, hi);
+}
+
+/* The high nibbles of each byte as bytes 0..15: one GFNI affine transform where the CPU has it (bit i of a byte out
+ * is bit i + 4 in), a shift and a mask elsewhere. */
+static inline __m512i hi_nibbles(__m512i v) {
+#ifdef __GFNI__
+    return _mm512_gf2p8affine_epi64_epi8(v, _mm512_set1_epi64(0x1020408000000000LL), 0);
+#else
+    return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
+#endif
 }
 
 /* Q4_K / Q5_K: v = d sc q - dmin m per sub-block of 32. A block's 128 bytes of nibbles are two vectors; each gives
  * two of 64 values (its low nibbles: sub-blocks 0 and 2, or 4 and 6; its high ones: 1 and 3, or 5 and 7), so the
  * activations are read in that order (a.qp, Q45_ORDER). Their products with the values are summed in int16 pairs
- * (vpmaddubsw: q <= 31, |a| <= 127) and the pairs times their sub-block's scale into int32 (vpdpwssd); the mins
- * times the sums of 32 activations separately. Q5_K's fifth bits: bit s of qh[l] for value l of sub-block s. */
+ * (vpmaddubsw: q <= 31, |a| <= 127) and the pairs times their sub-block's scale into int32 (vpdpwssd). What is per
+ * block and not per value is done for the R rows at once, each row in its 128-bit lane: the scales' unpacking, the
+ * f16 [d, dmin] pairs to f32, and the mins times the activations' sums of 32 (one vpmaddwd for the four rows).
+ * Q5_K's fifth bits: bit s of qh[l] for value l of sub-block s. */
 static inline __attribute__((always_inline)) void tile_q45k(int type, const uint8_t *row0, size_t row_bytes,
                                                             const int R, int K, const act_t *a, const int M, float *out) {
     const int q5 = type == T_Q5_K, bytes = q5 ? 176 : 144;
     const __m512i lo4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
     static const int first[4] = {0, 1, 4, 5};  /* vector c of a block: sub-blocks first[c] and first[c] + 2 */
-    /* byte shuffles of a row's unpacked [scales, mins]: vector c's int16 scales, the mins as int16 */
+    /* byte shuffles of a row's unpacked scales and mins: vector c's int16 scales, the mins as int16 */
     __m512i pick[4];
     for (int c = 0; c < 4; c++)
-        pick[c] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16((short)(0x8000 | first[c]))),
-                                     _mm256_set1_epi16((short)(0x8000 | (first[c] + 2))), 1);
-    const __m128i pick_mins = _mm_setr_epi8(8, -1, 9, -1, 10, -1, 11, -1, 12, -1, 13, -1, 14, -1, 15, -1);
-    __m512 vacc[4][2];
-    __m128 macc[4][2];
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) vacc[r][m] = _mm512_setzero_ps(), macc[r][m] = _mm_setzero_ps();
+        pick[c] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16((short)(0x8000 | K_SC_BYTE(first[c])))),
+                                     _mm256_set1_epi16((short)(0x8000 | K_SC_BYTE(first[c] + 2))), 1);
+    const __m512i pick_mins = _mm512_broadcast_i32x4(_mm_setr_epi8(8, -1, 9, -1, 10, -1, 11, -1, 12, -1, 13, -1, 14, -1, 15, -1));
+    const __m512i dd_of_rows = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i dmin_of_rows = _mm512_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3, 5, 5, 5, 5, 7, 7, 7, 7);
+    __m512 vacc[4][2], macc[2];  /* macc: lane r, row r's mins times the sums */
+    for (int m = 0; m < M; m++) {
+        macc[m] = _mm512_setzero_ps();
+        for (int r = 0; r < R; r++) vacc[r][m] = _mm512_setzero_ps();
+    }
     for (int jb = 0; jb < K / 256; jb++) {
-        __m128i sums[2];  /* the activations' sums of 32, sub-blocks 0..7 */
+        __m512i raw;
+        __m512i sm = k_scales_rows(row0 + (size_t)jb * bytes, row_bytes, R, &raw);
+        /* [d0, dmin0, d1, dmin1, ..] of the R rows in f32 */
+        __m512 dd = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi32(dd_of_rows, raw))));
+        __m512i mins = _mm512_shuffle_epi8(sm, pick_mins);
+        __m512 f[2];  /* [d da, dmin da, ..] */
         for (int m = 0; m < M; m++) {
-            const int16_t *bs = a[m].bs + 16 * jb;
-            sums[m] = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)bs), _mm_loadu_si128((const __m128i *)(bs + 8)));
+            const int16_t *bs = a[m].bs + 16 * jb;  /* the activations' sums of 32, sub-blocks 0..7 */
+            __m128i sums = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)bs), _mm_loadu_si128((const __m128i *)(bs + 8)));
+            f[m] = _mm512_mul_ps(dd, _mm512_set1_ps(a[m].d[jb]));
+            macc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(mins, _mm512_broadcast_i32x4(sums))),
+                                      _mm512_permutexvar_ps(dmin_of_rows, f[m]), macc[m]);
         }
-        __m512i sm = k_scales_rows(row0 + (size_t)jb * bytes + 4, row_bytes, R);
         for (int r = 0; r < R; r++) {
             const uint8_t *b = row0 + (size_t)r * row_bytes + (size_t)jb * bytes;
             prefetch_ahead(b, bytes);
             __m512i sc = _mm512_permutexvar_epi32(_mm512_add_epi32(_mm512_set4_epi32(3, 2, 1, 0), _mm512_set1_epi32(4 * r)),
                                                   sm);  /* row r's scales and mins, in each 128 bits */
-            __m128i mins = _mm_shuffle_epi8(_mm512_castsi512_si128(sc), pick_mins);
-            uint32_t dd;
-            memcpy(&dd, b, 4);
-            __m128 dmin = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dd));  /* [d, dmin, ..] */
             const uint8_t *qs = b + (q5 ? 48 : 16);
             __m512i raw0 = _mm512_loadu_si512(qs), raw1 = _mm512_loadu_si512(qs + 64);
-            __m512i w[4] = {_mm512_and_si512(raw0, lo4), _mm512_and_si512(_mm512_srli_epi16(raw0, 4), lo4),
-                            _mm512_and_si512(raw1, lo4), _mm512_and_si512(_mm512_srli_epi16(raw1, 4), lo4)};
+            __m512i w[4] = {_mm512_and_si512(raw0, lo4), hi_nibbles(raw0), _mm512_and_si512(raw1, lo4), hi_nibbles(raw1)};
             if (q5) {  /* qh2: [qh, qh >> 2], so that a vector's two sub-blocks s, s + 2 find their bits at bit s */
                 __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
                 __m512i qh2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
@@ -1453,19 +1478,18 @@ static inline __attribute__((always_inline)) void tile_q45k(int type, const uint
                 for (int m = 0; m < M; m++)
                     dot[m] = _mm512_dpwssd_epi32(dot[m], _mm512_maddubs_epi16(w[c], _mm512_loadu_si512(a[m].qp + 256 * jb + 64 * c)), s);
             }
-            for (int m = 0; m < M; m++) {
-                __m128 f = _mm_mul_ps(dmin, _mm_set1_ps(a[m].d[jb]));  /* [d da, dmin da, ..] */
-                vacc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]), _mm512_broadcastss_ps(f), vacc[r][m]);
-                macc[r][m] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(sums[m], mins)), _mm_shuffle_ps(f, f, 0x55), macc[r][m]);
-            }
+            for (int m = 0; m < M; m++)
+                vacc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]), _mm512_permutexvar_ps(_mm512_set1_epi32(2 * r), f[m]),
+                                             vacc[r][m]);
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) {
-            __m128 t = macc[r][m];
-            t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-            out[r * 2 + m] = _mm512_reduce_add_ps(vacc[r][m]) - _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-        }
+    for (int m = 0; m < M; m++) {
+        float mins_of[16];
+        _mm512_storeu_ps(mins_of, macc[m]);
+        for (int r = 0; r < R; r++)
+            out[r * 2 + m] = _mm512_reduce_add_ps(vacc[r][m]) -
+                             ((mins_of[4 * r] + mins_of[4 * r + 1]) + (mins_of[4 * r + 2] + mins_of[4 * r + 3]));
+    }
 }
 
 /* Q6_K: v = d sc (q - 32) per sub-block of 16 (q 0..63: four bits of ql, two of qh). A half of a block (128 values)
