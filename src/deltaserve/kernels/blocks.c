@@ -1393,7 +1393,8 @@ static inline __attribute__((always_inline)) void tile_q23k(const int type, cons
  * scales 4-7, 4-7 scales 0-3, 8-11 mins 0-3, 12-15 mins 4-7 (K_SC_BYTE). */
 #define K_SC_BYTE(s) ((s) < 4 ? 4 + (s) : (s) - 4)
 static inline __m512i k_scales_rows(const uint8_t *b, size_t row_bytes, const int R, __m512i *raw) {
-    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)b));
+    /* (zero-extended: a tile of one row converts lanes 1-3's d and dmin too, and reads nothing of them) */
+    __m512i v = _mm512_zextsi128_si512(_mm_loadu_si128((const __m128i *)b));
     if (R > 1) v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b + row_bytes)), 1);
     if (R > 2) v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b + 2 * row_bytes)), 2);
     if (R > 3) v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b + 3 * row_bytes)), 3);
