@@ -1574,32 +1574,34 @@ static void decode_tile(int type, const uint8_t *row0, size_t row_bytes, int R, 
     }
 }
 
-/* Tiles t0 .. t1 of a product of M <= 2 activation rows (tiles of 4 rows, then tiles of 1 from row 4 x `tiles`), the
- * loop inside the type's own tile code: a product of short rows (an expert's down projection, K = 512: two blocks a
- * row) paid ~80 cycles a tile for the call per tile, ~30 % of the tile's work. */
-static inline __attribute__((always_inline)) void tiles_loop(const int type, const uint8_t *blocks, size_t row_bytes,
-                                                             int tiles, int t0, int t1, int K, const act_t *a,
-                                                             const int M, float *y, long ldy) {
+/* Tiles t0 .. t1 of a product of M <= 2 activation rows (tiles of 4 rows, then tiles of 1 from row 4 x `tiles`).
+ * `inlined`: the loop inside the type's own tile code (type and M constants); else a decode_tile call per tile. A
+ * product of short rows (an expert's down projection, K = 512: two blocks a row) paid ~80 cycles a tile for that call,
+ * ~30 % of the tile's work. */
+static inline __attribute__((always_inline)) void tiles_loop(const int type, const int inlined, const uint8_t *blocks,
+                                                             size_t row_bytes, int tiles, int t0, int t1, int K,
+                                                             const act_t *a, const int M, float *y, long ldy) {
     for (int t = t0; t < t1; t++) {
         float out[8];
         const int n = t < tiles ? 4 * t : 4 * tiles + (t - tiles), R = t < tiles ? 4 : 1;
-        if (R == 4) tile_any(type, blocks + (size_t)n * row_bytes, row_bytes, 4, K, a, M, out);
+        if (!inlined) decode_tile(type, blocks + (size_t)n * row_bytes, row_bytes, R, K, a, M, out);
+        else if (R == 4) tile_any(type, blocks + (size_t)n * row_bytes, row_bytes, 4, K, a, M, out);
         else tile_any(type, blocks + (size_t)n * row_bytes, row_bytes, 1, K, a, M, out);
         for (int r = 0; r < R; r++)
             for (int m = 0; m < M; m++) y[(size_t)m * ldy + n + r] = out[r * 2 + m];
     }
 }
 
-/* tiles_loop for the K-quants of the usual files, each instance of its own type; 0 where the type has none */
-static int decode_tiles(int type, const uint8_t *blocks, size_t row_bytes, int tiles, int t0, int t1, int K,
-                        const act_t *a, int M, float *y, long ldy) {
-#define DS_TILES(T) do { if (M == 1) tiles_loop(T, blocks, row_bytes, tiles, t0, t1, K, a, 1, y, ldy); \
-                         else tiles_loop(T, blocks, row_bytes, tiles, t0, t1, K, a, 2, y, ldy); } while (0)
+/* tiles_loop with the K-quants of the usual files in loops of their own, every other type through decode_tile */
+static void decode_tiles(int type, const uint8_t *blocks, size_t row_bytes, int tiles, int t0, int t1, int K,
+                         const act_t *a, int M, float *y, long ldy) {
+#define DS_TILES(T) do { if (M == 1) tiles_loop(T, 1, blocks, row_bytes, tiles, t0, t1, K, a, 1, y, ldy); \
+                         else tiles_loop(T, 1, blocks, row_bytes, tiles, t0, t1, K, a, 2, y, ldy); } while (0)
     switch (type) {
-    case T_Q4_K: DS_TILES(T_Q4_K); return 1;
-    case T_Q5_K: DS_TILES(T_Q5_K); return 1;
-    case T_Q6_K: DS_TILES(T_Q6_K); return 1;
-    default: return 0;
+    case T_Q4_K: DS_TILES(T_Q4_K); break;
+    case T_Q5_K: DS_TILES(T_Q5_K); break;
+    case T_Q6_K: DS_TILES(T_Q6_K); break;
+    default: tiles_loop(type, 0, blocks, row_bytes, tiles, t0, t1, K, a, M, y, ldy);
     }
 #undef DS_TILES
 }
@@ -3108,9 +3110,10 @@ void blk_tiles_rows(int type, const uint8_t *blocks, int N, int K, void *scratch
             const int total = tiles + (N - 4 * tiles), nt = omp_get_num_threads(), id = omp_get_thread_num();
             const int q = total / nt, rest = total % nt, t0 = id * q + (id < rest ? id : rest), t1 = t0 + q + (id < rest);
             for (int m = 0; m < M; m++) a[m] = act_row(kind, scratch, Mall, K, m_first + m);
-            if (decode_tiles(type, blocks, row_bytes, tiles, t0, t1, K, a, M, y, ldy)) return;
+            decode_tiles(type, blocks, row_bytes, tiles, t0, t1, K, a, M, y, ldy);
+            return;
         }
-        #pragma omp for schedule(static) nowait
+        #pragma omp for schedule(static) nowait  /* more rows: two at a time over each tile */
         for (int t = 0; t < tiles + (N - 4 * tiles); t++) {
             int n = t < tiles ? 4 * t : 4 * tiles + (t - tiles), R = t < tiles ? 4 : 1;
             for (int m0 = 0; m0 < M; m0 += 2) {
