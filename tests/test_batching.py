@@ -1,100 +1,250 @@
-"""Sessions sharing a backend batch their decode steps: the same tokens as alone, weights read once per step."""
+"""The engine loop owns generation: sessions' turns are its sequences; their decode rows share forwards, a long
+prompt is cut into chunks between the others' steps, a cancelled sequence's rows are gone at the next step, and each
+sequence answers as it would alone."""
 
 from __future__ import annotations
 
 import threading
 
+import pytest
+import torch
+
 from deltaserve.runtime.backend import CPUBackend
+from deltaserve.runtime.engine import EngineLoop, GRANULE
 
 
-def test_concurrent_sessions_batch_their_decode_steps_and_answer_as_if_alone(hybrid_model):
-    tok = hybrid_model.tokenizer
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": f"story number {i}"}],
-                                                  add_generation_prompt=True, enable_thinking=False))
-               for i in range(4)]
-    want = [hybrid_model.generate(p, max_tokens=20).tokens for p in prompts]
-    backend = CPUBackend(hybrid_model.host)
-    backend.enable_batching()
-    sessions = [hybrid_model.session(backend=backend, quiet=True) for _ in prompts]
+@pytest.fixture(scope="module")
+def mtp_model():
+    import deltaserve
+    from tests.fixtures import models as fx
+
+    return deltaserve.load(fx.gguf_path("hybrid_mtp", "q8_0"))  # the native one-call route, an MTP block
+
+
+def _prompts(model, n, words=1):
+    tok = model.tokenizer
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": f"story number {i} " + "go on " * words}],
+                                               add_generation_prompt=True, enable_thinking=False))
+            for i in range(n)]
+
+
+def _sessions(model, n, threaded=True):
+    engine = EngineLoop(threaded=threaded, name="test-engine")
+    backend = CPUBackend(model.host)
+    backend.use_engine(engine)
+    sessions = [model.session(backend=backend, quiet=True) for _ in range(n)]
+    for i, s in enumerate(sessions):
+        s.label = "ab"[i] if n <= 2 else f"s{i}"  # the engine's log names each sequence by its session's label
+    return engine, sessions
+
+
+def _together(sessions, prompts, **kw):
+    """Each session's turn started from a thread of its own at once; their Turns."""
     got = [None] * len(prompts)
     barrier = threading.Barrier(len(prompts))
 
     def run(i):
         barrier.wait()
-        got[i] = sessions[i].generate(prompts[i], max_tokens=20).tokens
+        got[i] = sessions[i].generate(prompts[i], **kw)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     [t.start() for t in threads]
     [t.join() for t in threads]
+    return got
+
+
+def test_concurrent_sessions_decode_their_rows_in_one_forward_and_answer_as_if_alone(hybrid_model):
+    prompts = _prompts(hybrid_model, 4)
+    want = [hybrid_model.generate(p, max_tokens=20).tokens for p in prompts]
+    engine, sessions = _sessions(hybrid_model, 4)
+    engine.record()
+    got = [t.tokens for t in _together(sessions, prompts, max_tokens=20)]
     assert got == want
-    b = backend.batcher
-    assert b.batched_rows > b.batches, (b.batched_rows, b.batches)  # steps really shared forwards
+    together = [len(rows) for kind, rows, _ in engine.stats.log if kind == "rows"]
+    assert max(together) == 4, together  # the four sequences' decode rows in one step
+    steps_of_four = [e for e in engine.stats.log if e[0] == "rows" and len(e[1]) == 4]
+    assert all(calls == 1 for _, _, calls in steps_of_four)  # ... and in one forward call
+    assert engine.stats.rows["decode"] == sum(len(w) - 1 for w in want)
+    engine.close()
 
 
-def test_a_lone_session_on_a_batching_backend_does_not_wait_for_company(hybrid_model):
-    backend = CPUBackend(hybrid_model.host)
-    backend.enable_batching()
-    s = hybrid_model.session(backend=backend, quiet=True)
-    t = s.generate([5, 6, 7, 8, 9], max_tokens=30)
-    assert t.tokens == hybrid_model.generate([5, 6, 7, 8, 9], max_tokens=30).tokens
-    assert backend.batcher.batches == backend.batcher.batched_rows  # batches of one
+def test_a_lone_session_runs_its_turn_inline_on_the_calling_thread(hybrid_model):
+    s = hybrid_model.session(quiet=True)
+    seen = set()
+    forward = s.backend.forward
+    original = forward.run_rows
+
+    def spy(runs):
+        seen.add(threading.current_thread().name)
+        return original(runs)
+
+    forward.run_rows = spy
+    try:
+        t = s.generate([5, 6, 7, 8, 9], max_tokens=10)
+    finally:
+        del forward.run_rows
+    assert t.tokens == hybrid_model.generate([5, 6, 7, 8, 9], max_tokens=10).tokens
+    assert seen == {threading.current_thread().name}
 
 
-def test_with_a_compute_thread_every_forward_of_every_session_runs_on_it_and_answers_stay_the_same(hybrid_model):
-    import torch
-
-    from deltaserve.kernels.cpu import serial_here
-    from deltaserve.runtime.compute import ComputeThread
-
+def test_with_a_threaded_loop_every_forward_of_every_session_runs_on_its_thread(hybrid_model):
     prompts = [[5, 6, 7, 8, 9 + i] for i in range(3)]
     want = [hybrid_model.generate(p, max_tokens=12).tokens for p in prompts]
-    compute = ComputeThread(name="test-compute")
-    backend = CPUBackend(hybrid_model.host)
-    backend.use_compute_thread(compute)
-    backend.enable_batching()
-    forward = backend.forward
+    engine, sessions = _sessions(hybrid_model, 3)
+    forward = sessions[0].backend.forward
     seen: set[str] = set()
-    for name in ("prefill", "decode", "decode_batch", "new_state"):
-        original = getattr(forward, name)
-
+    originals = {name: getattr(forward, name) for name in ("prefill", "run_rows", "new_state")}
+    for name, original in originals.items():
         def spy(*args, _original=original, **kwargs):
             seen.add(threading.current_thread().name)
             return _original(*args, **kwargs)
         setattr(forward, name, spy)
-    sessions = [hybrid_model.session(backend=backend, quiet=True) for _ in prompts]
-    got, threads_in_slot = [None] * len(prompts), []
-    barrier = threading.Barrier(len(prompts))
-
-    def run(i):
-        serial_here()
-        threads_in_slot.append(torch.get_num_threads())
-        barrier.wait()
-        got[i] = sessions[i].generate(prompts[i], max_tokens=12).tokens
-
-    threads = [threading.Thread(target=run, args=(i,), name=f"slot-{i}") for i in range(len(prompts))]
-    [t.start() for t in threads]
-    [t.join() for t in threads]
-    assert got == want
-    assert seen == {"test-compute"}
-    assert threads_in_slot == [1] * len(prompts)  # the slots' own torch ops run without a team
-    assert compute.run(torch.get_num_threads) == torch.get_num_threads()  # the compute thread keeps its threads
-    compute.close()
-
-
-def test_an_error_inside_the_compute_thread_reaches_the_caller_and_the_thread_goes_on():
-    from deltaserve.runtime.compute import ComputeThread
-
-    compute = ComputeThread()
     try:
-        compute.run(lambda: 1 / 0)
-        raise AssertionError("the error did not reach the caller")
-    except ZeroDivisionError:
-        pass
-    assert compute.run(lambda a, b: a + b, 2, 3) == 5
-    compute.close()
+        got = [t.tokens for t in _together(sessions, prompts, max_tokens=12)]
+    finally:
+        for name in originals:
+            delattr(forward, name)
+    assert got == want
+    assert seen == {"test-engine"}
+    engine.close()
 
 
-def test_the_server_takes_a_compute_thread_for_large_model_files_unless_told(tmp_path, hybrid_gguf):
+def test_a_long_prompt_is_cut_into_chunks_with_the_others_decode_steps_between_them(hybrid_model):
+    """While one sequence decodes, another's long prompt goes in chunks of whole granules, each step running the
+    decoding sequence's row first; the long prompt's answer is the same as alone."""
+    long = [(37 * i) % 500 + 10 for i in range(700)]
+    short = [5, 6, 7, 8, 9]
+    want_long = hybrid_model.generate(long, max_tokens=3).tokens
+    want_short = hybrid_model.generate(short, max_tokens=40).tokens
+    engine, (a, b) = _sessions(hybrid_model, 2)
+    engine.step_s = 1e-6  # the fewest tokens a step (min_chunk) while others decode: many chunks
+    engine.record()
+    started = threading.Event()
+    out = {}
+
+    def decode_first():
+        out["short"] = a.generate(short, max_tokens=40, on_token=lambda tid, text: started.set())
+
+    t = threading.Thread(target=decode_first)
+    t.start()
+    started.wait(30)
+    out["long"] = b.generate(long, max_tokens=3)
+    t.join()
+    assert out["short"].tokens == want_short and out["long"].tokens == want_long
+    log = list(engine.stats.log)
+    chunks = [i for i, e in enumerate(log) if e[0] == "prefill" and e[2] >= GRANULE and e[2] % GRANULE == 0]
+    assert len(chunks) >= 5, log
+    # between two consecutive chunks of the long prompt, the decoding sequence's row ran
+    between = [any(e[0] == "rows" for e in log[i + 1:j]) for i, j in zip(chunks, chunks[1:])]
+    assert sum(between) >= len(between) - 1, log
+    engine.close()
+
+
+def test_a_cancelled_sequence_has_no_rows_in_the_step_after_its_cancel(hybrid_model):
+    engine, (a, b) = _sessions(hybrid_model, 2)
+    engine.record()
+    cancel = threading.Event()
+    count = {"a": 0}
+
+    def on_token(tid, text):
+        count["a"] += 1
+        if count["a"] == 3:
+            cancel.set()
+
+    out = {}
+    ta = threading.Thread(target=lambda: out.setdefault("a", a.generate([5, 6, 7], max_tokens=200, stop=[],
+                                                                        on_token=on_token, cancel=cancel)))
+    tb = threading.Thread(target=lambda: out.setdefault("b", b.generate([8, 9, 10], max_tokens=30, stop=[])))
+    ta.start(), tb.start()
+    ta.join(), tb.join()
+    assert out["a"].finish_reason == "cancelled" and len(out["a"].tokens) == 3
+    assert out["b"].generated == 30
+    assert engine.stats.cancelled == 1
+    log = list(engine.stats.log)
+    at = log.index(("cancelled", "a"))
+    assert not any(e[0] == "rows" and any(who == "a" for who, _ in e[1]) for e in log[at:])  # none of a's rows after
+    assert any(e[0] == "rows" and any(who == "b" for who, _ in e[1]) for e in log[at:])  # b goes on
+    assert a.held == [5, 6, 7] + out["a"].tokens[:-1]  # what was fed stays held: the next turn extends it
+    again = a.generate([5, 6, 7] + out["a"].tokens + [11], max_tokens=2)
+    assert again.start == "extend" and again.reused == 3 + 2
+    engine.close()
+
+
+def test_a_client_gone_during_a_long_prefill_stops_it_at_the_next_chunk(hybrid_model):
+    long = [(37 * i) % 500 + 10 for i in range(900)]
+    engine, (a, b) = _sessions(hybrid_model, 2)
+    engine.step_s = 1e-6
+    engine.record()
+    cancel = threading.Event()
+    started = threading.Event()
+    calls = {"n": 0}
+    forward = a.backend.forward
+    original = forward.prefill
+
+    def prefill(state, tokens, *args, **kwargs):  # the long prompt's second chunk: its client leaves
+        if len(tokens) == GRANULE:
+            calls["n"] += 1
+            if calls["n"] == 2:
+                cancel.set()
+        return original(state, tokens, *args, **kwargs)
+
+    forward.prefill = prefill
+    try:
+        t = threading.Thread(target=lambda: b.generate([5, 6, 7], max_tokens=60, stop=[],
+                                                       on_token=lambda tid, text: started.set()))
+        t.start()
+        started.wait(30)
+        turn = a.generate(long, max_tokens=5, cancel=cancel)
+        t.join()
+    finally:
+        del forward.prefill
+    assert turn.finish_reason == "cancelled" and turn.tokens == []
+    chunks = [e for e in engine.stats.log if e[0] == "prefill" and e[1] == a.label]
+    assert sum(n for _, _, n in chunks) == 2 * GRANULE < len(long)  # no chunk after the cancel
+    assert a.held == long[:2 * GRANULE]  # what was fed is held: a retry prefills only the rest
+    retry = a.generate(long, max_tokens=2)
+    assert retry.reused == 2 * GRANULE and retry.tokens == hybrid_model.generate(long, max_tokens=2).tokens
+    engine.close()
+
+
+def test_drafts_of_several_sequences_are_verified_in_one_forward(mtp_model):
+    """Two sessions drafting with the MTP block at once: their verification chains run as rows of one native call,
+    and each answer is the same as without drafts."""
+    engine = EngineLoop(threaded=True, name="test-engine")
+    backend = CPUBackend(mtp_model.host)
+    backend.use_engine(engine)
+    sessions = [mtp_model.session(backend=backend, quiet=True, mtp=2) for _ in range(2)]
+    for s in sessions:
+        s._policy.choose = lambda room: min(2, room)  # always draft: the mechanism, not the policy
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12]]
+    want = [mtp_model.session(quiet=True, mtp=0).generate(p, max_tokens=24, stop=[]).tokens for p in prompts]
+    engine.record()
+    got = [t.tokens for t in _together(sessions, prompts, max_tokens=24, stop=[])]
+    assert got == want
+    mixed = [e for e in engine.stats.log if e[0] == "rows" and len(e[1]) == 2 and all(n > 1 for _, n in e[1])]
+    assert mixed, list(engine.stats.log)  # both sequences' token + drafts in one step
+    assert all(calls == 1 for _, rows, calls in mixed if sum(n for _, n in rows) <= backend.max_rows)
+    assert engine.stats.rows["verify"] > 0
+    engine.close()
+
+
+def test_an_error_inside_the_loop_thread_reaches_the_caller_and_the_thread_goes_on():
+    engine = EngineLoop(threaded=True)
+    with pytest.raises(ZeroDivisionError):
+        engine.call(lambda: 1 / 0)
+    assert engine.call(lambda a, b: a + b, 2, 3) == 5
+    engine.close()
+
+
+def test_a_sequence_that_fails_fails_alone_and_the_loop_serves_the_next(hybrid_model):
+    engine, (a, b) = _sessions(hybrid_model, 2)
+    with pytest.raises(Exception):
+        a.generate([hybrid_model.config.vocab_size + 5], max_tokens=3)  # an id past the vocabulary: refused
+    assert b.generate([5, 6, 7], max_tokens=3).tokens == hybrid_model.generate([5, 6, 7], max_tokens=3).tokens
+    engine.close()
+
+
+def test_the_server_takes_a_thread_for_its_engine_loop_for_large_model_files_unless_told(tmp_path, hybrid_gguf):
     from argparse import Namespace
 
     from deltaserve.frontends.server.app import COMPUTE_THREAD_MIN_BYTES, wants_compute_thread
@@ -107,3 +257,26 @@ def test_the_server_takes_a_compute_thread_for_large_model_files_unless_told(tmp
     assert not wants_compute_thread(Namespace(model=None, compute_thread="auto"))  # the demo model
     assert wants_compute_thread(Namespace(model=str(hybrid_gguf), compute_thread="on"))
     assert not wants_compute_thread(Namespace(model=str(big), compute_thread="off"))
+
+
+def test_prefill_chunks_at_granule_boundaries_give_the_same_bits_as_the_whole_prompt():
+    """On the file's own blocks (the native products), a prompt cut at multiples of the granule gives the same bits as
+    fed whole, the tail taken along with the last chunk as the loop takes it. (On f32 weights torch's GEMM picks its
+    blocking by the row count: the same within rounding, not bit for bit.)"""
+    import deltaserve
+    from deltaserve.engine.forward import Forward
+    from tests.fixtures import models as fx
+
+    model = deltaserve.load(fx.gguf_path("hybrid", "q8_0"))
+    f = Forward(model.config, model.host.weights)
+    ids = [(1000 + 37 * i) % 600 for i in range(300)]
+    whole = f.new_state(512)
+    a = f.prefill(whole, ids)
+    for cuts in ([64, 128, 192], [128, 192], [64]):
+        cut = f.new_state(512)
+        for lo, hi in zip([0] + cuts, cuts + [len(ids)]):
+            b = f.prefill(cut, ids[lo:hi])
+        assert torch.equal(a, b), cuts
+        assert torch.equal(f.decode(whole, 7), f.decode(cut, 7))
+        whole = f.new_state(512)
+        f.prefill(whole, ids)

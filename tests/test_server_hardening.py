@@ -331,7 +331,7 @@ def test_a_server_with_a_compute_thread_answers_concurrent_requests_as_alone_and
     expected = expected_answers(hybrid_model, 6)
     s = ServerProcess(hybrid_gguf, "--slots", "2", "--think", "off", "--compute-thread", "on")
     try:
-        assert "forwards on one compute thread (--compute-thread on)" in s.stderr
+        assert "the engine loop on a thread of its own, every forward on it (--compute-thread on)" in s.stderr
         got = {}
 
         def one(i: int):
@@ -352,6 +352,6 @@ def test_a_server_with_a_compute_thread_answers_concurrent_requests_as_alone_and
         s.stop()
     plain = ServerProcess(hybrid_gguf, "--slots", "1")
     try:
-        assert "forwards on the slots' own threads (--compute-thread auto: on for model files of 64 MiB" in plain.stderr
+        assert "the engine loop stepped by the slots' threads in turn (--compute-thread auto: on for model files of 64 MiB" in plain.stderr
     finally:
         plain.stop()

@@ -15,7 +15,7 @@ from deltaserve.engine.host import HostModel, cached_host, load_host
 from deltaserve.errors import DeltaserveError
 from deltaserve.kernels.cpu import plan_threads, serial_here
 from deltaserve.runtime.backend import Backend, select_backend
-from deltaserve.runtime.compute import ComputeThread
+from deltaserve.runtime.engine import EngineLoop
 from deltaserve.runtime.guard import MAX_AGE, ParityGuard
 from deltaserve.engine.state import DecodeState
 from deltaserve.runtime.capacity import cpu_memory
@@ -28,10 +28,12 @@ from deltaserve.text.chat_template import RenderedPrompt
 class Model:
     """A loaded Qwen3.5 hybrid: config, tokenizer, host weights; sessions run on it."""
 
-    def __init__(self, host: HostModel, device: str = "cpu", compute: ComputeThread | None = None):
+    def __init__(self, host: HostModel, device: str = "cpu", engine: EngineLoop | None = None):
         self.host = host
         self.device = device
-        self.compute = compute  # the thread CPU forwards run on, or None for the calling thread
+        # the one owner of generation: every session's turns run as its sequences (runtime/engine.py); threaded, its
+        # thread runs every forward (a server); inline, the threads that ask for turns step it by turns
+        self.engine = engine or EngineLoop(threaded=False)
         self.load_seconds = 0.0
         self._cpu_forward: Forward | None = None
         self._accelerators: dict[str, Backend] = {}  # uploaded once per device, shared by sessions
@@ -87,13 +89,12 @@ class Model:
 
     def backend(self, device: str | None = None) -> tuple[Backend, str | None]:
         """The backend for `device` and the notice saying why it is not the one asked for (None when it is); an
-        accelerator's (weights uploaded) is made once and shared. CPU work runs on the model's compute thread
-        when it has one."""
+        accelerator's (weights uploaded) is made once and shared. Its work runs on the model's engine loop."""
         backend, notice = select_backend(self.host, device or self.device)
         backend.threads_why = self.threads_why
         if backend.accelerator:
             backend = self._accelerators.setdefault(backend.name, backend)
-        backend.use_compute_thread(self.compute)
+        backend.use_engine(self.engine)
         return backend, notice
 
     def session(self, context: int | None = None, device: str | None = None, backend: Backend | None = None,
@@ -117,14 +118,13 @@ class Model:
     def slots(self, n: int, context: int | None = None, device: str | None = None, revalidate: bool = False,
               quiet: bool = False, store: StateStore | None = None, log_prefills: bool = False,
               guard_max_age: float = MAX_AGE, mtp: int | None = None) -> list[Session]:
-        """`n` resident sessions on one backend (weights shared), their decode steps batched into one forward
-        when there are several, one parity guard for all (`revalidate` forces a new verdict), one state store
-        (`store`) under them all. Each slot says its own route decisions, named "slot i" where there are several;
-        `log_prefills` prints each batched prefill's stats line too."""
+        """`n` resident sessions on one backend (weights shared), their turns sequences of the model's engine loop
+        (decode rows of all of them in one forward, prompts cut into chunks between), one parity guard for all
+        (`revalidate` forces a new verdict), one state store (`store`) under them all. Each slot says its own route
+        decisions, named "slot i" where there are several; `log_prefills` prints each batched prefill's stats line
+        too."""
         backend, notice = self.backend(device)
         guard = ParityGuard(revalidate=revalidate, max_age=guard_max_age) if backend.accelerator else None
-        if n > 1:
-            backend.enable_batching()
         return [Session(self.host, backend, context=context, guard=guard, quiet=quiet,
                         thinking_default=self.thinking_default, notice=notice, store=store,
                         label=f"slot {i}" if n > 1 else None, log_prefills=log_prefills, mtp=mtp) for i in range(n)]
@@ -150,9 +150,9 @@ class Model:
                           model_sha256=self.host.sha256, say=say)
 
     def worker_initializer(self):
-        """What a thread that samples and streams for this model's sessions runs first: with a compute thread, its
-        own torch ops open no OpenMP team (runtime/compute.py)."""
-        return serial_here if self.compute is not None else None
+        """What a thread that waits for this model's turns runs first: with a threaded engine loop, its own torch ops
+        (if any) open no OpenMP team (see runtime/engine.py)."""
+        return serial_here if self.engine.threaded else None
 
     def generate(self, prompt_ids: Sequence[int], max_tokens: int = 256, **kwargs) -> Turn:
         """One call on a one-call session sized to the call exactly."""
@@ -168,8 +168,8 @@ def load(path: str | os.PathLike | None = None, device: str = "cpu", threads: in
     the forwards (default: one for a model too small to split, else the cores this process may use; see
     kernels/cpu.py). `weights`: "fast" (default: a GGUF's tensors held as the file's own blocks, see
     engine/weights.py), "blocks", "tables" (int8 tables) or "exact" (all f32). `compute_thread`: the load and
-    every CPU forward on one thread of their own (for callers that run sessions on several threads, as the server
-    does; see runtime/compute.py). `draft`: a separate file with the model's MTP block (`mtp-*.gguf`, as llama.cpp's
+    every forward on the engine loop's own thread (for callers that run sessions on several threads, as the server
+    does; see runtime/engine.py). `draft`: a separate file with the model's MTP block (`mtp-*.gguf`, as llama.cpp's
     converter writes it with --mtp) for speculative decoding. `mmproj`: llama.cpp's projector GGUF (its converter with
     --mmproj) for a GGUF model's images (an HF directory carries its own vision encoder)."""
     if path is None:
@@ -177,7 +177,7 @@ def load(path: str | os.PathLike | None = None, device: str = "cpu", threads: in
     if threads is not None and int(threads) < 1:
         raise DeltaserveError(f"threads must be at least 1, got {threads}")
     t0 = time.perf_counter()
-    compute = ComputeThread() if compute_thread else None
+    engine = EngineLoop(threaded=True) if compute_thread else EngineLoop(threaded=False)
 
     def build() -> tuple[HostModel, str]:
         host = cached_host(path, weights, draft, mmproj) if cache else load_host(path, weights, draft, mmproj)
@@ -185,10 +185,10 @@ def load(path: str | os.PathLike | None = None, device: str = "cpu", threads: in
         torch.set_num_threads(n)  # on the thread that runs the forwards (OpenMP's count is per thread)
         return host, why
 
-    host, why = compute.run(build) if compute is not None else build()
-    if compute is not None:
+    host, why = engine.call(build)
+    if engine.threaded:
         serial_here()  # the calling thread's own torch ops, if any, open no team
-    model = Model(host, device, compute)
+    model = Model(host, device, engine)
     model.threads_why = why
     model.load_seconds = time.perf_counter() - t0
     return model

@@ -73,7 +73,7 @@ print("[result] " + json.dumps(getattr(module, args["fn"])(Path(args["path"]), *
 def in_fresh_process(fn: str, path: Path, *args, module: str = "tools.bench.peers") -> dict:
     """<module>.<fn>(path, *args) in a process of its own, as a user runs an engine: the measures do not share
     the benchmark's threads (each thread that ran torch or llama.cpp work before would keep an OpenMP team,
-    and with more team threads than CPUs libgomp parks them between regions: see runtime/compute.py)."""
+    and with more team threads than CPUs libgomp parks them between regions: see runtime/engine.py)."""
     payload = json.dumps({"fn": fn, "path": str(path), "args": list(args), "module": module})
     proc = subprocess.run([sys.executable, "-c", _FRESH_RUNNER, payload], capture_output=True, text=True, cwd=REPO)
     value = _tagged(proc.stdout, "[result] ")
@@ -139,22 +139,21 @@ def deltaserve_aggregate(path: Path, threads: int, conversations: int = 8, token
     import deltaserve
     from deltaserve.runtime.backend import CPUBackend
     from deltaserve.kernels.cpu import serial_here
-    from deltaserve.runtime.compute import ComputeThread
+    from deltaserve.runtime.engine import EngineLoop
 
-    compute = ComputeThread()  # as the server runs them: every forward on one thread
-    m = compute.run(deltaserve.load, path, threads=threads)
+    engine = EngineLoop(threaded=True)  # as the server runs them: every forward on the engine loop's thread
+    m = engine.call(deltaserve.load, path, threads=threads)
     prompts = [[1000 + 7 * i + j for j in range(40)] for i in range(conversations)]
 
     def run(n: int) -> float:
         backend = CPUBackend(m.host)
-        backend.use_compute_thread(compute)
-        backend.enable_batching()
+        backend.use_engine(engine)
         sessions = [m.session(backend=backend, quiet=True) for _ in range(n)]
         barrier = threading.Barrier(n + 1)
         done = []
 
         def go(s, p):
-            serial_here()  # this thread's own torch ops (sampling) open no OpenMP team (see runtime/compute.py)
+            serial_here()  # this thread's own torch ops, if any, open no OpenMP team (see runtime/engine.py)
             s.generate(p, max_tokens=1)  # prefilled, so the timed part is decode
             barrier.wait()
             turn = s.generate(p + [5], max_tokens=tokens, stop=[])

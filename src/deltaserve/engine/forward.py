@@ -65,7 +65,7 @@ class Forward:
         return self._token
 
     def new_state(self, capacity: int, kv_dtype: torch.dtype = torch.float32, prefill_rows: int = 2048,
-                  query_rows: int = 512) -> DecodeState:
+                  query_rows: int = 64) -> DecodeState:
         return DecodeState(self.config, capacity, self.device, kv_dtype, prefill_rows, query_rows)
 
     def _ids(self, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -205,6 +205,78 @@ class Forward:
         """One token through the recurrent path. Returns logits [vocab]."""
         return self.decode_batch([state], [token])[0]
 
+    @torch.inference_mode()
+    def run_rows(self, runs: list) -> tuple[list[torch.Tensor], int]:
+        """Rows of several sequences through the recurrent path. Each run (state, tokens, snapshots or None) feeds
+        its tokens at its state's position, in order: one token is a decode step, more a verification chain (its
+        snapshots receive the DeltaNet states after each row but the last, as `verify`). Returns each run's logits
+        [len(tokens), vocab] and the forward calls it took. On the native decode every weight is read once per call
+        for all its rows: calls of at most MAX_BATCH rows, runs in order, a run never split across calls. Elsewhere
+        the one-token runs go as one batch (`decode_batch`) and each longer run as `verify` runs it."""
+        if not runs:
+            return [], 0
+        for st, toks, _ in runs:
+            if not toks:
+                raise ValueError("a run needs at least one token")
+            if st.length + len(toks) > st.capacity:
+                raise ValueError(f"{st.length + len(toks)} positions do not fit a decode state of {st.capacity}")
+            if sum(1 for other, _, _ in runs if other is st) > 1:
+                raise ValueError("a state has two runs in one step")
+        program = self._native([st for st, _, _ in runs])
+        most = TokenProgram.MAX_BATCH
+        if program is None or any(len(toks) > most for _, toks, _ in runs):
+            return self._rows_on_torch(runs)
+        out: list[torch.Tensor | None] = [None] * len(runs)
+        groups, current, rows = [], [], 0
+        for j, (_, toks, _) in enumerate(runs):
+            if current and rows + len(toks) > most:
+                groups.append(current)
+                current, rows = [], 0
+            current.append(j)
+            rows += len(toks)
+        groups.append(current)
+        for group in groups:
+            states, pos, ids, snaps, rope = [], [], [], [], []
+            for j in group:
+                st, toks, sn = runs[j]
+                ids_j = [int(t) for t in toks]
+                self._check_ids(ids_j)
+                for r, t in enumerate(ids_j):
+                    states.append(st)
+                    pos.append(st.length + r)
+                    ids.append(t)
+                    snaps.append(sn.rows[r] if sn is not None and r < len(ids_j) - 1 else None)
+                    rope.append(st.length + st.rope_delta + r)
+            following = [j for j in group if getattr(runs[j][0], "mtp", None) is not None] if self.mtp else []
+            hidden = torch.empty(len(ids), self.config.hidden_size) if following else None
+            logits = self._governed(program, states, ids, hidden, pos=pos, snaps=snaps,
+                                    rope=rope if any(st.rope_delta for st in states) else None)
+            at = 0
+            for j in group:
+                st, toks, _ = runs[j]
+                n, start = len(toks), st.length
+                st.length = start + n
+                if j in following:
+                    self._follow(st, start, [int(t) for t in toks], hidden[at:at + n])
+                out[j] = logits[at:at + n]
+                at += n
+        return out, len(groups)
+
+    def _rows_on_torch(self, runs: list) -> tuple[list[torch.Tensor], int]:
+        out: list[torch.Tensor | None] = [None] * len(runs)
+        singles = [j for j, (_, toks, _) in enumerate(runs) if len(toks) == 1]
+        calls = 0
+        if singles:
+            logits = self.decode_batch([runs[j][0] for j in singles], [runs[j][1][0] for j in singles])
+            for k, j in enumerate(singles):
+                out[j] = logits[k:k + 1]
+            calls += 1
+        for j, (st, toks, sn) in enumerate(runs):
+            if len(toks) > 1:
+                out[j] = self.verify(st, list(toks), sn)
+                calls += 1
+        return out, calls
+
     def _native(self, states: list[DecodeState]) -> TokenProgram | None:
         """The one-call native decode where it takes these states (a CPU, a model that qualifies, f32 states, at
         most TokenProgram.MAX_BATCH of them), else None."""
@@ -219,15 +291,24 @@ class Forward:
             raise ValueError(f"token id out of range 0..{vocab - 1}")
 
     def _governed(self, program: TokenProgram, states: list[DecodeState], tokens: list[int],
-                  hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """The native decode on the thread count the governor picks, timed for it (see kernels/cpu.py)."""
+                  hidden: torch.Tensor | None = None, pos: list[int] | None = None, snaps: list | None = None,
+                  rope: list[int] | None = None) -> torch.Tensor:
+        """The native decode on the thread count the governor picks, timed for it (see kernels/cpu.py). With `pos`,
+        the rows as `run_rows` lays them out (runs of one state; the states' lengths are the caller's to move)."""
         most = torch.get_num_threads()
         if self.governor is None or self.governor.most != most:
             self.governor = ThreadGovernor(most)
+
+        def call(threads: int) -> torch.Tensor:
+            if pos is None:
+                return program.decode(states, tokens, threads, hidden)
+            x = self.weights.embed.lookup(torch.tensor(tokens)).reshape(len(tokens), -1).float().clone()
+            return program.rows(x, states, pos, threads, snaps=snaps, hidden=hidden, rope=rope)
+
         if self.governor.most == 1:
-            return program.decode(states, tokens, 1, hidden)
+            return call(1)
         s0, t0 = cpu_stall_seconds(), time.perf_counter()
-        logits = program.decode(states, tokens, self.governor.threads(), hidden)
+        logits = call(self.governor.threads())
         t1, s1 = time.perf_counter(), cpu_stall_seconds()
         self.governor.record(t1 - t0, len(states), None if s0 is None or s1 is None else s1 - s0)
         return logits

@@ -473,7 +473,7 @@ def attend_at(q, k, v, k_cache, v_cache, pos: torch.Tensor, after: torch.Tensor)
 
 
 def attention_mixer(x: torch.Tensor, w, cfg, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
-                    rope: tuple[torch.Tensor, torch.Tensor], query_rows: int = 512,
+                    rope: tuple[torch.Tensor, torch.Tensor], query_rows: int = 64,
                     dtype=torch.float32) -> torch.Tensor:
     """A gated full-attention layer's mixer over T new tokens at positions start..start+T-1 of one sequence.
 

@@ -220,10 +220,12 @@ class TokenProgram:
              chain: bool = False, snaps: list | None = None, hidden: torch.Tensor | None = None,
              logits: bool = True, rope: list[int] | None = None) -> torch.Tensor | None:
         """ds_decode_tokens on input rows x [B, hidden_size] (overwritten), row b at pos[b] of states[b]; logits
-        [B, vocab] (None with `logits=False`: the head is not run). `chain`: the rows are consecutive positions of
-        one sequence (states[b] the same state); `snaps[b]` (chain only, b < B-1): a state-like object (conv, ssm
-        dicts) receiving the DeltaNet states after row b. `rope`: each row's rotary position where it is not its
-        position (a state past an image: its rope_delta). Lengths are not changed here."""
+        [B, vocab] (None with `logits=False`: the head is not run). Rows of one state at consecutive positions, one
+        after the other, form a run (a sequence's token and its drafts): they are fed in order, each seeing the ones
+        before it. `chain`: the rows must form one run. `snaps[b]` (None, or a state-like object: conv, ssm dicts)
+        receives the DeltaNet states after row b, for a row that is not its run's last (a list shorter than B: the
+        rows past its end take none). `rope`: each row's rotary position where it is not its position (a state past
+        an image: its rope_delta). Lengths are not changed here."""
         b, n = len(states), len(self.weights.layers)
 
         def table_of(st) -> ctypes.Array:
@@ -233,21 +235,25 @@ class TokenProgram:
                 ptrs[2 * i], ptrs[2 * i + 1] = first.data_ptr(), second.data_ptr()
             return ptrs
 
-        per_state = [table_of(states[0])] * b if chain else [table_of(st) for st in states]
+        tables: dict[int, ctypes.Array] = {}
+        per_state = [tables.setdefault(id(st), table_of(st)) if id(st) not in tables else tables[id(st)]
+                     for st in states]
         table = (ctypes.c_void_p * b)(*(ctypes.addressof(p) for p in per_state))
         snap_table = None
-        if snaps:
-            if not chain or len(snaps) < b - 1:
-                raise ValueError(f"{len(snaps)} snapshots for a chain of {b} rows (one per row but the last)")
+        if snaps and any(sn is not None for sn in snaps):
+            if len(snaps) > b:
+                raise ValueError(f"{len(snaps)} snapshots for {b} rows")
             snap_ptrs = []
-            for sn in snaps:
+            for sn in list(snaps) + [None] * (b - len(snaps)):
+                if sn is None:
+                    snap_ptrs.append(None)
+                    continue
                 ptrs = (ctypes.c_void_p * (2 * n))()
                 for i in range(n):
                     if i in sn.conv:
                         ptrs[2 * i], ptrs[2 * i + 1] = sn.conv[i].data_ptr(), sn.ssm[i].data_ptr()
                 snap_ptrs.append(ptrs)
-            snap_ptrs += [snap_ptrs[-1]] * (b - len(snap_ptrs))  # the last row's entry is never read
-            snap_table = (ctypes.c_void_p * b)(*(ctypes.addressof(p) for p in snap_ptrs))
+            snap_table = (ctypes.c_void_p * b)(*(ctypes.addressof(p) if p is not None else None for p in snap_ptrs))
         posv = (ctypes.c_int * b)(*pos)
         cap = (ctypes.c_int * b)(*(st.capacity for st in states))
         out = torch.empty(b, self.weights.lm_head.out_features) if logits else None

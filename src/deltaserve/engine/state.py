@@ -22,7 +22,7 @@ class DecodeState:
     """
 
     def __init__(self, config: HybridConfig, capacity: int, device: torch.device | str = "cpu",
-                 kv_dtype: torch.dtype = torch.float32, prefill_rows: int = 2048, query_rows: int = 512):
+                 kv_dtype: torch.dtype = torch.float32, prefill_rows: int = 2048, query_rows: int = 64):
         if capacity <= 0:
             raise ValueError(f"a decode state needs a positive capacity, got {capacity}")
         self.config = config

@@ -18,7 +18,7 @@ process may run on (`os.sched_getaffinity`, which honours taskset and cgroup cpu
 
 OpenMP: PyTorch's CPU build runs its parallel regions on libgomp, which gives every thread that opens a parallel
 region a team of worker threads of its own; `serial_here` lets a thread run its few torch ops without one
-(runtime/compute.py says why a server needs that).
+(runtime/engine.py says why a server needs that).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 #ifndef DS_NATIVE_H
 #define DS_NATIVE_H
 
-#define DS_ABI 17           /* the library's interface version: a cached library of another one is rebuilt */
+#define DS_ABI 18           /* the library's interface version: a cached library of another one is rebuilt */
 #define DS_MAX_ROWS 8       /* activation rows per product, and sequences per batched decode call */
 #define DS_MAX_SEGMENTS 4   /* parts of a stacked linear that keep their own block kinds */
 #define DS_Q6K 14           /* GGUF Q6_K blocks, read as the file has them */

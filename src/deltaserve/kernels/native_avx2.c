@@ -817,12 +817,14 @@ int ds_moe_experts(const experts_t *G, const experts_t *U, const experts_t *D, i
  * x [B, hidden]: the tokens' embedding rows (overwritten: the residual streams). state[b][2i], state[b][2i+1]:
  * sequence b's layer i (conv [Kc-1, C], ssm [nv, dk, dv]) or (k cache, v cache) [nkv, cap[b], hd], f32;
  * pos[b]: the position its token takes. logits [B, vocab] out (NULL: the head is not run).
- * `chain`: the B rows are consecutive tokens of ONE sequence (state[b] all the same, pos[b] = pos[0] + b: a
- * speculative verification, or an MTP layer's catch-up): the products still read each weight once for all rows,
- * attention row b sees the rows before it (their k, v are written before any row attends), and the DeltaNet conv
- * and delta rule run the rows in order (heads in parallel). `snap` (chain only, may be NULL): snap[b][2i],
- * snap[b][2i+1] receive DeltaNet layer i's conv and ssm state after row b, for b < B-1 (the state after the last
- * row is the live one): a rejected draft rolls back to one of them without a second pass. `hidden` (may be NULL):
+ * Rows form runs: a row whose state is the previous row's and whose position follows it continues that row's run
+ * (a sequence's token and its drafts in a speculative verification, or an MTP layer's catch-up); every other row
+ * starts a run of its own (one sequence's decoded token). The products read each weight once for all B rows;
+ * attention row b sees the rows before it in its run (every row's k, v are written before any row attends), and the
+ * DeltaNet conv and delta rule run a run's rows in order (runs, and heads, in parallel). `chain`: the B rows must
+ * form ONE run (else -1). `snap` (may be NULL; else B entries, each NULL or a table): snap[b][2i], snap[b][2i+1]
+ * receive DeltaNet layer i's conv and ssm state after row b, for a row that is not its run's last (the state after
+ * a run's last row is the live one): a rejected draft rolls back to one of them without a second pass. `hidden` (may be NULL):
  * [B, hidden] out, the rows after the final norm (what an MTP layer reads). `rope` (may be NULL: pos): row b's
  * rotary position, where it is not its cache index (a conversation past an image).
  * Returns 0, or -1 (nothing touched) where a product's segments are not taken, a shape is not supported or
@@ -834,12 +836,16 @@ int ds_decode_tokens(const model_t *m, int B, float *x, float *const *const *sta
     if (B < 1 || B > MAXM || m->nk <= 0 || nv % m->nk || m->nkv <= 0 || nh % m->nkv || m->hd % 8
         || m->rotary > m->hd || m->rotary % 2 || !lin_ok(&m->head)) return -1;
     size_t kmax = (size_t)H, nmax = (size_t)H, spos[MAXM + 1];
+    int run0[MAXM + 1], nrun = 0, longest = 1;  /* run r is rows run0[r] .. run0[r + 1] - 1 */
     spos[0] = 0;
     for (int b = 0; b < B; b++) {
         if (pos[b] < 0 || pos[b] >= cap[b]) return -1;
-        if (chain && (state[b] != state[0] || pos[b] != pos[0] + b)) return -1;
+        if (b == 0 || state[b] != state[b - 1] || pos[b] != pos[b - 1] + 1) run0[nrun++] = b;
+        else if (b - run0[nrun - 1] + 1 > longest) longest = b - run0[nrun - 1] + 1;
         spos[b + 1] = spos[b] + (size_t)nh * (pos[b] + 1);  /* sequence b's score rows start at spos[b] */
     }
+    run0[nrun] = B;
+    if (chain && nrun != 1) return -1;
     size_t emax = 0, umax = 0, ffmax = 0;  /* the MoE layers' most experts, chosen experts and expert rows */
     for (int i = 0; i < m->n_layers; i++) {
         const layer_t *L = &m->layers[i];
@@ -901,22 +907,27 @@ int ds_decode_tokens(const model_t *m, int B, float *x, float *const *const *sta
                                   state[b][2 * i + 1], pos[b], cap[b], scores + spos[b] + (size_t)h * (pos[b] + 1),
                                   mid + (size_t)b * nmid);
                     }
-                } else if (chain) {  /* one sequence's consecutive rows: the conv and the delta rule in row order */
+                } else if (longest > 1) {  /* runs of consecutive rows: the conv and the delta rule in row order */
                     size_t conv_n = (size_t)(m->Kc - 1) * C, sn = (size_t)m->dk * m->dv;
-                    #pragma omp single
-                    for (int b = 0; b < B; b++) {
-                        dn_mix(big + (size_t)b * nin, L->conv_w, state[0][2 * i], u + (size_t)b * C, C, m->Kc, m->nk, m->dk);
-                        if (snap && b < B - 1) memcpy(snap[b][2 * i], state[0][2 * i], conv_n * sizeof(float));
-                    }
                     #pragma omp for schedule(static)
-                    for (int h = 0; h < nv; h++)
-                        for (int b = 0; b < B; b++) {
-                            const float *z = big + (size_t)b * nin + C, *bb = z + nv * m->dv, *a = bb + nv;
-                            dn_head(h, u + (size_t)b * C, z, bb, a, L->a_neg, L->dt_bias, L->norm_w, state[0][2 * i + 1],
-                                    mid + (size_t)b * nmid, m->nk, m->dk, nv, m->dv, m->tiled, m->eps);
-                            if (snap && b < B - 1)
-                                memcpy(snap[b][2 * i + 1] + h * sn, state[0][2 * i + 1] + h * sn, sn * sizeof(float));
+                    for (int r = 0; r < nrun; r++)
+                        for (int b = run0[r]; b < run0[r + 1]; b++) {
+                            dn_mix(big + (size_t)b * nin, L->conv_w, state[b][2 * i], u + (size_t)b * C, C, m->Kc,
+                                   m->nk, m->dk);
+                            if (snap && snap[b] && b < run0[r + 1] - 1)
+                                memcpy(snap[b][2 * i], state[b][2 * i], conv_n * sizeof(float));
                         }
+                    #pragma omp for schedule(static)
+                    for (int t = 0; t < nrun * nv; t++) {
+                        int r = t / nv, h = t % nv;
+                        for (int b = run0[r]; b < run0[r + 1]; b++) {
+                            const float *z = big + (size_t)b * nin + C, *bb = z + nv * m->dv, *a = bb + nv;
+                            dn_head(h, u + (size_t)b * C, z, bb, a, L->a_neg, L->dt_bias, L->norm_w, state[b][2 * i + 1],
+                                    mid + (size_t)b * nmid, m->nk, m->dk, nv, m->dv, m->tiled, m->eps);
+                            if (snap && snap[b] && b < run0[r + 1] - 1)
+                                memcpy(snap[b][2 * i + 1] + h * sn, state[b][2 * i + 1] + h * sn, sn * sizeof(float));
+                        }
+                    }
                 } else {
                     #pragma omp for schedule(static)
                     for (int b = 0; b < B; b++)

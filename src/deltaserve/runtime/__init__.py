@@ -1,1 +1,1 @@
-"""Runtime: where forwards run (backends, the compute thread, batching, threads), the capacity plan, the guard."""
+"""Runtime: where forwards run (backends, the engine loop that owns generation), the capacity plan, the guard."""

@@ -36,55 +36,43 @@ class Backend:
     def __init__(self, host: HostModel):
         self.host = host
         self.forward: Forward | None = None
-        self.batcher = None  # a DecodeBatcher when sessions sharing this backend batch their decode steps
-        self.compute_for_cpu = None  # a ComputeThread for CPU work, when threads share the backend (compute.py)
+        self._engine = None  # the engine loop whose thread runs this backend's work (runtime/engine.py)
         self.threads_why = ""  # why the CPU forwards take the threads they do (kernels/cpu.py), for the route line
 
     def fallback(self) -> "Backend":
-        """The CPU backend a session moves to when this one fails: it keeps the compute thread and thread note."""
+        """The CPU backend a session moves to when this one fails: it keeps the engine loop and the thread note."""
         cpu = CPUBackend(self.host)
         cpu.threads_why = self.threads_why
-        cpu.use_compute_thread(self.compute_for_cpu)
+        cpu.use_engine(self.engine)
         return cpu
 
-    @contextmanager
-    def decoding(self):
-        """A session's decode loop: while inside, its steps may be batched with other sessions' (batching.py)."""
-        if self.batcher is None:
-            yield
-            return
-        self.batcher.enter()
-        try:
-            yield
-        finally:
-            self.batcher.leave()
+    @property
+    def engine(self):
+        """The engine loop that runs this backend's sequences (an inline one of its own unless one was given)."""
+        if self._engine is None:
+            from deltaserve.runtime.engine import EngineLoop
+
+            self._engine = EngineLoop(threaded=False)
+        return self._engine
+
+    def use_engine(self, engine) -> None:
+        """Run this backend's sequences, forwards and state work on `engine` (shared by every backend of a model)."""
+        self._engine = engine
 
     def stats(self) -> dict:
         """What the operator sees of this backend (GET /health)."""
-        b = self.batcher
-        return {"name": self.name, "batched_decode": {"batches": b.batches, "rows": b.batched_rows} if b else None}
-
-    def enable_batching(self) -> None:
-        """Gather the decode steps of the sessions sharing this backend into batched forwards."""
-        from deltaserve.runtime.batching import DecodeBatcher
-
-        self.start()
-        if self.batcher is None:
-            self.batcher = DecodeBatcher(self.forward, self._on_compute)
-
-    def use_compute_thread(self, compute) -> None:
-        """Run the forwards and state work of every session on this backend on `compute` (see compute.py);
-        an accelerator's work stays on the calling thread (its device context is per thread), and a CPU
-        fallback of its sessions takes `compute`."""
-        self.compute_for_cpu = compute
+        return {"name": self.name, "engine": self.engine.stats.snapshot()}
 
     @property
-    def compute(self):
-        """The thread this backend's work runs on, or None for the calling thread."""
-        return None if self.accelerator else self.compute_for_cpu
+    def max_rows(self) -> int:
+        """Rows one forward call of the recurrent path takes (the native decode's; torch takes any number)."""
+        from deltaserve.engine.native_token import TokenProgram
+
+        return TokenProgram.MAX_BATCH
 
     def _on_compute(self, fn, *args):
-        return self.compute.run(fn, *args) if self.compute is not None else fn(*args)
+        """`fn(*args)` on the engine loop's thread (here, when the loop is inline or this is its thread)."""
+        return self.engine.call(fn, *args)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -135,23 +123,19 @@ class Backend:
     def prefill(self, state: DecodeState, tokens, all_logits: bool = False, images=None) -> torch.Tensor:
         return self._on_compute(self.forward.prefill, state, tokens, all_logits, images)
 
-    def decode(self, state: DecodeState, token: int) -> torch.Tensor:
-        if self.batcher is not None:
-            return self.batcher.decode(state, token)
-        return self._on_compute(self.forward.decode, state, token)
+    def run_rows(self, runs: list) -> tuple[list[torch.Tensor], int]:
+        """Rows of several sequences (`runs`: (state, tokens, snapshots or None) each), every weight read once for
+        all where the kernels allow (`Forward.run_rows`): each run's logits [len(tokens), vocab], and the forward
+        calls it took."""
+        return self._on_compute(self.forward.run_rows, runs)
 
-    # -- speculative decoding (engine/mtp.py) ----------------------------------------------------------
-    def drafts_alone(self) -> bool:
-        """Whether a session may draft now: its decode steps are not being batched with other sessions' (a verify
-        chain runs alone; while several decode, the batch reads the weights once for all of them instead)."""
-        return self.batcher is None or self.batcher.active <= 1
+    def decode(self, state: DecodeState, token: int) -> torch.Tensor:
+        """One token of one sequence: its logits [vocab]."""
+        return self.run_rows([(state, [token], None)])[0][0][0]
 
     def run(self, fn, *args):
-        """`fn(*args)` where this backend's work runs (its compute thread)."""
+        """`fn(*args)` where this backend's work runs (the engine loop's thread)."""
         return self._on_compute(fn, *args)
-
-    def verify(self, state: DecodeState, tokens: list[int], snaps) -> torch.Tensor:
-        return self._on_compute(self.forward.verify, state, tokens, snaps)
 
     def rollback(self, state: DecodeState, snaps, kept: int, rows: int) -> None:
         self._on_compute(self.forward.rollback, state, snaps, kept, rows)
@@ -246,8 +230,9 @@ class CUDABackend(Backend):
         return self._guarded(f"the prefill at position {state.length}", super().prefill, state, tokens, all_logits,
                              images)
 
-    def decode(self, state, token):
-        return self._guarded(f"the decode step at position {state.length}", super().decode, state, token)
+    def run_rows(self, runs):
+        at = ", ".join(str(st.length) for st, _, _ in runs[:4])
+        return self._guarded(f"the decode step at position {at}", super().run_rows, runs)
 
 
 class FaultyBackend(Backend):
@@ -316,9 +301,9 @@ class FaultyBackend(Backend):
         out = super().prefill(state, tokens, all_logits, images)
         return out
 
-    def decode(self, state, token):
+    def run_rows(self, runs):
         self._hit("decode")
-        return super().decode(state, token)
+        return super().run_rows(runs)
 
     def guard_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """What the guard sees from this device: corrupted when the fault stage is 'guard'."""

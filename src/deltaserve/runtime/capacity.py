@@ -64,7 +64,10 @@ def cpu_memory() -> Memory:
     return Memory(free, total, "cpu: MemAvailable")
 
 
-PREFILL_PLANS = (PrefillPlan(2048, 512), PrefillPlan(512, 128), PrefillPlan(128, 32), PrefillPlan(64, 8))
+# Attention queries go 64 at a time while the memory allows: a query block's arithmetic then has the same shape
+# wherever a prefill was cut (the engine loop cuts prompts at multiples of 64 from their start), so a prompt fed in
+# chunks between other sequences' decode steps gives the same bits as fed whole.
+PREFILL_PLANS = (PrefillPlan(2048, 64), PrefillPlan(512, 64), PrefillPlan(128, 32), PrefillPlan(64, 8))
 
 
 def workspace_bytes(c: HybridConfig, plan: PrefillPlan, positions: int) -> int:

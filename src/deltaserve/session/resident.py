@@ -21,6 +21,7 @@ import torch
 
 from deltaserve.runtime import capacity as cap
 from deltaserve.runtime.backend import AcceleratorFailure, Backend, CPUBackend
+from deltaserve.runtime.engine import Blocking, Cancelled, Prefill, PrefillDone, Rows
 from deltaserve.engine.state import Checkpoint, DecodeState
 from deltaserve.engine.weights import trim_heap
 from deltaserve.errors import BackendError, CapacityError, ContextError, DeltaserveError
@@ -161,6 +162,7 @@ class Session:
             self.say(f"[deltaserve] a context of {context} positions was asked for and the model declares {declared}: "
                      f"serving {declared}")
         self._lock = threading.Lock()
+        self.partition: str | None = None  # whose conversation the state holds (None: the single tenant's)
         self.held: list[int] = []
         self.state: DecodeState | None = None
         self.capacity = 0
@@ -419,11 +421,14 @@ class Session:
             return "checkpoint", len(ck)
         return "reset", 0
 
-    def reusable(self, prompt: Sequence[int]) -> int:
-        """How many of `prompt`'s tokens a turn would not prefill again."""
-        return self._where_to_start(prompt)[1]
+    def reusable(self, prompt: Sequence[int], partition: str | None = None) -> int:
+        """How many of `prompt`'s tokens a turn (of `partition`) would not prefill again from what this session
+        holds."""
+        return self._where_to_start(prompt)[1] if partition == self.partition else 0
 
-    def _decide_start(self, prompt: list[int]) -> tuple[str, int]:
+    def _decide_start(self, prompt: list[int]):
+        """(kind, reused) as `_where_to_start` says, the state restored or reset to match (a coroutine: the store's
+        read of a saved state runs off the engine loop's thread)."""
         kind, n = self._where_to_start(prompt)
         if self._resume is not None:  # a state read from a file: kept apart until a turn uses it (any reallocation
             tokens, ck = self._resume  # before that turn drops what the state held, not this)
@@ -431,7 +436,7 @@ class Session:
                 self._resume = None
                 return self._restore_stored(tokens, ck, "checkpoint")
         if self.store is not None:
-            found = self.store.take(prompt, longer_than=n, count_miss=kind == "reset")
+            found = yield Blocking(self.store.take, (prompt, n, kind == "reset"))
             if found is not None:
                 return self._restore_stored(*found)
         if kind == "checkpoint":
@@ -473,19 +478,24 @@ class Session:
         self.held = []
 
     # -- feeding tokens -----------------------------------------------------------------------------
-    def _feed(self, seq: list[int], start: int, ck_at: int | None) -> tuple[torch.Tensor, int]:
-        """Advance the state from holding seq[:start] to holding seq; the logits at the last position,
-        and the position the feed really started from (0 after a fallback replay).
+    def _feed(self, seq: list[int], start: int, ck_at: int | None):
+        """Advance the state from holding seq[:start] to holding seq (a coroutine of engine work); the logits at the
+        last position, and the position the feed really started from (0 after a fallback replay).
 
         Crossing `ck_at` saves a checkpoint there. An accelerator failure moves the session to the CPU
-        and replays all of `seq` there. Any other failure clears `held` and the checkpoint and raises.
+        and replays all of `seq` there. A cancel (the client left) keeps what was fed and raises `Cancelled`. Any
+        other failure clears `held` and the checkpoint and raises.
         """
         while True:
             try:
                 with self._or_forget(f"the forward failed at position {start}"):
-                    logits = self._feed_on_backend(seq, start, ck_at)
+                    logits = yield from self._feed_on_backend(seq, start, ck_at)
                 self.held = seq
                 return logits, start
+            except Cancelled:
+                if self.state is not None:  # the engine feeds whole chunks: what the state holds is exact
+                    self.held = list(seq[:self.state.length])
+                raise
             except AcceleratorFailure as e:
                 self._move_to_cpu(str(e))
                 self._replayed += len(seq)  # all of it runs again on the CPU
@@ -500,7 +510,7 @@ class Session:
         failure passes untouched (the caller moves to the CPU)."""
         try:
             yield
-        except AcceleratorFailure:
+        except (AcceleratorFailure, Cancelled):
             raise
         except DeltaserveError:
             self._forget()
@@ -515,14 +525,14 @@ class Session:
         if self.state is not None:
             self.state.length = 0
 
-    def _feed_on_backend(self, seq: list[int], start: int, ck_at: int | None) -> torch.Tensor:
+    def _feed_on_backend(self, seq: list[int], start: int, ck_at: int | None):
         self.held = []  # until the feed completes, what the state holds is not trusted
         state = self.state
         if state.length != start:
             raise BackendError(f"internal: the state holds {state.length} positions, expected {start}")
         cut = ck_at if ck_at is not None and start <= ck_at < len(seq) and ck_at > 0 else None
         if cut is not None and cut > start:
-            self._span(seq[start:cut])
+            yield from self._span(seq[start:cut])
         if cut is not None and tuple(seq[:cut]) != self._checkpoint_tokens:
             if self.store is not None:  # kept by the store once the turn ends: its own buffers, never refilled
                 self._checkpoint = self.backend.save(state, None, exact=True)
@@ -530,7 +540,7 @@ class Session:
                 self._checkpoint = self.backend.save(state, self._checkpoint)
             self._checkpoint_tokens = tuple(seq[:cut])
             self._checkpoint_stored = False
-        return self._span(seq[cut if cut is not None else start:])
+        return (yield from self._span(seq[cut if cut is not None else start:]))
 
     def _image_rows(self, tokens: list[int]):
         """A span's ids with its images' placeholder ids as the image token, and their `ImageSpan` (the images
@@ -558,34 +568,62 @@ class Session:
                 images.append(image.image)
         return real, vision.span(real, images, self.state.length + self.state.rope_delta)
 
-    def _span(self, tokens: list[int]) -> torch.Tensor:
+    def _span(self, tokens: list[int]):
+        """Feed a span at the state's position (a coroutine of engine work): the batched path for more than one token
+        (the engine loop cuts it into chunks between other sequences' steps), image rows whole, else one token at a
+        time. The last position's logits."""
         tokens, images = self._image_rows(tokens)
         if images is not None:  # image rows go through the prefill, whatever their count
-            state, start, t0 = self.state, self.state.length, time.perf_counter()
-            logits = self.backend.prefill(state, tokens, images=images)
-            ms = (time.perf_counter() - t0) * 1000
+            start = self.state.length
+            done: PrefillDone = yield Prefill(self.backend, self.state, tokens, images=images)
             self.batched_prefills += 1
             self.image_prefills += 1
             self.prefill_lines.append(f"prefill with images: {len(tokens)} tokens ({images.embeds.shape[0]} of them "
-                                      f"image patches) in {ms:.0f} ms, from position {start}")
+                                      f"image patches) in {done.seconds * 1000:.0f} ms, from position {start}")
             if self.log_prefills:
                 self._print(f"[deltaserve] {self.prefill_lines[-1]}")
-            return logits
+            return done.logits
         if len(tokens) > 1 and not self.per_token and (not self._one_token or self._batched_fits_again()):
-            state, start, t0 = self.state, self.state.length, time.perf_counter()
-            logits = self.backend.prefill(state, tokens)
-            ms = (time.perf_counter() - t0) * 1000
+            state, start = self.state, self.state.length
+            done = yield Prefill(self.backend, state, tokens, fit=self._chunk_fit)
+            ms = done.seconds * 1000
             self.batched_prefills += 1
+            chunks = f"{done.calls} chunks, " if done.calls > 1 else ""
             self.prefill_lines.append(
                 f"batched prefill: {len(tokens)} tokens in {ms:.0f} ms ({len(tokens) / max(ms, 1e-6) * 1000:.1f} tok/s, "
-                f"chunk {state.prefill_rows} rows, attention {state.query_rows} query rows, from position {start})")
+                f"{chunks}chunk {state.prefill_rows} rows, attention {state.query_rows} query rows, from position {start})")
             if self.log_prefills:
                 self._print(f"[deltaserve] {self.prefill_lines[-1]}")
-            return logits
+            return done.logits
         logits = None
         for t in tokens:
-            logits = self.backend.decode(self.state, t)
+            logits = (yield Rows(self.backend, self.state, [t]))[-1]
         return logits
+
+    def _chunk_fit(self) -> int:
+        """Asked by the engine loop before each prefill chunk: the rows a forward call may take in the memory free
+        now. The state's plan goes one chunk size down (said) where its own no longer fits, back up where a larger
+        one fits again; 0 (said once) where no batched plan fits: that chunk goes one token at a time."""
+        if self._plan_memory is None and not self.backend.accelerator:
+            return self.state.prefill_rows  # the CPU's plan was checked at allocation; a CPU refusal is an error
+        memory = self._memory()
+        memory = type(memory)(memory.free + self.state.nbytes, memory.total, memory.source)
+        try:
+            p = cap.plan(self.host.config, self.capacity, memory, weights=0, overhead=self.backend.overhead,
+                         resident=self.host.weights.nbytes)
+        except CapacityError as e:
+            if not self._one_token:
+                self._one_token = True
+                self.say(f"[deltaserve] no batched prefill plan fits {self.capacity} positions on {self.backend.name} "
+                         f"now ({'; '.join(getattr(e, 'refused', []))}): prefilling one token at a time there, "
+                         f"asking again at each chunk")
+            return 0
+        if (p.prefill.rows, p.prefill.query_rows) != (self.state.prefill_rows, self.state.query_rows) or self._one_token:
+            self.state.prefill_rows, self.state.query_rows = p.prefill.rows, p.prefill.query_rows
+            self._one_token = False
+            self.say(f"[deltaserve] prefill plan for {self.capacity} positions on {self.backend.name} at this chunk: "
+                     f"{p.prefill.label} ({p.arithmetic()})")
+        return p.prefill.rows
 
     # -- a turn -----------------------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[int], max_tokens: int = 256, temperature: float = 0.0,
@@ -593,7 +631,7 @@ class Session:
                  repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                  seed: int | None = None, stop: Sequence[str | int] | None = None,
                  on_token: OnToken | None = None, response_format=None, keep_end: bool = False,
-                 images: Sequence = ()) -> Turn:
+                 images: Sequence = (), cancel: threading.Event | None = None, partition: str | None = None) -> Turn:
         """One turn from raw prompt ids. `response_format` (OpenAI's: {"type": "json_object"} or {"type":
         "json_schema", "json_schema": {"schema": {...}}}, or a `grammar.CompiledFormat`) constrains every generated
         token from the first one to the grammar (deltaserve.session.grammar); the turn ends ("stop") when it is complete.
@@ -603,15 +641,22 @@ class Session:
         holds (the Responses API's previous_response_id), whose next prompt extends this one's tokens and answer.
 
         `images` (deltaserve.vision.inputs.ImageInput): the images whose placeholder ids the prompt holds
-        (`TurnRequest.encode` writes them); those the state does not hold yet are encoded and prefilled in place."""
+        (`TurnRequest.encode` writes them); those the state does not hold yet are encoded and prefilled in place.
+
+        The turn runs as a sequence of the engine loop (runtime/engine.py), which batches its forwards with the other
+        sequences' and cuts its prefill into chunks between their steps. `cancel`: an event whose setting ends the turn
+        at its next step ("cancelled"; what was fed stays held). `partition`: whose conversation this is (a tenant, a
+        cache salt): a state held or stored for another partition is never reused for it."""
         params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
                                 frequency_penalty, seed)
         grammar = self.compile_format(response_format)
         with self._lock:
             self._images = {im.ids(self.host.config.vocab_size, 1)[0]: im for im in images}
             try:
-                return self._turn(list(int(t) for t in prompt_ids), max_tokens, params, stop, on_token, grammar,
+                self._enter_partition(partition)
+                turn = self._turn(list(int(t) for t in prompt_ids), max_tokens, params, stop, on_token, grammar,
                                   keep_end)
+                return self.backend.engine.drive(turn, cancel, self.label)
             finally:
                 self._images = {}
 
@@ -693,8 +738,18 @@ class Session:
         turn.finish_reason = done.reason
         return turn
 
+    def _enter_partition(self, partition: str | None) -> None:
+        """A turn of another partition than what the state holds: nothing held or checkpointed is reused for it."""
+        if partition != self.partition:
+            if self.held or self._checkpoint is not None:
+                self.held = []
+                self._drop_checkpoint()
+                self._resume = None
+            self.partition = partition
+
     def _turn(self, prompt: list[int], max_tokens: int, params: SamplingParams, stop, on_token,
-              grammar: CompiledFormat | None = None, keep_end: bool = False) -> Turn:
+              grammar: CompiledFormat | None = None, keep_end: bool = False):
+        """One turn, as a coroutine of engine work (runtime/engine.py): returns its Turn."""
         t0 = time.perf_counter()
         n = len(prompt)
         self._replayed = 0
@@ -724,11 +779,17 @@ class Session:
                 rejection = f"the parity probe failed: {e}"
             if rejection is not None:
                 self._move_to_cpu(rejection)
-        start_kind, start = self._decide_start(prompt)
+        start_kind, start = yield from self._decide_start(prompt)
 
         prefill_t0 = time.perf_counter()
-        logits, start = self._feed(prompt, start,
-                                   None if self.one_call or keep_end else self.checkpoint_position(prompt))
+        try:
+            logits, start = yield from self._feed(prompt, start,
+                                                  None if self.one_call or keep_end else self.checkpoint_position(prompt))
+        except Cancelled:  # the client left while the prompt prefilled: what was fed is held, nothing generated
+            self._store_checkpoint()
+            return Turn(tokens=[], text="", reused=start, prefilled=len(self.held) - start, prompt_tokens=n,
+                        finish_reason="cancelled", context_capped=False, backend=self.backend.name, start=start_kind,
+                        timings=Timings(prefill_s=time.perf_counter() - prefill_t0), replayed=self._replayed)
         prefill_s = time.perf_counter() - prefill_t0
         if not bool(torch.isfinite(logits).all()):  # NaN or inf weights: never an answer sampled from garbage
             self._forget()
@@ -738,9 +799,8 @@ class Session:
             start_kind = "reset"
 
         try:
-            with self.backend.decoding():  # the decode loop's steps may join other sessions' in one forward
-                tokens, text, finish, ttft, decode_s = self._decode(prompt, logits, budget, params, stop_ids,
-                                                                    stop_texts, on_token, t0, grammar)
+            tokens, text, finish, ttft, decode_s = yield from self._decode(prompt, logits, budget, params, stop_ids,
+                                                                           stop_texts, on_token, t0, grammar)
         finally:
             if keep_end and not self.one_call:
                 self._checkpoint_end()
@@ -851,15 +911,19 @@ class Session:
                     if self._policy.off:
                         self._give_up_drafting()
                 k = 0
-                if self._policy is not None and not self._policy.off and self.backend.drafts_alone():
+                if self._policy is not None and not self._policy.off:
                     # drafts past the budget could not be kept: room for them and the verification's own token
                     k = self._policy.choose(min(budget - len(generated) - 1, self.state.capacity - len(seq)))
                     step = (k, now)
-                if k > 0:
-                    rows, drafts, verifying = self._speculate(seq, k, constraint, stop_ids)
-                else:
-                    logits, _ = self._feed(seq, len(seq) - 1, None)
-                    rows, drafts = [logits], []
+                try:
+                    if k > 0:
+                        rows, drafts, verifying = yield from self._speculate(seq, k, constraint, stop_ids)
+                    else:
+                        logits, _ = yield from self._feed(seq, len(seq) - 1, None)
+                        rows, drafts = [logits], []
+                except Cancelled:  # the client left: this token is not fed (the state holds what came before it)
+                    finish = "cancelled"
+                    break
                 i = 0
         finally:
             if verifying is not None and self.state is not None and self.held:
@@ -871,16 +935,21 @@ class Session:
         self._turn_drafts = (drafted, accepted)
         return generated, stream.text, finish, ttft, decode_s
 
-    def _speculate(self, seq: list[int], k: int, constraint, stop_ids) -> tuple[list, list[int], tuple]:
-        """Feed seq's last token with up to k drafts after it, verified in one chain: the rows' logits, the drafts,
-        and the verification to settle (its first position and its rows)."""
+    def _speculate(self, seq: list[int], k: int, constraint, stop_ids):
+        """Feed seq's last token with up to k drafts after it, verified in one chain (a coroutine: the engine loop
+        runs the chain's rows with the other sequences' in one forward): the rows' logits, the drafts, and the
+        verification to settle (its first position and its rows)."""
         state, token = self.state, seq[-1]
         if state.length != len(seq) - 1:
             raise BackendError(f"internal: the state holds {state.length} positions, expected {len(seq) - 1}")
-        with self._or_forget(f"the verification at position {len(seq) - 1} failed"):
-            drafts = self.backend.run(self._draft, state, token, k, constraint, stop_ids)
-            self.held = []  # until the verification completes, what the state holds is not trusted
-            logits = self.backend.verify(state, [token] + drafts, self._snaps)
+        try:
+            with self._or_forget(f"the verification at position {len(seq) - 1} failed"):
+                drafts = self.backend.run(self._draft, state, token, k, constraint, stop_ids)
+                self.held = []  # until the verification completes, what the state holds is not trusted
+                logits = yield Rows(self.backend, state, [token] + drafts, self._snaps if drafts else None)
+        except Cancelled:
+            self.held = list(seq[:state.length])
+            raise
         self.held = list(seq) + drafts
         return list(logits), drafts, (len(seq) - 1, len(drafts) + 1)
 

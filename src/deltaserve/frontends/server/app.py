@@ -349,7 +349,7 @@ class Server:
 
         def work():
             return slot.session.generate(ids, max_tokens=max_tokens, stop=req.stop, on_token=on_token,
-                                         response_format=grammar, keep_end=req.keep_end,
+                                         response_format=grammar, keep_end=req.keep_end, cancel=cancel,
                                          images=req.turn.images if req.turn is not None else (), **req.sampling())
 
         fut = loop.run_in_executor(self.executor, work)
@@ -627,7 +627,7 @@ class Server:
         return {
             "status": "ok", "model": self.model_name, "path": str(self.model.path), "version": __version__,
             "backend": s0.backend.name, "layers": self.model.config.num_layers,
-            "batched_decode": s0.backend.stats()["batched_decode"],
+            "engine": s0.backend.stats()["engine"],
             "declared_context": self.model.config.context_length, "context": self.context,
             "slots": [{"index": s.index, "busy": s.busy, "held_tokens": len(s.session.held),
                        "capacity": s.session.capacity, "checkpoint": s.session.checkpoint_length,
@@ -831,10 +831,10 @@ COMPUTE_THREAD_MIN_BYTES = 64 << 20
 
 
 def wants_compute_thread(a) -> bool:
-    """--compute-thread: on, off, or auto. A compute thread pays where a forward is long against a thread
-    hand-off (Q8_0 0.8B: turn TTFT 748 -> 617 ms, decode 47 -> 35 ms/token); with a tiny model under a
-    flood of requests the hand-offs and a spinning OpenMP team cost more than they save (a 2 MB test model
-    answered 38 of 300 flooding requests against 118). auto: on for model files of 64 MiB and more."""
+    """--compute-thread: on, off, or auto: whether the engine loop (runtime/engine.py) has a thread of its own, which
+    runs every forward (one OpenMP team for the process), or is stepped by the slots' threads in turn. Its own thread
+    pays where a forward is long against a thread hand-off; a model too small to split its forwards among threads
+    (one OpenMP thread: no team to keep) does as well without. auto: on for model files of 64 MiB and more."""
     if a.compute_thread != "auto":
         return a.compute_thread == "on"
     if not a.model:
@@ -861,7 +861,7 @@ def main(a) -> int:
                               f"(got {request_timeout}, {max_connections})")
     hosts = HostPolicy(a.host, getattr(a, "allowed_hosts", None))
     limit_before, limit = connections.raise_open_file_limit()  # a flood of connections meets the hard limit
-    compute = wants_compute_thread(a)  # the load and every forward on one thread (see runtime/compute.py)
+    compute = wants_compute_thread(a)  # the engine loop on a thread of its own (see runtime/engine.py)
     model = load_model(a, compute_thread=compute)
     load_s = model.load_seconds
     think = thinking_flag(a.think)  # None: the model's default (model.thinking_default)
@@ -884,7 +884,8 @@ def main(a) -> int:
     default = model.thinking_default
     say(f"chat template {template}; thinking " + (('on' if think else 'off') if think is not None else
         ("the template's default" if default is None else f"{'on' if default else 'off'} (the model's default)")))
-    say(("forwards on one compute thread" if compute else "forwards on the slots' own threads") +
+    say(("the engine loop on a thread of its own, every forward on it" if compute else
+         "the engine loop stepped by the slots' threads in turn") +
         f" (--compute-thread {a.compute_thread}"
         f"{': on for model files of 64 MiB and more' if a.compute_thread == 'auto' else ''})")
     say(server.store.describe().removeprefix("[deltaserve] "))
