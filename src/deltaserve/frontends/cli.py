@@ -477,7 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run the benchmarks and write their results to a new directory (or --out).")
     b.add_argument("what", nargs="?", default="all", choices=["all", "session", "speed", "chat", "threads", "conversations", "replicas",
                                                       "sizes", "moe", "quants", "grammar", "mtp", "responses",
-                                                      "vision"],
+                                                      "vision", "serve"],
                    help="which benchmark (default all)")
     b.add_argument("--out", default=None, help="where results go (default: a new directory bench-WHAT-TIME/ here; "
                                                 "the committed results are benchmarks/, written only when named)")

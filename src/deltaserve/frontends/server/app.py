@@ -820,6 +820,7 @@ def create_app(server: Server) -> FastAPI:
     async def metrics(request: Request):
         server.check_auth(request)
         server.metrics.slot_counts([(s.index, s.session) for s in server.pool.slots])
+        server.metrics.engine_counts(server.model.engine.stats.snapshot())
         return PlainTextResponse(server.metrics.render(server.pool.waiting, server.pool.busy, len(server.pool.slots),
                                                        server.store.snapshot()),
                                  media_type=server.metrics.CONTENT_TYPE)

@@ -53,6 +53,17 @@ class Metrics:
                                    "kept, since start.", ["slot"], registry=reg)
         self.slot_accelerator = Gauge("deltaserve_slot_on_accelerator", "1 while a slot runs on an accelerator.",
                                       ["slot"], registry=reg)
+        # the engine loop's own counts (runtime/engine.py), set at each scrape
+        self.engine_rows = Gauge("deltaserve_engine_rows", "Rows the engine loop's forwards carried since start, by "
+                                 "kind: decode (a sequence's next token), verify (a token and its drafts), prefill "
+                                 "(prompt tokens).", ["kind"], registry=reg)
+        self.engine_steps = Gauge("deltaserve_engine_steps", "Steps of the engine loop since start.", registry=reg)
+        self.engine_forwards = Gauge("deltaserve_engine_forwards", "Forward calls the engine loop made since start.",
+                                     registry=reg)
+        self.engine_gap = Gauge("deltaserve_engine_token_gap_seconds", "Time between two decode steps of a sequence, "
+                                "over the last 4096 gaps: p50, p99, max.", ["quantile"], registry=reg)
+        self.engine_queue_wait = Gauge("deltaserve_engine_queue_wait_seconds", "Time from a sequence's submission to "
+                                       "its first step, median of the last 1024.", registry=reg)
         self.store_saved_tokens = Gauge("deltaserve_state_store_tokens_not_prefilled",
                                         "Prompt tokens restored from the state store instead of prefilled.",
                                         registry=reg)
@@ -68,6 +79,17 @@ class Metrics:
                 self.slot_drafted.labels(slot=str(i)).set(mtp["drafted"] if mtp else 0)
                 self.slot_accepted.labels(slot=str(i)).set(mtp["accepted"] if mtp else 0)
                 self.slot_accelerator.labels(slot=str(i)).set(int(session.on_accelerator))
+
+    def engine_counts(self, snap: dict) -> None:
+        """The engine loop's counts (`EngineStats.snapshot()`), set at a scrape."""
+        with self._render_lock:
+            for kind, n in snap["rows"].items():
+                self.engine_rows.labels(kind=kind).set(n)
+            self.engine_steps.set(snap["steps"])
+            self.engine_forwards.set(snap["forwards"])
+            for q, v in snap["token_gap_s"].items():
+                self.engine_gap.labels(quantile=q).set(v or 0)
+            self.engine_queue_wait.set(snap["queue_wait_s"]["p50"] or 0)
 
     def request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
