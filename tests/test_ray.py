@@ -303,7 +303,7 @@ def test_the_single_process_server_never_imports_ray(tmp_path):
 
 
 def test_a_request_naming_a_stored_response_goes_to_the_replica_that_answered_it_while_it_is_up_and_free():
-    from deltaserve.ray import Routes, named_response
+    from deltaserve.frontends.ray import Routes, named_response
 
     routes = Routes(replicas=3, slots=1, im_start=1, assistant=(7,))
     rid = "resp_" + "1" * 32
@@ -323,7 +323,7 @@ def test_a_request_naming_a_stored_response_goes_to_the_replica_that_answered_it
 
 
 def test_the_routing_keeps_a_conversation_on_its_replica_and_moves_it_only_when_that_one_is_full_or_down():
-    from deltaserve.ray import Routes, rendezvous
+    from deltaserve.frontends.ray import Routes, rendezvous
 
     IM, A = 1, (7,)
     routes = Routes(replicas=3, slots=2, im_start=IM, assistant=A)
@@ -361,7 +361,7 @@ def test_the_routing_keeps_a_conversation_on_its_replica_and_moves_it_only_when_
 def test_threads_per_replica_share_the_cores_and_a_config_file_can_name_the_application():
     pytest.importorskip("ray")
     from deltaserve.errors import DeltaserveError
-    from deltaserve.ray import build, replica_threads
+    from deltaserve.frontends.ray import build, replica_threads
 
     big, small = 800 << 20, 8 << 20
     assert replica_threads(big, 2, 2)[0] == 1 and replica_threads(big, 1, 2)[0] == 2

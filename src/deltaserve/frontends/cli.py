@@ -443,8 +443,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--state-disk", type=size_arg, default=None, metavar="SIZE",
                    help="disk for saved states in --state-dir (default: half the free space there, at most 64G)")
     s.add_argument("--compute-thread", choices=["on", "off", "auto"], default="auto",
-                   help="run every forward on one thread (auto: for model files of 64 MiB and more, where "
-                        "a forward is long against a thread hand-off)")
+                   help="give the engine loop a thread of its own that runs every forward (auto: for model files of "
+                        "64 MiB and more, where a forward is long against a thread hand-off; off: the slots' threads "
+                        "step it in turn)")
+    s.add_argument("--step-ms", type=float, default=None, metavar="MS",
+                   help="the engine loop's step while sequences decode: their rows, then as much of a waiting "
+                        "prompt as fits the rest of MS milliseconds (default 250: a streaming client's longest gap "
+                        "while another's long prompt prefills; smaller: shorter gaps and a slower long prompt)")
     s.add_argument("--replicas", type=positive_int, default=None, metavar="N",
                    help="run N replicas of this server on Ray Serve behind one endpoint, each conversation routed to "
                         "the replica holding its state, all sharing --state-dir (needs deltaserve[ray]; on one "
@@ -454,7 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "--head`) instead of starting a local Ray instance")
     _add_runtime(s)
     s.set_defaults(func=lambda a: importlib.import_module(
-        "deltaserve.ray" if a.replicas or a.ray_address else "deltaserve.frontends.server.app").main(a))
+        "deltaserve.frontends.ray" if a.replicas or a.ray_address else "deltaserve.frontends.server.app").main(a))
 
     v = sub.add_parser("convert", help="HF Qwen3.5 directory -> GGUF",
                        description="Convert an HF Qwen3.5 directory to a GGUF file llama.cpp loads.")

@@ -2443,6 +2443,8 @@ size_t blk_gemm_work_bytes(int K) {  /* the panel [nb][1024], ps and po (2 nb x 
          + ALIGN64((size_t)GP * K);
 }
 
+int blk_gemm_panels(int N) { return (N + GP - 1) / GP; }
+
 size_t blk_gemm_panel_bytes(int type, int N, int K, int p) {
     int vals = 1, bytes = 0;
     block_info(type, &vals, &bytes);

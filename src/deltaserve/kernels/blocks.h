@@ -53,6 +53,7 @@ void blk_gemm_panel(int type, const uint8_t *blocks, int N, int K, int p, const 
 /* blk_gemm_panel's `next`: the bytes its thread multiplies next (NULL: unknown), fetched into the cache while this
  * panel's tiles run (the panels' first touch of the mapped file was a third of a Q4_K_M expert's product) */
 size_t blk_gemm_panel_bytes(int type, int N, int K, int p);
+int blk_gemm_panels(int N);  /* the panels of a tensor of N rows */
 const uint8_t *blk_gemm_panel_at(int type, const uint8_t *blocks, int K, int p);
 #endif
 

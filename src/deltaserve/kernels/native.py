@@ -144,6 +144,7 @@ SIGNATURES = {
     "ds_linear_blocks": [_I, _P, _I, _I, _L, _P, _I, _P, _L, _I],
     "ds_gemm_blocks": [_I, _P, _I, _I, _L, _P, _I, _P, _L, _I],
     "ds_gemm_type": [_I],
+    "ds_set_decode_gemm": [_I],
     "ds_moe_experts": [_P, _P, _P, _I, _I, _P, _P, _P, _P, _P, _P, _I, _P, _I, _P, _I, _P, _P],
     "ds_set_tables": [_P] * 7,
     "ds_attention_bf16": [_P, _P, _P, _P, _I, _I, _I, _F, _I],

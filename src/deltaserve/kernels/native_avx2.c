@@ -419,9 +419,49 @@ static void f32_tiles(const float *W, int N, int K, const float *x, int M, float
     }
 }
 
+/* Rows from which a decode call's products go through blocks.c's GEMM (its panels packed once per product for all
+ * the rows) instead of the decode tiles (which decode a tile's weights once per pair of rows): 0, never. */
+static int g_gemm_rows = 0;
+int ds_set_decode_gemm(int rows) { g_gemm_rows = rows; return 0; }
+
+typedef struct {  /* a thread's view of the GEMM's buffers in a decode call */
+    void *act;    /* the prepared activations, shared by the team (blk_gemm_act_bytes) */
+    void *work;   /* this thread's panel buffer (blk_gemm_work_bytes) */
+} gemm_ctx_t;
+static __thread const gemm_ctx_t *t_gemm;  /* set by ds_decode_tokens for its team's threads, NULL elsewhere */
+
+#ifdef BLK_GEMM
+/* A stacked linear on the GEMM where every segment's type takes it: 1 done (ends on a barrier), 0 not taken. */
+static int team_gemm(const lin_t *L, const float *x, int M, float *y, const gemm_ctx_t *g) {
+    int K = L->K, ldy = lin_rows(L);
+    for (int s = 0; s < L->nseg; s++)
+        if (L->seg[s].type == 0 || seg_kind(&L->seg[s], K) <= 0 || seg_kind(&L->seg[s], K) >= NKIND
+            || !blk_gemm_type(L->seg[s].type)) return 0;
+    int off = 0, prepared = -1;
+    for (int s = 0; s < L->nseg; s++) {
+        const seg_t *sg = &L->seg[s];
+        if (sg->type != prepared) {  /* a worksharing loop and its barrier: the rows quantized as this type wants */
+            blk_gemm_prepare(sg->type, x, M, K, K, NULL, g->act);
+            prepared = sg->type;
+        }
+        const int panels = blk_gemm_panels(sg->rows);
+        #pragma omp for schedule(static)  /* its barrier: the next segment may prepare the rows again */
+        for (int p = 0; p < panels; p++)
+            blk_gemm_panel(sg->type, (const uint8_t *)sg->data, sg->rows, K, p, g->act, M, 0, M, y + off, ldy, g->work,
+                           p + 1 < panels ? blk_gemm_panel_at(sg->type, (const uint8_t *)sg->data, K, p + 1) : NULL,
+                           p + 1 < panels ? blk_gemm_panel_bytes(sg->type, sg->rows, K, p + 1) : 0);
+        off += sg->rows;
+    }
+    return 1;
+}
+#endif
+
 /* y [M, N] = x [M, K] W^T for a stacked linear (rows of x and y contiguous); called by every thread of the team
  * (the rows are shared among them); ends on a barrier. scratch[kind]: scratch_bytes(kind, M, K) or more each. */
 static void team_product(const lin_t *L, const float *x, int M, float *y, void *const *scratch) {
+#ifdef BLK_GEMM
+    if (t_gemm && g_gemm_rows > 0 && M >= g_gemm_rows && team_gemm(L, x, M, y, t_gemm)) return;
+#endif
     int K = L->K, ldy = lin_rows(L), need[NKIND] = {0};
     for (int s = 0; s < L->nseg; s++) need[seg_kind(&L->seg[s], K)] = 1;
     for (int kind = 1; kind < NKIND; kind++) {  /* each ends on its barrier */
@@ -885,9 +925,27 @@ int ds_decode_tokens(const model_t *m, int B, float *x, float *const *const *sta
         mb.scratch = malloc(blk_scratch_bytes((int)(umax * B), (int)ffmax));
         ok = mb.logits && mb.gu && mb.mid && mb.out && mb.shared && mb.w && mb.sel && mb.slot && mb.uniq && mb.scratch;
     }
+    void *gact = NULL;
+    int gemm_missing = 0;  /* a thread without its panel buffer: no thread takes the GEMM route */
+#ifdef BLK_GEMM
+    if (ok && g_gemm_rows > 0 && B >= g_gemm_rows) gact = aligned_alloc(64, blk_gemm_act_bytes(B, (int)kmax));
+#endif
     if (ok) {
         #pragma omp parallel num_threads(nthreads)
         {
+            gemm_ctx_t gctx = {gact, NULL};
+            t_gemm = NULL;
+            if (gact) {  /* every thread of the team takes the GEMM route, or none */
+#ifdef BLK_GEMM
+                gctx.work = aligned_alloc(64, blk_gemm_work_bytes((int)kmax));
+#endif
+                if (!gctx.work) {
+                    #pragma omp atomic write
+                    gemm_missing = 1;
+                }
+                #pragma omp barrier
+                if (!gemm_missing) t_gemm = &gctx;
+            }
             for (int i = 0; i < m->n_layers; i++) {
                 const layer_t *L = &m->layers[i];
                 int nin = lin_rows(&L->mix_in), nmid = L->mix_out.K;
@@ -968,8 +1026,11 @@ int ds_decode_tokens(const model_t *m, int B, float *x, float *const *const *sta
                 if (hidden) memcpy(hidden + (size_t)b * H, hbuf + (size_t)b * H, (size_t)H * sizeof(float));
             }
             if (logits) team_product(&m->head, hbuf, B, logits, scratch);
+            t_gemm = NULL;
+            free(gctx.work);
         }
     }
+    free(gact);
     free(hbuf); free(big); free(mid); free(u); free(qr); free(scores);
     for (int kind = 1; kind < NKIND; kind++) free(scratch[kind]);
     free(mb.logits); free(mb.gu); free(mb.mid); free(mb.out); free(mb.shared); free(mb.w); free(mb.sel); free(mb.slot);

@@ -864,6 +864,11 @@ def main(a) -> int:
     limit_before, limit = connections.raise_open_file_limit()  # a flood of connections meets the hard limit
     compute = wants_compute_thread(a)  # the engine loop on a thread of its own (see runtime/engine.py)
     model = load_model(a, compute_thread=compute)
+    step_ms = getattr(a, "step_ms", None)
+    if step_ms is not None:
+        if not step_ms > 0:
+            raise DeltaserveError(f"--step-ms must be more than 0 (got {step_ms})")
+        model.engine.step_s = step_ms / 1000
     load_s = model.load_seconds
     think = thinking_flag(a.think)  # None: the model's default (model.thinking_default)
     server = Server(model, slots=a.slots, queue=a.queue, api_key=a.api_key, model_name=a.model_name,
@@ -888,7 +893,8 @@ def main(a) -> int:
     say(("the engine loop on a thread of its own, every forward on it" if compute else
          "the engine loop stepped by the slots' threads in turn") +
         f" (--compute-thread {a.compute_thread}"
-        f"{': on for model files of 64 MiB and more' if a.compute_thread == 'auto' else ''})")
+        f"{': on for model files of 64 MiB and more' if a.compute_thread == 'auto' else ''}); a step of "
+        f"{model.engine.step_s * 1000:g} ms while sequences decode: their rows, then a prompt chunk (--step-ms)")
     say(server.store.describe().removeprefix("[deltaserve] "))
     say(f"{a.slots} slots, queue {a.queue}, max_tokens <= {a.max_tokens_limit}, body <= {a.max_body} bytes, "
         f"{'API key required' if a.api_key else 'no API key'}")
