@@ -41,6 +41,19 @@ def _settings_as_the_environment_says():
     yield
 
 
+@pytest.fixture
+def batch_invariant(monkeypatch):
+    """DELTASERVE_BATCH_INVARIANT=on for the test: every decode row on the same kernels whatever the rows beside it
+    (the native library's threshold set again from the settings before and after)."""
+    from deltaserve.kernels import native
+
+    monkeypatch.setenv("DELTASERVE_BATCH_INVARIANT", "on")
+    native.apply_decode_gemm()
+    yield
+    monkeypatch.undo()
+    native.apply_decode_gemm()
+
+
 @pytest.fixture(scope="session")
 def hybrid_hf_dir() -> Path:
     return fx.hf_dir("hybrid")

@@ -280,3 +280,44 @@ def test_prefill_chunks_at_granule_boundaries_give_the_same_bits_as_the_whole_pr
         assert torch.equal(f.decode(whole, 7), f.decode(cut, 7))
         whole = f.new_state(512)
         f.prefill(whole, ids)
+
+
+def _rows_alone_and_together(model):
+    from deltaserve.engine.forward import Forward
+
+    f = Forward(model.config, model.host.weights)
+    prompts = [[5 + i, 17, 42 + i, 99, 3] for i in range(4)]
+
+    def states():
+        out = []
+        for p in prompts:
+            st = f.new_state(64)
+            f.prefill(st, p)
+            out.append(st)
+        return out
+
+    alone = [f.run_rows([(st, [7], None)])[0][0] for st in states()]
+    together, calls = f.run_rows([(st, [7], None) for st in states()])
+    assert calls == 1
+    return alone, together
+
+
+def test_with_batch_invariance_a_row_gets_the_same_bits_alone_or_among_others(batch_invariant):
+    import deltaserve
+    from tests.fixtures import models as fx
+
+    alone, together = _rows_alone_and_together(deltaserve.load(fx.gguf_path("hybrid", "q8_0")))
+    assert all(torch.equal(a, b) for a, b in zip(alone, together))
+
+
+def test_by_default_four_rows_take_the_block_gemm_and_agree_with_one_row_to_rounding():
+    import deltaserve
+    from deltaserve.kernels import native
+    from tests.fixtures import models as fx
+
+    if native.decode_gemm_rows() > 4:
+        pytest.skip(f"this build takes the GEMM from {native.decode_gemm_rows()} rows")
+    alone, together = _rows_alone_and_together(deltaserve.load(fx.gguf_path("hybrid", "q8_0")))
+    assert not all(torch.equal(a, b) for a, b in zip(alone, together))  # another kernel than the lone row's
+    for a, b in zip(alone, together):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4) and int(a.argmax()) == int(b.argmax())

@@ -494,7 +494,7 @@ def test_the_one_call_native_decode_follows_the_torch_decode_on_either_head_orde
     weights = int8_everywhere(m)
     f = Forward(m.config, weights)
     program, route = f.token_program()
-    assert program is not None and route == "one native call per decoded token"
+    assert program is not None and route.startswith("one native call per decoded token")
     ids = ids_for(m, n=40)
     products = TorchProducts(monkeypatch)
     st = f.new_state(48)

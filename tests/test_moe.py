@@ -335,7 +335,7 @@ def test_the_one_call_decode_is_the_torch_decode_to_rounding_ties_and_a_batch_is
     assert (native - torch_ops).abs().mean().item() <= 0.1 * own
     assert (native.argmax(-1) == torch_ops.argmax(-1)).float().mean().item() >= 0.97
     f = Forward(m.config, m.host.weights)
-    assert f.token_program()[1] == "one native call per decoded token"
+    assert f.token_program()[1].startswith("one native call per decoded token")
     trio = [f.new_state(16) for _ in range(3)]
     for j, st in enumerate(trio):  # three sequences at different positions
         f.prefill(st, ids[:3 + 2 * j])
@@ -399,7 +399,7 @@ def test_an_expert_the_router_did_not_choose_is_never_read_by_the_native_decode(
 
     want, _ = last_logits(src)
     got, route = last_logits(copy)
-    assert route == "one native call per decoded token"
+    assert route.startswith("one native call per decoded token")
     assert torch.isfinite(got).all() and torch.equal(got, want)
 
 

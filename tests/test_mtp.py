@@ -80,7 +80,9 @@ def test_inspect_says_whether_a_file_carries_an_mtp_block(mtp_files):
 
 
 @pytest.mark.parametrize("form", ["q8_0", "f32"])
-def test_a_verification_chain_gives_each_row_the_logits_of_a_plain_decode(mtp_files, form):
+def test_a_verification_chain_gives_each_row_the_logits_of_a_plain_decode(mtp_files, form, request):
+    if form == "q8_0":  # the same bits on the decode tiles; the chain's rows on the GEMM agree to rounding (below)
+        request.getfixturevalue("batch_invariant")
     f = forward_of(mtp_files["dense"][form])
     plain_state = f.new_state(64)
     logits = f.prefill(plain_state, PROMPT)
@@ -98,6 +100,30 @@ def test_a_verification_chain_gives_each_row_the_logits_of_a_plain_decode(mtp_fi
             assert torch.equal(rows[j], plain[j]), j
         else:
             assert torch.allclose(rows[j], plain[j], atol=1e-5), j
+
+
+def test_a_verification_chain_on_the_block_gemm_agrees_with_a_plain_decode_to_rounding(mtp_files):
+    """By default a chain of 3 or more rows takes the block GEMM (native.decode_gemm_rows): the same integer sums as
+    the decode tiles, the scales applied in another order."""
+    from deltaserve.kernels import native
+
+    n = native.decode_gemm_rows()  # 3 on the VNNI build, 6 on AVX2's: a chain of n rows takes the GEMM
+    assert 0 < n <= 7
+    f = forward_of(mtp_files["dense"]["q8_0"])
+    plain_state = f.new_state(64)
+    logits = f.prefill(plain_state, PROMPT)
+    tokens, plain = [], []
+    for _ in range(n):
+        tokens.append(int(logits.argmax()))
+        logits = f.decode(plain_state, tokens[-1])
+        plain.append(logits)
+    state = f.new_state(64)
+    f.prefill(state, PROMPT)
+    rows = f.verify(state, tokens, f.new_snapshots(n - 1))
+    assert not all(torch.equal(rows[j], plain[j]) for j in range(n))  # another kernel than the one-row decode's
+    for j in range(n):
+        assert torch.allclose(rows[j], plain[j], atol=1e-4, rtol=1e-4), j
+        assert int(rows[j].argmax()) == int(plain[j].argmax())
 
 
 @pytest.mark.parametrize("form", ["q8_0", "f32"])

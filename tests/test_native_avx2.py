@@ -192,7 +192,7 @@ def test_the_one_call_decode_on_the_files_blocks_follows_the_torch_decode_on_eit
     m = deltaserve.load(fx.hf_dir("hybrid") if source == "hf" else fx.gguf_path("hybrid", "f32"), cache=False)
     f = Forward(m.config, blocks_everywhere(m, mixed))
     program, route = f.token_program()
-    assert program is not None and route == "one native call per decoded token", route
+    assert program is not None and route.startswith("one native call per decoded token"), route
     ids = ids_for(m, n=24)
     products = block_products(monkeypatch)
     st = f.new_state(40)

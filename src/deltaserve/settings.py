@@ -49,6 +49,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable("DELTASERVE_DRAFT_VOCAB", "32768", "the MTP drafts' vocabulary: the head's first N rows (a byte-level "
              "BPE's ids run from the most frequent merges) and the end-of-sequence ids; 0: the whole head (a draft "
              "step then reads all of it: a third of the 0.8B's weights)"),
+    Variable("DELTASERVE_BATCH_INVARIANT", "off", "on: a decode step's products take the same kernels whatever the "
+             "number of sequences in it, so a sequence's logits are the same bits alone or among others (decode of 3 "
+             "or more sequences at once runs on the decode tiles, not the faster GEMM)"),
     Variable("DELTASERVE_CUDA_GRAPH", "off", "on: a CUDA session records its decode step as a CUDA graph and replays "
              "it"),
     Variable("DELTASERVE_API_KEY", "", "the bearer token `serve` requires (empty: none)", "--api-key"),
@@ -77,6 +80,7 @@ class Settings:
     isa: str             # "native" or "avx2"
     native: bool
     cuda_graph: bool
+    batch_invariant: bool
     vision: str
     draft_vocab: str
     api_key: str | None
@@ -102,6 +106,7 @@ def read(environ=None) -> Settings:
         isa="avx2" if get("DELTASERVE_ISA").strip().lower() == "avx2" else "native",
         native=_not_off(get("DELTASERVE_NATIVE")),
         cuda_graph=_on(get("DELTASERVE_CUDA_GRAPH")),
+        batch_invariant=_on(get("DELTASERVE_BATCH_INVARIANT")),
         vision=get("DELTASERVE_VISION").strip().lower() or "auto",
         draft_vocab=get("DELTASERVE_DRAFT_VOCAB").strip(),
         api_key=get("DELTASERVE_API_KEY") or None,

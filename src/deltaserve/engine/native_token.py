@@ -194,9 +194,13 @@ class TokenProgram:
     @classmethod
     def build(cls, config: HybridConfig, weights: Weights) -> tuple["TokenProgram | None", str]:
         try:
-            return cls(config, weights), "one native call per decoded token"
+            program = cls(config, weights)
         except NotNative as e:
             return None, f"decode through torch ops (native token decode not used: {e})"
+        rows = native.decode_gemm_rows()
+        batched = (f"several sequences' rows a call, from {rows} on the block GEMM" if rows else
+                   "several sequences' rows a call, all on the decode tiles (batch-invariant)")
+        return program, f"one native call per decoded token ({batched})"
 
     MAX_BATCH = native.MAX_ROWS  # sequences per call (the products' row limit)
 

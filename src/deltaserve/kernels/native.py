@@ -177,7 +177,38 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, ctypes.c_int
     lib.ds_set_tables(*(t.ctypes.data for t in _iq_tables()))
+    if hasattr(lib, "ds_set_decode_gemm"):
+        lib.ds_set_decode_gemm(decode_gemm_rows(lib))
     return lib, "built"
+
+
+# Rows from which a decode call's products run on blocks.c's GEMM (each tensor's panels packed once for all the rows)
+# rather than on the decode tiles (which decode a tile's weights once per pair of rows and convert every pair of
+# blocks' sums per row): where the GEMM overtakes the tiles. A sequence's logits then depend on whether it decoded
+# among fewer or more rows than this, in their last bits (the integer sums are the same; the scales are applied in
+# another order); DELTASERVE_BATCH_INVARIANT=on keeps every row count on the tiles.
+DECODE_GEMM_ROWS_VNNI = 3   # the 512-bit VNNI build (a Zen 4/5, a Xeon)
+DECODE_GEMM_ROWS_AVX2 = 6   # the AVX2 build's vpmaddubsw GEMM overtakes its row products at 5-6 rows
+
+
+def apply_decode_gemm() -> int:
+    """Set the loaded library's decode GEMM threshold from the settings as they are now (DELTASERVE_BATCH_INVARIANT);
+    the threshold."""
+    lib = library()
+    rows = decode_gemm_rows(lib)
+    if lib is not None and hasattr(lib, "ds_set_decode_gemm"):
+        lib.ds_set_decode_gemm(rows)
+    return rows
+
+
+def decode_gemm_rows(lib=None) -> int:
+    """The row count from which a decode call's products take the GEMM in this build (0: never)."""
+    if settings.current().batch_invariant:
+        return 0
+    lib = lib or library()
+    if lib is None or not hasattr(lib, "ds_set_decode_gemm"):
+        return 0
+    return DECODE_GEMM_ROWS_VNNI if hasattr(lib, "ds_blocks_vnni") else DECODE_GEMM_ROWS_AVX2
 
 
 _TABLES: list = []
