@@ -321,3 +321,89 @@ def test_by_default_four_rows_take_the_block_gemm_and_agree_with_one_row_to_roun
     assert not all(torch.equal(a, b) for a, b in zip(alone, together))  # another kernel than the lone row's
     for a, b in zip(alone, together):
         assert torch.allclose(a, b, atol=1e-4, rtol=1e-4) and int(a.argmax()) == int(b.argmax())
+
+
+def test_a_device_that_loses_memory_between_chunks_goes_one_plan_down_at_the_next_chunk(hybrid_model):
+    """The prefill plan is checked against the memory free at each chunk (the seed's rule): a device whose free memory
+    drops mid-prompt takes the next smaller plan there, says so, and the turn stays on it (no fallback)."""
+    import uuid
+
+    from deltaserve.runtime import capacity as cap
+    from deltaserve.runtime.backend import FaultyBackend
+
+    engine = EngineLoop(threaded=True, name="test-engine")
+    backend = FaultyBackend(hybrid_model.host, device_name=f"chunks-{uuid.uuid4().hex[:8]}")
+    backend.use_engine(engine)
+    a, b = (hybrid_model.session(backend=backend, quiet=True) for _ in range(2))
+    a.label, b.label = "a", "b"
+    engine.step_s = 1e-6
+    long = [(37 * i) % 500 + 10 for i in range(600)]
+    b.generate([5, 6, 7], max_tokens=2)  # both states allocated (4096 positions each) before the measured turn
+    a.generate([8, 9], max_tokens=1)
+
+    def total(plan):
+        return cap.plan(hybrid_model.config, 4096, cap.Memory(1 << 40, 1 << 40, "t"), overhead=backend.overhead,
+                        plans=(plan,)).total
+
+    big, small = total(cap.PREFILL_PLANS[0]), total(cap.PREFILL_PLANS[1])
+    assert small < big
+    forward = backend.forward
+    original = forward.prefill
+    seen = {"chunks": 0}
+
+    def prefill(state, tokens, *args, **kwargs):
+        if state is a.state:
+            seen["chunks"] += 1
+            if seen["chunks"] == 1:  # after the first chunk a neighbour takes memory: only the smaller plan fits
+                backend.memory_bytes = (big + small) // 2 + b.state.nbytes
+        return original(state, tokens, *args, **kwargs)
+
+    forward.prefill = prefill
+    started = threading.Event()
+    try:
+        t = threading.Thread(target=lambda: b.generate([5, 6, 7, 11], max_tokens=80, stop=[],
+                                                       on_token=lambda tid, text: started.set()))
+        t.start()
+        started.wait(30)
+        turn = a.generate(long, max_tokens=2)
+        t.join()
+    finally:
+        del forward.prefill
+        backend.memory_bytes = None
+    assert a.on_accelerator and turn.backend == backend.name and seen["chunks"] > 2
+    said = [n for n in a.notices if "at this chunk" in n]
+    assert len(said) == 1 and cap.PREFILL_PLANS[1].label in said[0], a.notices
+    assert a.state.prefill_rows == cap.PREFILL_PLANS[1].rows
+    assert turn.tokens == hybrid_model.session(device="cpu", quiet=True).generate(long, max_tokens=2).tokens
+    engine.close()
+
+
+def test_a_prompt_is_fed_at_every_step_while_many_sequences_decode(hybrid_model):
+    """Fair both ways: while four sequences decode, a waiting prompt gets a chunk in every step (never starved by the
+    decodes), and every step still runs the decodes' rows first (never starved by the prompt)."""
+    engine, sessions = _sessions(hybrid_model, 5)
+    engine.step_s = 1e-6
+    engine.record()
+    decoders, prompter = sessions[:4], sessions[4]
+    started = threading.Barrier(5)
+    out = {}
+
+    def decode(i):
+        started.wait()
+        out[i] = decoders[i].generate([5 + i, 6, 7], max_tokens=60, stop=[])
+
+    threads = [threading.Thread(target=decode, args=(i,)) for i in range(4)]
+    [t.start() for t in threads]
+    started.wait()
+    while engine.stats.rows["decode"] < 8:  # the four are decoding
+        threading.Event().wait(0.005)
+    long = [(37 * i) % 500 + 10 for i in range(512)]
+    turn = prompter.generate(long, max_tokens=1)
+    [t.join() for t in threads]
+    log = list(engine.stats.log)
+    mine = [i for i, e in enumerate(log) if e[0] == "prefill" and e[1] == prompter.label]
+    assert len(mine) >= 5 and turn.prefilled == len(long)
+    for i, j in zip(mine, mine[1:]):  # between two of its chunks: exactly one step's rows, the decoders'
+        between = log[i + 1:j]
+        assert len(between) == 1 and between[0][0] == "rows" and len(between[0][1]) >= 1, between
+    engine.close()
