@@ -42,7 +42,7 @@ def cache(tmp_path, demo):
 
 
 def chat(cache, *args: str, lines: list[str] = ()) -> subprocess.CompletedProcess:
-    env = dict(os.environ, DELTASERVE_CACHE_DIR=str(cache))
+    env = dict(os.environ, DELTASERVE_CACHE_DIR=str(cache), DELTASERVE_DATA_DIR=str(cache))
     env.pop("DELTASERVE_DEBUG", None)
     return subprocess.run([sys.executable, "-m", "deltaserve", "chat", "--device", "cpu", "--temperature", "0",
                            "-n", str(MAX_TOKENS), *args], input="".join(f"{line}\n" for line in lines), env=env,

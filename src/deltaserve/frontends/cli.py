@@ -390,13 +390,16 @@ def build_parser() -> argparse.ArgumentParser:
             raise argparse.ArgumentTypeError(str(e).removeprefix(f"--resume {text!r}: ")) from None
 
     c.add_argument("--resume", type=chat_name, default=None, metavar="NAME",
-                   help="keep this conversation and its decode state under NAME (in the cache directory's chats/), "
+                   help="keep this conversation and its decode state under NAME (in the data directory's chats/), "
                         "saved after every turn; a later --resume NAME with the same model goes on where it "
                         "stopped without prefilling it again (a NAME not saved yet starts a new conversation). "
                         "The saved system message and thinking setting apply unless --system or --think on|off "
                         "is given")
     _add_sampling(c)
     _add_runtime(c)
+    c.add_argument("--data-dir", default=settings.current().data_dir, metavar="DIR",
+                   help="where --resume keeps its conversations (default: $DELTASERVE_DATA_DIR, else "
+                        "$XDG_DATA_HOME/deltaserve): users' data, apart from the cache directory")
     c.set_defaults(func=lambda a: importlib.import_module("deltaserve.frontends.repl").main(a))
 
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server",
