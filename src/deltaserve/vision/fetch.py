@@ -111,11 +111,13 @@ def fetch_image(url: str, limit: int, deadline_s: float = DEADLINE_S, allow_priv
             raise FetchFailed(f"{parts.hostname} resolves to an address that is not public")
         kind = _PinnedTLS if parts.scheme == "https" else _Pinned
         conn = kind(parts.hostname, port, infos[0][4], left())
+        sock = r = None
         try:
             path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
             conn.request("GET", path, headers={"User-Agent": "deltaserve", "Accept": "image/*",
                                                "Connection": "close"})
-            conn.sock.settimeout(left())
+            sock = conn.sock  # (the response keeps it; the connection lets go of it, Connection: close)
+            sock.settimeout(left())
             r = conn.getresponse()
             if r.status in (301, 302, 303, 307, 308):
                 target = r.getheader("Location")
@@ -130,7 +132,7 @@ def fetch_image(url: str, limit: int, deadline_s: float = DEADLINE_S, allow_priv
                 raise FetchFailed(f"the link's body is {size} bytes, over {limit}")
             data = bytearray()
             while len(data) <= limit:
-                conn.sock.settimeout(left())  # no read outlasts the deadline
+                sock.settimeout(left())  # no read outlasts the deadline
                 chunk = r.read1(65536) if hasattr(r, "read1") else r.read(65536)
                 if not chunk:
                     break
@@ -143,6 +145,10 @@ def fetch_image(url: str, limit: int, deadline_s: float = DEADLINE_S, allow_priv
             raise
         except (OSError, http.client.HTTPException, ValueError) as e:
             raise FetchFailed(f"{type(e).__name__}: {str(e)[:200]}") from None
-        finally:
+        finally:  # the response holds the socket once the connection lets go of it: both closed here
+            if r is not None:
+                r.close()
+            if sock is not None:
+                sock.close()
             conn.close()
     raise FetchFailed(f"more than {MAX_REDIRECTS} redirects")
