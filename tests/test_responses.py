@@ -150,12 +150,18 @@ def test_a_bad_request_gets_the_openai_error_object_naming_the_parameter(server,
 
 
 def test_a_previous_response_of_another_model_is_refused_by_name(server, client, state_dir):
+    from deltaserve.session import files
+
     r = ask(client, "What is 2 + 2?")
     path = state_dir / "responses" / f"{r.id}.json"
-    record = json.loads(path.read_text())
+    record = json.loads(path.read_bytes().split(b"\n", 1)[1])
     record["id"] = other = "resp_" + "ab" * 16
     record["model_sha256"] = "0" * 64
-    (state_dir / "responses" / f"{other}.json").write_text(json.dumps(record))  # another server's, same directory
+    data = json.dumps(record).encode()
+    key = files.directory_key(state_dir)  # another server's on the same directory signs with the directory's key
+    mac = files.mac(key)
+    mac.update(data)
+    files.write_atomic(state_dir / "responses" / f"{other}.json", mac.hexdigest().encode() + b"\n" + data, key)
     with pytest.raises(openai.BadRequestError) as e:
         ask(client, "And 3 + 3?", other)
     assert e.value.body["code"] == "model_mismatch" and e.value.body["param"] == "previous_response_id"

@@ -227,7 +227,13 @@ def take_images(messages: list, max_pixels: int = DEFAULT_MAX_PIXELS, allow_file
         except ImageInputError as e:
             raise _at(where, e) from None
         raws.append(raw)
-        total += header_pixels(raw)
+        pixels = header_pixels(raw)
+        if pixels > max_pixels:  # its own limit first: refused from its header, by its decode (nothing decoded)
+            try:
+                _decoded(raw, max_pixels)
+            except ImageInputError as e:
+                raise _at(where, e) from None
+        total += pixels
         if limits is not None and limits.max_total_pixels is not None and total > limits.max_total_pixels:
             raise _at(where, ImageInputError(
                 f"the images up to this one declare {total} pixels together, over this server's limit of "
