@@ -129,7 +129,8 @@ class SavedChat:
         files.private_dir(self.dir, f"--resume {self.name}: the chat data directory")  # conversations: the user's only
         try:
             # never through a symlink planted under the lock's name (its target was truncated)
-            f = os.fdopen(os.open(self.dir / f"{self.name}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600), "a+")
+            f = os.fdopen(os.open(self.dir / f"{self.name}.lock",
+                                  os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600), "a+")
         except OSError as e:
             raise DeltaserveError(f"--resume {self.name}: cannot use {self.dir} ({e.strerror})") from None
         try:
@@ -184,21 +185,12 @@ class SavedChat:
                 "thinking": thinking, "model": model.path.name, "model_path": str(model.path),
                 "model_sha256": model.host.sha256(), "deltaserve": __version__,
                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        tmp = self.dir / f".tmp-{os.getpid()}-{self.name}.json"
-        try:
-            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600), "w",
-                           encoding="utf-8") as f:
-                json.dump(data, f, ensure_ascii=False, indent=1)
-                f.write("\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.json_path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        text = json.dumps(data, ensure_ascii=False, indent=1) + "\n"
+        # a temporary name of ours, created exclusively (never through a symlink, never a planted FIFO), then renamed
+        files.write_atomic(self.json_path, text.encode("utf-8"), files.directory_key(self.dir))
 
     def drop_state(self) -> None:
-        self.state_path.unlink(missing_ok=True)
+        files.unlink_ours(self.state_path)
 
 
 class ChatREPL:
