@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import hmac
 import ipaddress
 import json
 import os
