@@ -69,17 +69,6 @@ def keys_of(api_key, api_keys_file: str | None) -> Keys:
     return Keys.of(api_key, api_keys_file, say=lambda line: print(f"[deltaserve] {line}", file=sys.stderr, flush=True))
 
 
-def check_partitions(session, keys: Keys) -> None:
-    """Several tenants need sessions that keep partitions apart (Session.generate(partition=...)); a build whose
-    sessions do not is refused several keys, by name, rather than serving one tenant another's cached prefix."""
-    import inspect
-
-    able = "partition" in inspect.signature(session.generate).parameters
-    if keys.tenants > 1 and not able:
-        raise DeltaserveError(f"{keys.tenants} API keys given, and this build's sessions cannot keep their tenants' "
-                              "caches apart (Session.generate takes no partition): serve one key per server")
-    return able
-
 def host_name(value: str) -> str:
     """The name in a Host header (or an --allowed-hosts entry), lowercased, without its port or a final dot:
     'LocalHost:8080' -> 'localhost', '[::1]:80' -> '::1'."""
@@ -205,7 +194,6 @@ class Server:
         self.context = sessions[0].context
         self.limits.vision = model.host.vision is not None  # without an encoder an image part is refused unread
         self.limits.context = self.context
-        self.partitioned = check_partitions(sessions[0], self.keys)
         self.executor = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="deltaserve-slot",
                                            initializer=model.worker_initializer())
         # templates and tokenizers run here, not on the event loop (one large request must not stall the others)
@@ -263,9 +251,6 @@ class Server:
         """The request's cache partition (its tenant and cache_salt) and its client."""
         req.partition = partition(tenant, req.cache_salt)
         req.client = self.client_of(request, tenant)
-        if req.partition is not None and not self.partitioned:
-            raise bad("'cache_salt' is not served by this build (its sessions cannot keep a salt's cache apart)",
-                      "cache_salt", "unsupported_parameter")
         return req
 
     @staticmethod
