@@ -15,6 +15,7 @@ if str(ROOT) not in sys.path:
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # every test gets a private guard-verdict cache, so a verdict from a developer's machine never leaks in
 os.environ.setdefault("DELTASERVE_CACHE_DIR", str(ROOT / ".fixtures" / "cache"))
+os.environ.setdefault("DELTASERVE_DATA_DIR", str(ROOT / ".fixtures" / "data"))  # saved chats: never the user's own
 
 from tests.fixtures import models as fx  # noqa: E402
 from deltaserve import settings  # noqa: E402

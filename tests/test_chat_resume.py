@@ -42,7 +42,7 @@ def cache(tmp_path, demo):
 
 
 def chat(cache, *args: str, lines: list[str] = ()) -> subprocess.CompletedProcess:
-    env = dict(os.environ, DELTASERVE_CACHE_DIR=str(cache))
+    env = dict(os.environ, DELTASERVE_CACHE_DIR=str(cache), DELTASERVE_DATA_DIR=str(cache))
     env.pop("DELTASERVE_DEBUG", None)
     return subprocess.run([sys.executable, "-m", "deltaserve", "chat", "--device", "cpu", "--temperature", "0",
                            "-n", str(MAX_TOKENS), *args], input="".join(f"{line}\n" for line in lines), env=env,
@@ -196,3 +196,27 @@ def test_saved_conversations_are_the_users_alone_and_a_planted_lock_symlink_or_a
     (d / "deep.json").write_text('{"format": ' + "[" * 5000 + "]" * 5000 + "}")
     with pytest.raises(DeltaserveError, match="not a saved deltaserve conversation"):
         SavedChat("deep", d).load()
+
+
+def test_chats_live_apart_from_the_cache_and_an_old_cache_directorys_chats_move_once(tmp_path, monkeypatch):
+    """Issue 53, What to build 8: saved chats lived under DELTASERVE_CACHE_DIR beside the compiled kernels, so clearing
+    the cache deleted conversations. They live in the data directory; an old cache directory's are moved once (its
+    files alone: a symlink planted there is not followed nor moved)."""
+    from deltaserve.frontends.repl import chats_dir, move_old_chats
+
+    cache, data = tmp_path / "cache", tmp_path / "data"
+    monkeypatch.setenv("DELTASERVE_CACHE_DIR", str(cache))
+    monkeypatch.setenv("DELTASERVE_DATA_DIR", str(data))
+    old = cache / "chats"
+    old.mkdir(parents=True)
+    (old / "notes.json").write_text('{"messages": []}')
+    (old / "notes.state").write_bytes(b"state")
+    (tmp_path / "victim").write_text("keep")
+    (old / "link.json").symlink_to(tmp_path / "victim")
+    target = chats_dir()
+    assert target == data / "chats"
+    said = move_old_chats(target)
+    assert sorted(p.name for p in target.iterdir()) == ["notes.json", "notes.state"]
+    assert "moved 2 saved chat files" in said[0] and (old / "link.json").is_symlink()
+    assert oct(target.stat().st_mode & 0o777) == "0o700"
+    assert move_old_chats(target) == []  # once

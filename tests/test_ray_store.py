@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from deltaserve.session.store import SUFFIX, StateStore, _HOST, file_name, saved_state_bytes
+from deltaserve.session.store import SUFFIX, StateStore, file_name, saved_state_bytes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -112,12 +112,15 @@ def test_the_disk_budget_holds_for_the_directory_with_two_writers(hybrid_model, 
 
 
 def test_a_starting_store_leaves_a_write_in_progress_alone_and_removes_what_a_crash_left(hybrid_model, tmp_path):
+    from deltaserve.session import files
+
     name = file_name([1, 2, 3])
-    live = tmp_path / f".tmp-{_HOST}-{os.getpid()}-1-{name}"        # this process: alive, writing
+    key = files.directory_key(tmp_path)
+    live = tmp_path / files.tmp_name(key, name, pid=os.getpid(), tid=1)        # this process: alive, writing
     dead_pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                               text=True).stdout.strip()
-    dead = tmp_path / f".tmp-{_HOST}-{dead_pid}-1-{name}"           # a writer that is gone
-    old = tmp_path / f".tmp-otherhost-1-1-{name}"                   # another machine's, an hour old
+    dead = tmp_path / files.tmp_name(key, name, pid=int(dead_pid), tid=1)      # a writer that is gone
+    old = tmp_path / files.tmp_name(key, name, host="otherhost", pid=1, tid=1)  # another machine's, an hour old
     for p in (live, dead, old):
         p.write_bytes(b"half a state")
     os.utime(old, (time.time() - 3600, time.time() - 3600))

@@ -150,12 +150,18 @@ def test_a_bad_request_gets_the_openai_error_object_naming_the_parameter(server,
 
 
 def test_a_previous_response_of_another_model_is_refused_by_name(server, client, state_dir):
+    from deltaserve.session import files
+
     r = ask(client, "What is 2 + 2?")
     path = state_dir / "responses" / f"{r.id}.json"
-    record = json.loads(path.read_text())
+    record = json.loads(path.read_bytes().split(b"\n", 1)[1])
     record["id"] = other = "resp_" + "ab" * 16
     record["model_sha256"] = "0" * 64
-    (state_dir / "responses" / f"{other}.json").write_text(json.dumps(record))  # another server's, same directory
+    data = json.dumps(record).encode()
+    key = files.directory_key(state_dir)  # another server's on the same directory signs with the directory's key
+    mac = files.mac(key)
+    mac.update(data)
+    files.write_atomic(state_dir / "responses" / f"{other}.json", mac.hexdigest().encode() + b"\n" + data, key)
     with pytest.raises(openai.BadRequestError) as e:
         ask(client, "And 3 + 3?", other)
     assert e.value.body["code"] == "model_mismatch" and e.value.body["param"] == "previous_response_id"
@@ -246,14 +252,16 @@ def test_stored_responses_come_back_after_a_restart_and_tampered_files_are_refus
     for rid in ids:
         store.put(record(rid, 5))
     assert not [p for p in (tmp_path / "responses").iterdir() if p.name.startswith(".tmp-")]
-    (tmp_path / "responses" / f"{ids[1]}.json").write_text('{"format": "deltaserve-response/1", "id": "x"')  # cut
-    other = json.loads((tmp_path / "responses" / f"{ids[2]}.json").read_text())
+    first = (tmp_path / "responses" / f"{ids[1]}.json").read_bytes()
+    (tmp_path / "responses" / f"{ids[1]}.json").write_bytes(first[:len(first) // 2])  # cut
+    mac, body = (tmp_path / "responses" / f"{ids[2]}.json").read_bytes().split(b"\n", 1)
+    other = json.loads(body)
     other["tokens"] = "not base64!"
-    (tmp_path / "responses" / f"{ids[2]}.json").write_text(json.dumps(other))
+    (tmp_path / "responses" / f"{ids[2]}.json").write_bytes(mac + b"\n" + json.dumps(other).encode())
     again = ResponseStore(budget=1 << 20, directory=tmp_path, say=said.append)
     assert again.get(ids[0]).tokens == [0, 1, 2, 3, 4] and again.get(ids[0]).messages == record(ids[0]).messages
     assert again.get(ids[1]) is None and again.get(ids[2]) is None
-    assert len(said) == 2 and "not JSON" in said[0] + said[1] and "tokens do not decode" in said[0] + said[1]
+    assert len(said) == 2 and all("HMAC does not match" in line for line in said), said
     assert again.get("../../etc/passwd") is None and not again.delete("../x")
 
 

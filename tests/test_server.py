@@ -30,8 +30,9 @@ def client(server):
 
 
 def render(model, messages, thinking=False):
-    tok = model.tokenizer
-    return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=thinking))
+    """The prompt ids as the turn pipeline renders them (a message's text, a random model's answer sent back included,
+    encoded as text: `</tool_response>` in an answer is not the template's token when it comes back)."""
+    return model.render(messages, thinking)[0]
 
 
 def alone(model, messages, max_tokens=MAX, thinking=False):

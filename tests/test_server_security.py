@@ -192,10 +192,15 @@ def test_the_openai_client_works_with_the_key_and_is_refused_without(keyed_serve
 
 
 def test_keys_are_compared_in_constant_time(monkeypatch):
+    from deltaserve.frontends.server import tenants
+    from deltaserve.frontends.server.tenants import Keys
+
     seen = []
-    real = server_app.hmac.compare_digest
-    monkeypatch.setattr(server_app.hmac, "compare_digest", lambda a, b: seen.append((a, b)) or real(a, b))
-    fake = SimpleNamespace(api_key="s3cret-\u00e9")
+    real = tenants.hmac.compare_digest
+    monkeypatch.setattr(tenants.hmac, "compare_digest", lambda a, b: seen.append((a, b)) or real(a, b))
+
+    fake = SimpleNamespace(keys=Keys.of("s3cret-\u00e9"))
+    fake.identify = lambda r: server_app.Server.identify(fake, r)
     request = SimpleNamespace(headers={"authorization": "Bearer " + "s3cret-\u00e9".encode().decode("latin-1")})
     assert server_app.Server.authorized(fake, request) is True  # a non-ASCII key, sent as UTF-8, matches
     request.headers["authorization"] = "Bearer s3cret-e"

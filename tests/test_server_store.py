@@ -269,7 +269,7 @@ def test_a_serve_process_on_a_state_directory_with_odd_neighbours_starts_answers
         assert theirs <= now and outside.exists(), sorted(theirs - now)
         notices = " ".join(health(server)["notices"])
         assert "not a regular file" in notices and "not this store's" in notices
-        assert "CRC-32" in notices  # the forged state was read, refused, and never used
+        assert "HMAC" in notices  # the forged state was read, refused, and never used
         assert "Traceback" not in server.stderr
         assert httpx.get(server.url + "/health", timeout=10).status_code == 200
     finally:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from deltaserve.session import files
 from deltaserve.session.store import (_HOST, StateFileError, StateStore, file_name, parse_size, read_header, read_state,
                               saved_state_bytes, write_state)
 
@@ -156,7 +157,7 @@ def test_a_damaged_or_foreign_state_file_is_refused_with_one_notice_and_the_turn
     path, history = _one_state_on_disk(hybrid_model, tmp_path)
     data = bytearray(path.read_bytes())
     if damage == "corrupt":
-        data[-100] ^= 0x55  # a flipped byte in the tensors: only the CRC-32 sees it
+        data[-100] ^= 0x55  # a flipped byte in the tensors: only the HMAC sees it
         path.write_bytes(bytes(data))
     elif damage == "truncated":
         path.write_bytes(bytes(data[: len(data) - 4096]))
@@ -199,15 +200,19 @@ def test_a_write_that_fails_midway_leaves_no_file_under_the_final_name(hybrid_mo
     def fail(fd):
         raise OSError(28, "No space left on device")
 
+    key = files.directory_key(tmp_path)  # made once, beside the states
     monkeypatch.setattr(os, "fsync", fail)
     with pytest.raises(OSError):
         write_state(target, s._checkpoint_tokens, s._checkpoint, "a" * 64)
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == [files.KEY_NAME]
     monkeypatch.undo()
-    (tmp_path / f".tmp-{_HOST}-{dead_pid()}-1-{file_name([1, 2])}").write_bytes(b"half")  # a crash left it
+    name = file_name([1, 2])
+    (tmp_path / files.tmp_name(key, name, pid=dead_pid(), tid=1)).write_bytes(b"half")  # a crash left it
     (tmp_path / ".tmp-backup.state").write_bytes(b"someone's")  # not named as the store names its own
+    untagged = f".tmp-{_HOST}-{dead_pid()}-1-{'0' * 16}-{name}"  # named like ours, without the key's tag
+    (tmp_path / untagged).write_bytes(b"a neighbour's")
     store_for(hybrid_model, tmp_path)
-    assert [p.name for p in tmp_path.iterdir()] == [".tmp-backup.state"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([files.KEY_NAME, ".tmp-backup.state", untagged])
 
 
 def test_ram_and_disk_budgets_hold_under_a_run_that_overflows_both(hybrid_model, tmp_path):
@@ -255,8 +260,9 @@ def test_a_saved_session_restores_in_another_session_and_prefills_only_the_new_t
 def test_a_state_file_says_what_it_is_valid_for(hybrid_model, tmp_path):
     path, _ = _one_state_on_disk(hybrid_model, tmp_path)
     meta = read_header(path)
-    assert meta["model_sha256"] == hybrid_model.host.sha256() and meta["format"] == "deltaserve-state/2"
-    assert meta["deltaserve"] and len(meta["crc32"]) == 8 and json.loads(meta["tokens"])
+    assert meta["model_sha256"] == hybrid_model.host.sha256() and meta["format"] == "deltaserve-state/3"
+    assert meta["deltaserve"] and len(meta["mac"]) == 64 and json.loads(meta["tokens"])
+    assert meta["owner"] == files.owner_tag(files.directory_key(tmp_path)) and "partition" not in meta
 
 
 def dead_pid() -> int:
@@ -302,7 +308,8 @@ def test_a_state_directory_with_a_fifo_a_directory_a_symlink_and_foreign_files_s
 
 def test_a_state_file_whose_token_list_was_edited_is_refused_not_used(hybrid_model, tmp_path):
     """Issue 32, item 5: the CRC covered the tensors only, so one conversation's state under another's tokens was
-    used and the wrong conversation answered. The CRC covers the tokens, the length and the identity now."""
+    used and the wrong conversation answered. The HMAC covers the tokens, the length and the identity (issue 53: and
+    a neighbour who recomputes a CRC cannot recompute it without the directory's key)."""
     from safetensors.torch import load_file, save_file
 
     path, history = _one_state_on_disk(hybrid_model, tmp_path)
@@ -312,14 +319,15 @@ def test_a_state_file_whose_token_list_was_edited_is_refused_not_used(hybrid_mod
     meta["tokens"] = json.dumps(tokens, separators=(",", ":"))
     edited = tmp_path / file_name(tokens)  # named as the edited tokens' state would be: the store indexes it
     save_file(load_file(str(path)), str(edited), metadata=meta)
+    os.chmod(edited, 0o600)  # as the store writes its own (a file others may read is not even looked at)
     path.unlink()
-    with pytest.raises(StateFileError, match="CRC-32"):
+    with pytest.raises(StateFileError, match="HMAC"):
         read_state(edited, hybrid_model.config, hybrid_model.host.sha256())
     notices = []
     store = store_for(hybrid_model, tmp_path, say=notices.append)
     assert len(store) == 1  # indexed by its name and header, as any state on disk
     assert store.take(list(tokens) + [5]) is None  # found for a prompt it prefixes, refused when read
-    assert any("refused" in n and "CRC-32" in n for n in notices), notices
+    assert any("refused" in n and "HMAC" in n for n in notices), notices
     assert not edited.exists() and store.snapshot()["refused_files"] == 1  # a damaged state of its own: removed
 
 

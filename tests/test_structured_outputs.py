@@ -217,7 +217,8 @@ def test_run_chat_with_a_json_schema_file_prints_a_valid_answer(hybrid_gguf, tmp
 def test_a_request_without_a_format_is_answered_while_the_grammar_thread_is_held(hybrid_model):
     """Issue 32, item 2: schema compiles shared the two threads that tokenize every request, so two slow compiles
     stalled a plain `What is 12 + 9?` for 91 s. Compiles now run on a grammar thread of their own: with that thread
-    held, a plain request is answered (the mechanism, not a time), and a constrained one waits its turn."""
+    held, a plain request is answered (the mechanism, not a time), and so is a json_object one (issue 53, item 10:
+    the fast lane, never queued behind schemas); a schema that must be compiled waits its turn."""
     import threading
 
     from fastapi.testclient import TestClient
@@ -233,14 +234,17 @@ def test_a_request_without_a_format_is_answered_while_the_grammar_thread_is_held
             r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "What is 12 + 9?"}],
                                                      "max_tokens": 4})
             assert r.status_code == 200, r.text
+            r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                                                     "response_format": {"type": "json_object"}})
+            assert r.status_code == 200, r.text
             g = c.get("/health").json()["grammar"]
-            assert (g["waiting"], g["abandoned"]) == (0, 0)
+            assert (g["waiting"], g["abandoned"], g["fast"]) == (0, 0, 1)
             out = {}
             t = threading.Thread(target=lambda: out.setdefault("r", c.post("/v1/chat/completions", json={
                 "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-                "response_format": {"type": "json_object"}})))
+                "response_format": wide_format(3, "held")})))
             t.start()
-            for _ in range(600):  # the constrained request queues behind the held grammar thread
+            for _ in range(600):  # the schema queues behind the held grammar thread
                 if server.compiles["waiting"] == 1:
                     break
                 threading.Event().wait(0.05)
@@ -250,6 +254,47 @@ def test_a_request_without_a_format_is_answered_while_the_grammar_thread_is_held
             assert out["r"].status_code == 200 and server.compiles["waiting"] == 0
     finally:
         release.set()
+
+
+def test_compiles_are_taken_round_robin_per_client_and_a_clients_share_is_bounded():
+    """Issue 53, item 10: twenty slow schemas of one client filled the one queue and another's waited behind all of
+    them. Each client's compiles wait in a queue of their own, taken in turn; past PER_CLIENT waiting, a 429."""
+    import asyncio
+    import threading
+
+    from deltaserve.frontends.server.compiles import CompileQueue
+    from deltaserve.frontends.server.protocol import APIError
+
+    order: list[str] = []
+    gate = threading.Event()
+
+    def work(name):
+        from deltaserve.session import grammar
+
+        if grammar._ISOLATED.current.cache_only:
+            raise grammar.NotCached()
+        gate.wait(30)
+        order.append(name)
+        return name
+
+    async def go():
+        q = CompileQueue(5.0, per_client=4)
+        first = asyncio.ensure_future(q.grammar((work, "a0"), "client-a"))  # running: holds the thread
+        await asyncio.sleep(0.05)
+        waiting = [asyncio.ensure_future(q.grammar((work, f"a{i}"), "client-a")) for i in range(1, 5)]
+        await asyncio.sleep(0.05)
+        other = asyncio.ensure_future(q.grammar((work, "b0"), "client-b"))
+        await asyncio.sleep(0.05)
+        with pytest.raises(APIError) as e:
+            await q.grammar((work, "a5"), "client-a")
+        assert e.value.status == 429 and q.counts["refused"] == 1
+        gate.set()
+        await asyncio.gather(first, other, *waiting)
+        return q.counts
+
+    counts = asyncio.run(go())
+    assert order[:3] == ["a0", "a1", "b0"], order  # b's one schema after one more of a's, not after all four
+    assert sorted(order) == ["a0", "a1", "a2", "a3", "a4", "b0"] and counts["waiting"] == 0
 
 
 def wide_format(properties: int, tag: str) -> dict:

@@ -686,8 +686,8 @@ def test_a_conversation_without_special_text_encodes_in_one_pass_as_before(real_
     from deltaserve.text.chat_template import render
 
     tok = real_from_gguf
-    messages = [{"role": "user", "content": "plain <think> words and </think> tags stay as the template reads them"},
-                {"role": "assistant", "content": "<think>\nreasoned\n</think>\n\nanswer"},
+    messages = [{"role": "user", "content": "plain words and tags <b>like</b> these, a < b > c"},
+                {"role": "assistant", "content": "answer", "reasoning_content": "reasoned"},
                 {"role": "user", "content": "next"}]
     ids, _ = render(tok, messages, True)
     assert ids == tok.encode(tok.apply_chat_template(messages, enable_thinking=True))

@@ -609,7 +609,8 @@ def vision_server():
     from tests.fixtures import models as fx
     from tests.server_proc import ServerProcess
 
-    s = ServerProcess(fx.hf_dir("vision"), "--slots", "1", "--max-image-pixels", "250000", "--allow-image-urls")
+    s = ServerProcess(fx.hf_dir("vision"), "--slots", "1", "--max-image-pixels", "250000", "--allow-image-urls",
+                      "--allow-private-image-urls")  # (the test's image site is on loopback)
     yield s
     s.stop()
 

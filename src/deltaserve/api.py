@@ -141,7 +141,7 @@ class Model:
             ram = max(left, 0) // 4
         if directory is not None and disk is None:
             try:
-                os.makedirs(directory, exist_ok=True)
+                os.makedirs(directory, mode=0o700, exist_ok=True)  # conversations: the user's only
                 st = os.statvfs(directory)
                 disk = min(st.f_bavail * st.f_frsize // 2, 64 << 30)
             except OSError as e:

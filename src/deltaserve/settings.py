@@ -55,6 +55,10 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable("DELTASERVE_CUDA_GRAPH", "off", "on: a CUDA session records its decode step as a CUDA graph and replays "
              "it"),
     Variable("DELTASERVE_API_KEY", "", "the bearer token `serve` requires (empty: none)", "--api-key"),
+    Variable("DELTASERVE_API_KEYS_FILE", "", "a file of the bearer tokens `serve` accepts, one a line (KEY or NAME "
+             "KEY), each a tenant of its own (empty: none)", "--api-keys-file"),
+    Variable("DELTASERVE_DATA_DIR", "", "where users' data is kept (`chat --resume` conversations; empty: "
+             "$XDG_DATA_HOME/deltaserve or ~/.local/share/deltaserve), apart from the caches", "--data-dir"),
     Variable("DELTASERVE_DEBUG", "", "set: an internal error shows its traceback instead of one line"),
     Variable("DELTASERVE_CACHE_DIR", "", "where built kernels, checked verdicts and bench models are kept (empty: "
              "$XDG_CACHE_HOME/deltaserve or ~/.cache/deltaserve)"),
@@ -84,10 +88,13 @@ class Settings:
     vision: str
     draft_vocab: str
     api_key: str | None
+    api_keys_file: str | None
     debug: bool
     cache_dir: str | None
+    data_dir: str | None
     compiler: str        # $CC (not ours: the C compiler the kernels are built with)
     xdg_cache_home: str  # $XDG_CACHE_HOME (not ours)
+    xdg_data_home: str   # $XDG_DATA_HOME (not ours)
 
 
 def read(environ=None) -> Settings:
@@ -110,10 +117,13 @@ def read(environ=None) -> Settings:
         vision=get("DELTASERVE_VISION").strip().lower() or "auto",
         draft_vocab=get("DELTASERVE_DRAFT_VOCAB").strip(),
         api_key=get("DELTASERVE_API_KEY") or None,
+        api_keys_file=get("DELTASERVE_API_KEYS_FILE") or None,
         debug=bool(get("DELTASERVE_DEBUG")),
         cache_dir=get("DELTASERVE_CACHE_DIR") or None,
+        data_dir=get("DELTASERVE_DATA_DIR") or None,
         compiler=env.get("CC") or "cc",
         xdg_cache_home=env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+        xdg_data_home=env.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share"),
     )
 
 

@@ -390,13 +390,16 @@ def build_parser() -> argparse.ArgumentParser:
             raise argparse.ArgumentTypeError(str(e).removeprefix(f"--resume {text!r}: ")) from None
 
     c.add_argument("--resume", type=chat_name, default=None, metavar="NAME",
-                   help="keep this conversation and its decode state under NAME (in the cache directory's chats/), "
+                   help="keep this conversation and its decode state under NAME (in the data directory's chats/), "
                         "saved after every turn; a later --resume NAME with the same model goes on where it "
                         "stopped without prefilling it again (a NAME not saved yet starts a new conversation). "
                         "The saved system message and thinking setting apply unless --system or --think on|off "
                         "is given")
     _add_sampling(c)
     _add_runtime(c)
+    c.add_argument("--data-dir", default=settings.current().data_dir, metavar="DIR",
+                   help="where --resume keeps its conversations (default: $DELTASERVE_DATA_DIR, else "
+                        "$XDG_DATA_HOME/deltaserve): users' data, apart from the cache directory")
     c.set_defaults(func=lambda a: importlib.import_module("deltaserve.frontends.repl").main(a))
 
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server",
@@ -406,16 +409,31 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8080, help="TCP port (default 8080; 0 picks a free one)")
     s.add_argument("--slots", type=positive_int, default=2, help="resident sessions (default 2)")
     s.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot (default 16)")
-    s.add_argument("--api-key", default=settings.current().api_key, help="require this bearer token")
+    s.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require this bearer token; give it several times for several tenants, each key's "
+                        "conversations, cached prefixes and stored responses its own (default: $DELTASERVE_API_KEY)")
+    s.add_argument("--api-keys-file", default=settings.current().api_keys_file, metavar="FILE",
+                   help="more keys, one a line (KEY, or NAME KEY to name its tenant; # comments); every key a tenant")
+    s.add_argument("--responses-ram", type=size_arg, default=64 << 20, metavar="SIZE",
+                   help="RAM for stored responses (/v1/responses store), the oldest of a tenant's leaving first when "
+                        "its equal share is full (default 64M)")
     s.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask for")
     s.add_argument("--max-body", type=int, default=4 << 20, help="largest request body in bytes")
     s.add_argument("--max-messages", type=int, default=512, help="most messages in one request")
     s.add_argument("--max-image-pixels", type=positive_int, default=16_777_216, metavar="N",
                    help="largest image a request may send, in pixels (width x height, default 16777216), checked "
                         "from its header before it is decoded")
+    s.add_argument("--max-images", type=positive_int, default=8, metavar="N",
+                   help="most images in one request (default 8)")
+    s.add_argument("--max-image-pixels-total", type=positive_int, default=33_554_432, metavar="N",
+                   help="most pixels of one request's images together (default 33554432, two 4096x4096 images), "
+                        "added up from their headers before any is decoded")
     s.add_argument("--allow-image-urls", action="store_true",
-                   help="fetch http(s) image links in requests (at most 20 MiB, 10 s each); off: images come as "
-                        "data URLs only (a server that fetches links reaches what its host can reach)")
+                   help="fetch http(s) image links in requests (at most 20 MiB within 10 s in all, public addresses "
+                        "only, each redirect checked); off: images come as data URLs only")
+    s.add_argument("--allow-private-image-urls", action="store_true",
+                   help="with --allow-image-urls: links to loopback, private and link-local addresses are fetched too "
+                        "(off: refused, so that a request cannot reach what only this host reaches)")
     s.add_argument("--compile-timeout", type=positive_float, default=10.0, metavar="S",
                    help="a response_format or tool schema still compiling after S seconds is stopped and the request "
                         "refused with a 400 (default 10); schemas compile in a process of their own, stopped too "

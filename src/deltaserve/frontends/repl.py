@@ -4,10 +4,13 @@ Each turn renders the whole history with the model's template; the session prefi
 does not already hold. Commands: /clear, /system TEXT, /regenerate, /think on|off, /image FILE, /stats, /help, /quit.
 Multi-line input: end a line with a backslash to continue, or wrap a block in triple quotes.
 
-`--resume NAME` keeps the conversation under a name, in the cache directory (`chats/NAME.json`: the messages,
+`--resume NAME` keeps the conversation under a name, in the data directory (`chats/NAME.json`: the messages,
 the system message, the thinking setting, the model's sha256, deltaserve's version; `chats/NAME.state`: the
 session's checkpoint, `Session.save`), both rewritten atomically after every turn. A later `--resume NAME` with
-the same model loads the messages, restores the state, and its next turn prefills only what is new.
+the same model loads the messages, restores the state, and its next turn prefills only what is new. The data
+directory ($DELTASERVE_DATA_DIR, `--data-dir`, else $XDG_DATA_HOME/deltaserve) is not the cache directory: clearing
+the compiled kernels and the guard's verdicts never deletes a conversation. Chats an older deltaserve kept under the
+cache directory are moved once, with a notice.
 """
 
 from __future__ import annotations
@@ -16,15 +19,18 @@ import importlib
 import json
 import os
 import re
+import shutil
+import stat
 import sys
 import time
 from pathlib import Path
 
 from deltaserve.runtime.guard import MAX_AGE as GUARD_MAX_AGE
-from deltaserve.cachedir import cache_root
+from deltaserve.cachedir import cache_root, data_root
 from deltaserve.errors import DeltaserveError
 from deltaserve.frontends.common import load_model, sampling_kwargs
 from deltaserve.kernels.cpu import plural
+from deltaserve.session import files
 from deltaserve.session.store import StateFileError, read_header
 from deltaserve.session.turns import thinking_flag
 from deltaserve.version import __version__
@@ -53,8 +59,53 @@ def check_name(name: str) -> str:
     return name
 
 
-def chats_dir() -> Path:
-    return cache_root() / "chats"
+def chats_dir(data_dir: str | os.PathLike | None = None) -> Path:
+    return (Path(data_dir) if data_dir else data_root()) / "chats"
+
+
+CHAT_FILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}\.(json|state)")
+MAX_CHAT_BYTES = 256 << 20
+
+
+def move_old_chats(target: Path) -> list[str]:
+    """Chats an older deltaserve saved under the cache directory (`cache_root()/chats`), moved once into `target`
+    (their names' files that `target` does not already hold; only regular files named as chats, never through a
+    symlink); what to say about it."""
+    old = cache_root() / "chats"
+    try:
+        if not old.is_dir() or old.resolve() == target.resolve():
+            return []
+        entries = [e for e in os.scandir(old) if CHAT_FILE.fullmatch(e.name) or e.name == files.KEY_NAME]
+    except OSError:
+        return []
+    if not entries:
+        return []
+    files.private_dir(target, "the chat data directory")
+    moved, kept = [], []
+    for e in entries:
+        try:
+            st = os.lstat(e.path)
+        except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode) or (hasattr(os, "geteuid") and st.st_uid != os.geteuid()):
+            continue
+        dest = target / e.name
+        if dest.exists():
+            kept.append(e.name)
+            continue
+        try:
+            shutil.move(e.path, dest)
+            moved.append(e.name)
+        except OSError:
+            kept.append(e.name)
+    said = []
+    if moved:
+        said.append(f"[deltaserve] moved {len(moved)} saved chat file{'s' if len(moved) != 1 else ''} from the cache "
+                    f"directory {old} to the data directory {target} (clearing a cache no longer deletes them)")
+    if kept:
+        said.append(f"[deltaserve] left {len(kept)} file{'s' if len(kept) != 1 else ''} in {old} that {target} "
+                    f"already holds or that could not be moved ({', '.join(kept[:3])}{', ...' if len(kept) > 3 else ''})")
+    return said
 
 
 def _short(sha: str | None) -> str:
@@ -75,10 +126,11 @@ class SavedChat:
 
     def prepare(self) -> None:
         """Create the directory and take the name's lock (another chat holding it is an error)."""
+        files.private_dir(self.dir, f"--resume {self.name}: the chat data directory")  # conversations: the user's only
         try:
-            self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # conversations: the user's only
             # never through a symlink planted under the lock's name (its target was truncated)
-            f = os.fdopen(os.open(self.dir / f"{self.name}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600), "a+")
+            f = os.fdopen(os.open(self.dir / f"{self.name}.lock",
+                                  os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600), "a+")
         except OSError as e:
             raise DeltaserveError(f"--resume {self.name}: cannot use {self.dir} ({e.strerror})") from None
         try:
@@ -103,10 +155,13 @@ class SavedChat:
     def load(self) -> dict | None:
         """The saved conversation, or None when there is none under this name. A file that cannot be read is an
         error, never overwritten: the messages in it are not ours to lose."""
-        try:
-            text = self.json_path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            return None
+        try:  # never through a symlink, never blocking on a FIFO planted under its name
+            text = files.read_checked(self.json_path, MAX_CHAT_BYTES, private=False).decode("utf-8")
+        except files.UnsafeFile as e:
+            if e.kind == "missing":
+                return None
+            raise DeltaserveError(f"--resume {self.name}: {self.json_path} cannot be read ({e}); move it away or "
+                                  f"pick another name") from None
         except (OSError, UnicodeDecodeError) as e:
             raise DeltaserveError(f"--resume {self.name}: {self.json_path} cannot be read ({e}); move it away or "
                                   f"pick another name") from None
@@ -130,21 +185,12 @@ class SavedChat:
                 "thinking": thinking, "model": model.path.name, "model_path": str(model.path),
                 "model_sha256": model.host.sha256(), "deltaserve": __version__,
                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        tmp = self.dir / f".tmp-{os.getpid()}-{self.name}.json"
-        try:
-            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600), "w",
-                           encoding="utf-8") as f:
-                json.dump(data, f, ensure_ascii=False, indent=1)
-                f.write("\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.json_path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        text = json.dumps(data, ensure_ascii=False, indent=1) + "\n"
+        # a temporary name of ours, created exclusively (never through a symlink, never a planted FIFO), then renamed
+        files.write_atomic(self.json_path, text.encode("utf-8"), files.directory_key(self.dir))
 
     def drop_state(self) -> None:
-        self.state_path.unlink(missing_ok=True)
+        files.unlink_ours(self.state_path)
 
 
 class ChatREPL:
@@ -395,7 +441,10 @@ def restore_state(repl: ChatREPL, saved: SavedChat, data: dict) -> str:
 def main(a) -> int:
     saved = None
     if getattr(a, "resume", None):
-        saved = SavedChat(a.resume)  # the name checked before anything is loaded
+        directory = chats_dir(getattr(a, "data_dir", None))
+        for line in move_old_chats(directory):
+            print(line, file=sys.stderr)
+        saved = SavedChat(a.resume, directory)  # the name checked before anything is loaded
         saved.prepare()
     model = load_model(a)
     data, said = resume(a, model, saved) if saved is not None else (None, [])

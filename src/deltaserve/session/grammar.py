@@ -164,6 +164,16 @@ def normalize(response_format: Any) -> dict | None:
             schema = {} if schema else None
         if not isinstance(schema, dict):
             raise GrammarError("response_format.json_schema needs a 'schema' object (the JSON schema)")
+        try:  # measured before it is walked: a 3 MB schema is refused for its size, not after its walks
+            size = len(json.dumps(schema, separators=(",", ":")))
+        except RecursionError:
+            raise GrammarError(f"response_format: the JSON schema nests objects and arrays more than {MAX_DEPTH} "
+                               "levels deep: refused before it is compiled") from None
+        except (TypeError, ValueError) as e:
+            raise GrammarError(f"response_format: the JSON schema is not JSON ({e})"[:300]) from None
+        if size > MAX_SCHEMA_BYTES:
+            raise GrammarError(f"response_format: the JSON schema is {size} bytes as compact JSON, over the limit of "
+                               f"{MAX_SCHEMA_BYTES}: refused before it is compiled")
         unenforced = unenforced_keyword(schema)
         if unenforced is not None:
             raise GrammarError(f"response_format: {unenforced} is not enforced by the grammar engine, so an answer "
@@ -172,10 +182,6 @@ def normalize(response_format: Any) -> dict | None:
         if depth > MAX_DEPTH:  # xgrammar's compile of a schema 900 deep took a minute: refused before it starts
             raise GrammarError(f"response_format: the JSON schema nests objects and arrays more than {MAX_DEPTH} "
                                f"levels deep (at least {depth}): refused before it is compiled")
-        size = len(json.dumps(schema, separators=(",", ":")))
-        if size > MAX_SCHEMA_BYTES:
-            raise GrammarError(f"response_format: the JSON schema is {size} bytes as compact JSON, over the limit of "
-                               f"{MAX_SCHEMA_BYTES}: refused before it is compiled")
         return {"type": "json_schema", "schema": schema}
     raise GrammarError(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
 
@@ -322,8 +328,12 @@ class GrammarEngine:
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-        if fmt["type"] == "json_object":
-            compiled = self._compile('{"type": "object"}', strict=False)
+        if fmt["type"] == "json_object":  # a fixed grammar of ours: compiled here, never queued behind a client's schema
+            schema = '{"type": "object"}'
+            compiled = self._run({"op": "schema", "schema": schema, "strict": False},
+                                 lambda: self.compiler.compile_json_schema(schema, any_whitespace=False,
+                                                                           strict_mode=False),
+                                 "response_format: the JSON schema", here_always=True)
             description = "json_object"
         else:
             compiled = self._compile(json.dumps(fmt["schema"]), strict=True)
@@ -397,11 +407,14 @@ class GrammarEngine:
                          lambda: self.compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=strict),
                          "response_format: the JSON schema")
 
-    def _run(self, request: dict, here, what: str):
+    def _run(self, request: dict, here, what: str, here_always: bool = False):
         """One compile: in the compile process where the caller isolates it (`isolated`: bounded in time, stopped
-        when its client leaves), else here (`here()`). `what` begins the refusal's message."""
+        when its client leaves), else here (`here()`; `here_always`: here in any case, a grammar of ours). Under
+        `isolated(..., cache_only=True)` nothing is compiled: NotCached. `what` begins the refusal's message."""
         ctx = getattr(_ISOLATED, "current", None)
-        if ctx is None:
+        if ctx is not None and ctx.cache_only and not here_always:
+            raise NotCached()
+        if ctx is None or here_always:
             try:
                 return here()
             except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError / its own errors
@@ -435,6 +448,11 @@ class CompileStopped(GrammarError):
     """A compile stopped because its client left (nobody reads this message but the log)."""
 
 
+class NotCached(Exception):
+    """Under `isolated(..., cache_only=True)`: the grammar is not compiled yet (the server's fast lane hands it to
+    the compile queue)."""
+
+
 _PROCESS = None  # the compile process, started by the first isolated compile
 _PROCESS_LOCK = threading.Lock()
 _ISOLATED = threading.local()  # this thread's `isolated` context, if any
@@ -457,8 +475,8 @@ class isolated:
     each stopped past `timeout_s` seconds (a GrammarError: the request's 400) or once `stop()` is true (its client
     has left: CompileStopped). Outside it, compiles run in the caller's thread (the library's sessions)."""
 
-    def __init__(self, timeout_s: float, stop=None):
-        self.timeout_s, self.stop = float(timeout_s), stop
+    def __init__(self, timeout_s: float, stop=None, cache_only: bool = False):
+        self.timeout_s, self.stop, self.cache_only = float(timeout_s), stop, cache_only
 
     def __enter__(self):
         _ISOLATED.current = self

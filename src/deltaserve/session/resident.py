@@ -436,7 +436,7 @@ class Session:
                 self._resume = None
                 return self._restore_stored(tokens, ck, "checkpoint")
         if self.store is not None:
-            found = yield Blocking(self.store.take, (prompt, n, kind == "reset"))
+            found = yield Blocking(self.store.take, (prompt, n, kind == "reset", self.partition))
             if found is not None:
                 return self._restore_stored(*found)
         if kind == "checkpoint":
@@ -996,7 +996,7 @@ class Session:
         for another conversation, this one resumes from there."""
         if self.store is not None and self._checkpoint is not None and not self._checkpoint_stored:
             self._checkpoint_stored = True
-            self.store.put(self._checkpoint_tokens, self._checkpoint)
+            self.store.put(self._checkpoint_tokens, self._checkpoint, partition=self.partition)
 
     # -- a conversation's state in a file ---------------------------------------------------------------
     def save(self, path) -> int:

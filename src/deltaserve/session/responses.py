@@ -10,34 +10,40 @@ keep_end=True)`): a follow-up's prompt is those ids and its new input, and the s
 state prefills only the new input. A follow-up whose state was evicted prefills the same ids from the start: the
 same tokens, the same answer, only slower (its `cached_tokens` says so).
 
-Records live in RAM; with a directory, each is also one JSON file under DIR/responses/ (temporary name, fsync,
-rename: a crash leaves no half file), read back when a server starts and on a miss (another replica's, on a shared
---state-dir). A file is checked before it is used (its format, its id against its name, its types, its size); one
-that fails is refused with one notice and left alone. The records' bytes stay within a budget, the oldest leaving
-first (RAM and disk alike), each eviction said once.
+Records live in RAM, within a budget of their own (bytes of their JSON); with a directory, each is also one file
+under DIR/responses/ (temporary name, fsync, rename: a crash leaves no half file), read back when a server starts and
+on a miss (another replica's, on a shared --state-dir). A file is its JSON after one line: an HMAC-SHA256 of that JSON
+under the directory's key (deltaserve.session.files), so that a neighbour who can write the directory cannot plant or
+edit a conversation; it is opened without following a symlink or blocking on a FIFO, checked on its descriptor, and
+one that fails is refused with one notice and left alone.
+
+Every record belongs to a tenant (the API key that stored it; None on a single-tenant server): another tenant's id is
+not found. Each tenant has an equal share of the budget, and the oldest of its own records leave first when it is
+over (each eviction said once): one client's responses never leave to make room for another tenant's.
 """
 
 from __future__ import annotations
 
 import base64
+import hmac
 import json
 import os
 import re
 import secrets
 import sys
 import threading
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from deltaserve.errors import DeltaserveError
+from deltaserve.session import files
 
-FORMAT = "deltaserve-response/1"
+FORMAT = "deltaserve-response/2"  # /2: signed (an HMAC line before the JSON) and owned by a tenant
 SUBDIR = "responses"
 MAX_RECORD_BYTES = 64 << 20
-ID = re.compile(r"^resp_[0-9a-f]{32}$")
+ID = re.compile(r"resp_[0-9a-f]{32}")
+MAC_HEX = 64
 
 
 def new_id(prefix: str = "resp") -> str:
@@ -45,7 +51,8 @@ def new_id(prefix: str = "resp") -> str:
 
 
 def valid_id(value: str) -> bool:
-    return isinstance(value, str) and ID.match(value) is not None
+    """A response id as this server makes them, the whole string (fullmatch: "resp_<hex>\\n" is not one)."""
+    return isinstance(value, str) and ID.fullmatch(value) is not None
 
 
 def pack_tokens(tokens) -> str:
@@ -75,12 +82,14 @@ class ResponseRecord:
     messages: list
     frame: str
     tokens: list[int] = field(default_factory=list)
+    tenant: str | None = None
 
     def to_json(self) -> bytes:
         return json.dumps({"format": FORMAT, "id": self.id, "created_at": self.created_at,
                            "model_sha256": self.model_sha256, "response": self.response,
                            "input_items": self.input_items, "messages": self.messages, "frame": self.frame,
-                           "tokens": pack_tokens(self.tokens)}, ensure_ascii=False).encode("utf-8")
+                           "tokens": pack_tokens(self.tokens), "tenant": self.tenant},
+                          ensure_ascii=False).encode("utf-8")
 
     @classmethod
     def from_json(cls, data: bytes, name: str) -> "ResponseRecord":
@@ -98,32 +107,43 @@ class ResponseRecord:
         for key, kind in kinds.items():
             if not isinstance(d.get(key), kind):
                 raise ValueError(f"its {key!r} is not a {kind.__name__}")
+        if d.get("tenant") is not None and not isinstance(d.get("tenant"), str):
+            raise ValueError("its 'tenant' is not a string")
         try:
             tokens = unpack_tokens(d["tokens"])
         except ValueError as e:
             raise ValueError(f"its tokens do not decode ({e})") from None
         return cls(name, d["created_at"], d["model_sha256"], d["response"], d["input_items"], d["messages"],
-                   d["frame"], tokens)
+                   d["frame"], tokens, d.get("tenant"))
+
+
+def _signature(key: bytes, data: bytes) -> bytes:
+    h = files.mac(key)
+    h.update(data)
+    return h.hexdigest().encode("ascii")
 
 
 class ResponseStore:
-    """Stored responses by id; thread-safe. `budget`: the bytes the records may hold together (their JSON)."""
+    """Stored responses by id; thread-safe. `budget`: the bytes the records may hold together (their JSON), in equal
+    shares for `tenants` tenants. Its methods read and write files: a server calls them off its event loop."""
 
     def __init__(self, *, budget: int, directory: str | os.PathLike | None = None,
-                 say: Callable[[str], None] | None = None):
+                 say: Callable[[str], None] | None = None, tenants: int = 1):
         self.budget = max(int(budget), 0)
+        self.share = self.budget // max(int(tenants), 1)
         self.directory = Path(directory) / SUBDIR if directory is not None else None
         self._say = say or (lambda line: print(line, file=sys.stderr, flush=True))
         self._lock = threading.Lock()
         self._records: OrderedDict[str, tuple[ResponseRecord, int]] = OrderedDict()  # oldest first
+        self._held: dict[str | None, int] = {}  # tenant -> bytes of its records
         self._refused: set[str] = set()
         self.used = 0
         self.evicted = 0
+        self.key: bytes | None = None
         if self.directory is not None:
-            try:
-                self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            except OSError as e:
-                raise DeltaserveError(f"--state-dir: cannot create {self.directory} ({e.strerror})") from None
+            files.private_dir(Path(directory), "--state-dir", self.say)
+            self.key = files.directory_key(Path(directory))
+            files.private_dir(self.directory, "--state-dir", self.say)
             self._load_all()
 
     def say(self, line: str) -> None:
@@ -142,67 +162,52 @@ class ResponseStore:
             return None
         path = self._path(rid)
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-        except OSError:
+            data = files.read_checked(path, MAX_RECORD_BYTES)
+            mac, sep, body = data.partition(b"\n")
+            if not sep or len(mac) != MAC_HEX:
+                raise ValueError(f"not a {FORMAT} record (no signature line)")
+            if not hmac.compare_digest(mac, _signature(self.key, body)):
+                raise ValueError("its HMAC does not match (forged, edited, or another directory's)")
+            return ResponseRecord.from_json(body, rid)
+        except files.UnsafeFile as e:
+            if e.kind == "missing":
+                return None
+            self._refused.add(rid)
+            self.say(f"[deltaserve] stored response {path} refused: {e}")
             return None
-        try:
-            st = os.fstat(fd)
-            if not os.path.stat.S_ISREG(st.st_mode):
-                raise ValueError("not a regular file")
-            if st.st_size > MAX_RECORD_BYTES:
-                raise ValueError(f"{st.st_size} bytes, more than the limit of {MAX_RECORD_BYTES}")
-            with os.fdopen(fd, "rb") as f:
-                fd = -1
-                data = f.read(MAX_RECORD_BYTES + 1)
-            return ResponseRecord.from_json(data, rid)
         except (OSError, ValueError) as e:
             self._refused.add(rid)
             self.say(f"[deltaserve] stored response {path} refused: {e}")
             return None
-        finally:
-            if fd >= 0:
-                os.close(fd)
 
     def _write(self, record: ResponseRecord, data: bytes) -> None:
-        path = self._path(record.id)
-        tmp = path.with_name(f".tmp-{os.getpid()}-{threading.get_ident()}-{record.id}.json")
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            files.write_atomic(self._path(record.id), _signature(self.key, data) + b"\n" + data, self.key)
         except OSError as e:
-            try:
-                tmp.unlink()
-            except OSError:
-                pass
             self.say(f"[deltaserve] stored response {record.id} not written to {self.directory} ({e.strerror}): "
                      "it is kept in RAM only")
 
     def _load_all(self) -> None:
-        files = []
-        for entry in os.scandir(self.directory):
+        files.remove_stale_tmps(self.directory, self.key, ".json")  # only our own: they carry the key's tag
+        found = []
+        try:
+            entries = list(os.scandir(self.directory))
+        except OSError:
+            entries = []
+        for entry in entries:
             name = entry.name
-            if name.startswith(".tmp-") and name.endswith(".json"):
-                try:  # a write that never finished (its writer is gone by now or it is old)
-                    if time.time() - entry.stat(follow_symlinks=False).st_mtime > 600:
-                        os.unlink(entry.path)
-                except OSError:
-                    pass
-                continue
             if name.endswith(".json") and valid_id(name[:-5]):
                 try:
-                    files.append((entry.stat(follow_symlinks=False).st_mtime, name[:-5]))
+                    found.append((entry.stat(follow_symlinks=False).st_mtime, name[:-5]))
                 except OSError:
                     pass
-        for _, rid in sorted(files):
+        for _, rid in sorted(found):
             record = self._read(rid)
             if record is not None:
                 self._keep(record, len(record.to_json()))
         with self._lock:
-            self._enforce()
+            for tenant in list(self._held):
+                self._enforce(tenant)
 
     # -- the records ----------------------------------------------------------------------------------------
     def _keep(self, record: ResponseRecord, size: int) -> None:
@@ -210,21 +215,28 @@ class ResponseStore:
             old = self._records.pop(record.id, None)
             if old is not None:
                 self.used -= old[1]
+                self._held[old[0].tenant] -= old[1]
             self._records[record.id] = (record, size)
             self.used += size
+            self._held[record.tenant] = self._held.get(record.tenant, 0) + size
 
-    def _enforce(self) -> None:
-        while self.used > self.budget and len(self._records) > 1:
-            rid, (record, size) = self._records.popitem(last=False)
+    def _enforce(self, tenant: str | None) -> None:
+        """The tenant's oldest records out while it holds more than its share (its newest always stays). Lock held."""
+        while self._held.get(tenant, 0) > self.share:
+            mine = [rid for rid, (r, _) in self._records.items() if r.tenant == tenant]
+            if len(mine) <= 1:
+                break
+            rid = mine[0]
+            record, size = self._records.pop(rid)
             self.used -= size
+            self._held[tenant] -= size
             self.evicted += 1
             if self.directory is not None:
-                try:
-                    self._path(rid).unlink()
-                except OSError:
-                    pass
-            self.say(f"[deltaserve] stored response {rid} dropped: the stored responses hold {self.used + size} "
-                     f"bytes, more than their budget of {self.budget} (a follow-up naming it is refused)")
+                files.unlink_ours(self._path(rid))
+            self.say(f"[deltaserve] stored response {rid} dropped: "
+                     f"{'this tenant' + chr(39) + 's' if tenant is not None else 'the'} stored responses hold "
+                     f"{self._held[tenant] + size} bytes, more than their budget of {self.share} (a follow-up naming "
+                     "it is refused)")
 
     def put(self, record: ResponseRecord) -> None:
         data = record.to_json()
@@ -232,39 +244,37 @@ class ResponseStore:
             self._write(record, data)
         self._keep(record, len(data))
         with self._lock:
-            self._enforce()
+            self._enforce(record.tenant)
 
-    def get(self, rid: str) -> ResponseRecord | None:
+    def get(self, rid: str, tenant: str | None = None) -> ResponseRecord | None:
+        """The record stored under `rid` by `tenant` (another tenant's is not found)."""
         if not valid_id(rid):
             return None
         with self._lock:
             held = self._records.get(rid)
         if held is not None:
-            return held[0]
+            return held[0] if held[0].tenant == tenant else None
         record = self._read(rid)  # another process's (a replica on the same --state-dir)
         if record is not None:
             self._keep(record, len(record.to_json()))
             with self._lock:
-                self._enforce()
-        return record
+                self._enforce(record.tenant)
+        return record if record is not None and record.tenant == tenant else None
 
-    def delete(self, rid: str) -> bool:
-        if not valid_id(rid):
+    def delete(self, rid: str, tenant: str | None = None) -> bool:
+        if self.get(rid, tenant) is None:
             return False
         with self._lock:
             held = self._records.pop(rid, None)
             if held is not None:
                 self.used -= held[1]
-        gone = held is not None
+                self._held[held[0].tenant] -= held[1]
         if self.directory is not None:
-            try:
-                self._path(rid).unlink()
-                gone = True
-            except OSError:
-                pass
-        return gone
+            files.unlink_ours(self._path(rid))
+        return True
 
     def snapshot(self) -> dict:
         with self._lock:
             return {"responses": len(self._records), "bytes": self.used, "budget": self.budget,
-                    "evicted": self.evicted, "directory": str(self.directory) if self.directory else None}
+                    "share": self.share, "evicted": self.evicted,
+                    "directory": str(self.directory) if self.directory else None}

@@ -13,11 +13,15 @@ longest and prefills only its new suffix.
   least recently used leave RAM first (their disk copy stays), then disk. Without a directory they leave RAM
   for good. An entry is visible only once it is complete, and never changes after: two requests of one
   conversation may restore the same entry at once, each into its own state.
-- **Files.** One safetensors file per state: the parts' tensors (KV cut to the positions it holds, conv and
-  recurrent state) and, in its metadata, what it is valid for: the model's sha256, the deltaserve version, the
-  token ids, and a CRC-32 of the data. Written under a temporary name, fsynced and renamed: a crash mid-write
-  leaves no half file under the final name. A file that does not match, is truncated or corrupt is refused
-  with one notice and its turn prefills from scratch.
+- **Files.** One safetensors file per state (deltaserve.session.statefile): the parts' tensors and, in its metadata,
+  what it is valid for (the model's sha256, the deltaserve version, the token ids, the partition) under an HMAC keyed
+  by the directory's secret (deltaserve.session.files). Written under a temporary name, fsynced and renamed: a crash
+  mid-write leaves no half file under the final name. A file is opened once, never through a symlink and never
+  blocking on a FIFO, and checked on its descriptor; one that does not match, is truncated, corrupt or forged is
+  refused with one notice and its turn prefills from scratch.
+- **Partitions.** Every entry belongs to a partition (a digest of an API key's tenant and a request's cache_salt;
+  None on a single-tenant server): a look-up finds only its own partition's states, so a prefix cached for one
+  tenant never answers, nor shortens the time to the first token of, another's.
 - **Several processes on one directory** (replicas on a shared `--state-dir`, deltaserve/ray.py). Each process
   indexes the files the others write: whenever the directory has changed since it last looked (its mtime moves with
   every rename into it and every removal; a change within the last `RECENT_S` is looked at again, since mtimes are
@@ -25,20 +29,17 @@ longest and prefills only its new suffix.
   process removed (quietly: that is the other's budget at work, not damage). The disk budget is the directory's:
   every process counts every state file in it and removes the least recently used (file times, comparable across
   processes) while the total is over; RAM budgets are each process's own. A temporary file is removed at start only
-  when its writer is gone (a pid of this host that no longer runs) or it is older than `STALE_TMP_S`.
+  when it carries the directory key's tag and its writer is gone (a pid of this host that no longer runs) or it is
+  older than `STALE_TMP_S`; nothing else in the directory is ever removed but a damaged state of ours.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
-import socket
-import stat
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -48,58 +49,17 @@ import torch
 from deltaserve.engine.state import Checkpoint
 from deltaserve.errors import DeltaserveError
 from deltaserve.formats.config import HybridConfig
-from deltaserve.version import __version__
+from deltaserve.session import files
+from deltaserve.session.statefile import (FORMAT, MAX_HEADER, SUFFIX, StateFileError, check_identity,  # noqa: F401
+                                          checkpoint_tensors, expected_parts, file_name, read_header, read_state,
+                                          write_state)
 
-FORMAT = "deltaserve-state/2"  # /2: the CRC covers the tokens, the length and the identity too (/1: the tensors)
-SUFFIX = ".state"
 _MOD = (1 << 61) - 1
 _BASE = 1_000_003
 RECENT_S = 2.0        # a directory changed this recently is listed again at the next look-up (coarse mtimes)
-STALE_TMP_S = 600.0   # a temporary file this old is a crashed write, whoever wrote it
-_HOST = re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32] or "host"
+STALE_TMP_S = files.STALE_TMP_S
+_HOST = files.HOST
 _STORE_NAME = re.compile(r"[0-9a-f]{40}" + re.escape(SUFFIX))  # file_name's: the store's own states
-_TMP = re.compile(r"^\.tmp-(?P<host>[A-Za-z0-9]+)-(?P<pid>\d+)-(?P<tid>\d+)-")
-
-
-class StateFileError(DeltaserveError):
-    """A state file that cannot be used: foreign, truncated, corrupt, or for another model. `ours`: the file carries
-    this store's format marker (a damaged state of ours: the store may remove it); otherwise it is someone else's
-    file (not a state file, another format, not a regular file) and is never removed."""
-
-    def __init__(self, message: str, ours: bool = True):
-        super().__init__(message)
-        self.ours = ours
-
-
-MAX_HEADER = 64 << 20  # a state file's header (its token list) is far below this
-
-
-def _marked(path: Path) -> bool:
-    """Whether the file's safetensors header, read by hand (8 bytes of length, then JSON), carries this store's
-    format marker: a damaged state of ours, as against somebody else's file."""
-    try:
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            if not 2 <= n <= MAX_HEADER:
-                return False
-            meta = json.loads(f.read(n)).get("__metadata__") or {}
-    except (OSError, ValueError, AttributeError, UnicodeDecodeError):
-        return False
-    return isinstance(meta, dict) and meta.get("format") == FORMAT
-
-
-def _regular(path: Path) -> os.stat_result:
-    """The file's lstat if it is a regular file (not a FIFO, a directory, a device, a symlink: opening a FIFO
-    blocks, and a symlink may lead out of the directory); else StateFileError (not ours)."""
-    try:
-        st = os.lstat(path)
-    except OSError as e:
-        raise StateFileError(f"{Path(path).name} cannot be read ({type(e).__name__})", ours=False) from None
-    if not stat.S_ISREG(st.st_mode):
-        kind = ("a symlink" if stat.S_ISLNK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode)
-                else "a FIFO" if stat.S_ISFIFO(st.st_mode) else "not a regular file")
-        raise StateFileError(f"{Path(path).name} is {kind}, not a state file", ours=False)
-    return st
 
 
 def parse_size(text: str) -> int:
@@ -123,140 +83,6 @@ def saved_state_bytes(config: HybridConfig, positions: int, kv_dtype_bytes: int 
     return config.kv_bytes_per_position(kv_dtype_bytes) * positions + config.recurrent_state_bytes()
 
 
-# -- one state file ---------------------------------------------------------------------------------------------
-
-def checkpoint_tensors(ck: Checkpoint) -> dict[str, torch.Tensor]:
-    """The parts of a checkpoint as named, contiguous CPU tensors (KV cut to the positions it holds)."""
-    n = ck.length
-    out: dict[str, torch.Tensor] = {}
-    for i, (k, v) in ck.kv.items():
-        out[f"kv.{i}.k"] = k[:, :n].contiguous().cpu()
-        out[f"kv.{i}.v"] = v[:, :n].contiguous().cpu()
-    for i, t in ck.conv.items():
-        out[f"conv.{i}"] = t.contiguous().cpu()
-    for i, t in ck.ssm.items():
-        out[f"ssm.{i}"] = t.contiguous().cpu()
-    return out
-
-
-CRC_FIELDS = ("format", "model_sha256", "deltaserve", "tokens", "length")  # what decides what a state is valid for
-
-
-def _crc(tensors: dict[str, torch.Tensor], meta: dict) -> str:
-    """CRC-32 of the tensors and of the header's fields that say what the state is for (an edited token list, length
-    or identity fails it as a flipped tensor byte does)."""
-    fields = CRC_FIELDS + (("rope_delta",) if "rope_delta" in meta else ())  # a state past an image says its delta
-    crc = zlib.crc32(json.dumps({k: meta.get(k) for k in fields}, sort_keys=True).encode())
-    for name in sorted(tensors):
-        crc = zlib.crc32(tensors[name].reshape(-1).view(torch.uint8).numpy(), crc)
-    return f"{crc:08x}"
-
-
-def expected_parts(config: HybridConfig, n: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    c = config
-    parts: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    for i in range(c.num_layers):
-        if c.is_attention(i):
-            for kv in "kv":
-                parts[f"kv.{i}.{kv}"] = ((c.num_kv_heads, n, c.head_dim), torch.float32)
-        else:
-            parts[f"conv.{i}"] = ((c.conv_kernel - 1, c.conv_dim), torch.float32)
-            parts[f"ssm.{i}"] = ((c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim),
-                                 torch.float32)
-    return parts
-
-
-def write_state(path: Path, tokens: Sequence[int], ck: Checkpoint, model_sha256: str) -> int:
-    """Write `ck` (covering `tokens`) to `path` atomically; the bytes written."""
-    from safetensors.torch import save
-
-    if ck.length != len(tokens):
-        raise ValueError(f"a checkpoint of {ck.length} positions does not cover {len(tokens)} tokens")
-    tensors = checkpoint_tensors(ck)
-    meta = {"format": FORMAT, "model_sha256": model_sha256, "deltaserve": __version__,
-            "tokens": json.dumps(list(map(int, tokens)), separators=(",", ":")), "length": str(ck.length)}
-    if ck.rope_delta:
-        meta["rope_delta"] = str(ck.rope_delta)
-    meta["crc32"] = _crc(tensors, meta)
-    data = save(tensors, metadata=meta)
-    path = Path(path)
-    tmp = path.with_name(f".tmp-{_HOST}-{os.getpid()}-{threading.get_ident()}-{path.name}")
-    try:
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600), "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return len(data)
-
-
-def read_header(path: Path) -> dict:
-    """A state file's metadata, checked for its format, without reading its tensors."""
-    from safetensors import safe_open
-
-    _regular(path)
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for every kind of damage
-        # a state of ours whose data was cut or damaged still carries the format marker in its header
-        raise StateFileError(f"{Path(path).name} is not a readable state file ({type(e).__name__}: {e})"[:300],
-                             ours=_marked(path)) from None
-    if meta.get("format") != FORMAT:
-        raise StateFileError(f"{Path(path).name} is not a deltaserve state file of this format (format "
-                             f"{meta.get('format')!r}, this store writes {FORMAT!r})", ours=False)
-    return meta
-
-
-def check_identity(meta: dict, model_sha256: str, name: str) -> None:
-    if meta.get("model_sha256") != model_sha256:
-        raise StateFileError(f"{name} was saved for another model (sha256 {str(meta.get('model_sha256'))[:12]}..., "
-                             f"this one is {model_sha256[:12]}...)")
-    if meta.get("deltaserve") != __version__:
-        raise StateFileError(f"{name} was saved by deltaserve {meta.get('deltaserve')}, this is {__version__}")
-
-
-def read_state(path: Path, config: HybridConfig, model_sha256: str) -> tuple[tuple[int, ...], Checkpoint]:
-    """The tokens a state file covers and its checkpoint, or StateFileError saying why it is refused."""
-    from safetensors import safe_open
-
-    path = Path(path)
-    meta = read_header(path)
-    check_identity(meta, model_sha256, path.name)
-    try:
-        tokens = tuple(int(t) for t in json.loads(meta["tokens"]))
-        n = int(meta["length"])
-        delta = int(meta.get("rope_delta", 0))
-        with safe_open(str(path), framework="pt") as f:
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:  # noqa: BLE001
-        raise StateFileError(f"{path.name} cannot be read ({type(e).__name__}: {e})"[:300]) from None
-    if n != len(tokens) or n < 1:
-        raise StateFileError(f"{path.name} says it holds {n} positions for {len(tokens)} tokens")
-    expected = expected_parts(config, n)
-    if set(tensors) != set(expected):
-        raise StateFileError(f"{path.name} holds parts {sorted(set(tensors) ^ set(expected))[:4]} this model's "
-                             f"state does not have (or lacks them)")
-    for name, (shape, dtype) in expected.items():
-        t = tensors[name]
-        if tuple(t.shape) != shape or t.dtype != dtype:
-            raise StateFileError(f"{path.name}: {name} is {t.dtype} {tuple(t.shape)}, this model needs {dtype} {shape}")
-    if _crc(tensors, meta) != meta.get("crc32"):
-        raise StateFileError(f"{path.name} is corrupt (its data or its header's tokens do not match its CRC-32)")
-    kv = {i: (tensors[f"kv.{i}.k"], tensors[f"kv.{i}.v"]) for i in range(config.num_layers) if config.is_attention(i)}
-    conv = {i: tensors[f"conv.{i}"] for i in config.deltanet_layers}
-    ssm = {i: tensors[f"ssm.{i}"] for i in config.deltanet_layers}
-    return tokens, Checkpoint(config, torch.device("cpu"), n, kv, conv, ssm, length=n, rope_delta=delta)
-
-
-def file_name(tokens: Sequence[int]) -> str:
-    digest = hashlib.sha256(json.dumps(list(map(int, tokens)), separators=(",", ":")).encode()).hexdigest()
-    return digest[:40] + SUFFIX
-
-
 # -- the store ----------------------------------------------------------------------------------------------------
 
 def prefix_hashes(tokens: Sequence[int], upto: int) -> list[int]:
@@ -273,6 +99,7 @@ class Entry:
     tokens: tuple[int, ...]
     nbytes: int
     hash: int
+    partition: str | None = None  # whose conversation (a tenant and cache salt's digest); None: single-tenant
     ram: Checkpoint | None = None
     file: Path | None = None
     file_bytes: int = 0
@@ -300,6 +127,7 @@ class StateStore:
     def __init__(self, config: HybridConfig, *, ram_bytes: int, directory: str | os.PathLike | None = None,
                  disk_bytes: int = 0, model_sha256: str | Callable[[], str] = "",
                  say: Callable[[str], None] | None = None):
+        # entries are keyed by (partition, tokens): a state saved for one partition is never found for another
         if ram_bytes < 0 or disk_bytes < 0:
             raise DeltaserveError(f"state store budgets cannot be negative (RAM {ram_bytes}, disk {disk_bytes})")
         self.config = config
@@ -311,9 +139,10 @@ class StateStore:
         self.notices: list[str] = []
         self.stats = StoreStats()
         self._lock = threading.Lock()
-        self._entries: dict[tuple[int, ...], Entry] = {}
-        self._by_hash: dict[tuple[int, int], list[Entry]] = {}
-        self._lengths: dict[int, int] = {}   # stored length -> how many entries have it
+        self._entries: dict[tuple[str | None, tuple[int, ...]], Entry] = {}
+        self._by_hash: dict[tuple[str | None, int, int], list[Entry]] = {}
+        self._lengths: dict[str | None, dict[int, int]] = {}   # partition -> stored length -> how many entries have it
+        self.key: bytes | None = None  # the directory's key (deltaserve.session.files): files signed and checked with it
         self.ram_used = 0
         self.disk_used = 0
         self._queue: list[Entry] = []
@@ -324,12 +153,8 @@ class StateStore:
         self._passed: set[str] = set()           # file names not to read again (another model's, or refused)
         self._refresh_lock = threading.Lock()    # one listing at a time
         if self.directory is not None:
-            try:
-                self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)  # conversations: the user's only
-            except OSError as e:
-                raise DeltaserveError(f"--state-dir {self.directory}: cannot create it ({e.strerror})") from None
-            if not os.access(self.directory, os.W_OK):
-                raise DeltaserveError(f"--state-dir {self.directory}: not writable by this user")
+            files.private_dir(self.directory, "--state-dir", self.say)  # conversations: the user's only
+            self.key = files.directory_key(self.directory)
             self._scan()
             self._writer = threading.Thread(target=self._write_loop, name="deltaserve-state-writer", daemon=True)
             self._writer.start()
@@ -364,35 +189,42 @@ class StateStore:
 
     # -- the index ------------------------------------------------------------------------------------------
     def _add(self, e: Entry) -> None:
-        self._entries[e.tokens] = e
-        self._by_hash.setdefault((len(e.tokens), e.hash), []).append(e)
-        self._lengths[len(e.tokens)] = self._lengths.get(len(e.tokens), 0) + 1
+        self._entries[(e.partition, e.tokens)] = e
+        self._by_hash.setdefault((e.partition, len(e.tokens), e.hash), []).append(e)
+        lengths = self._lengths.setdefault(e.partition, {})
+        lengths[len(e.tokens)] = lengths.get(len(e.tokens), 0) + 1
+
+    def _is_current(self, e: Entry) -> bool:
+        return self._entries.get((e.partition, e.tokens)) is e
 
     def _remove(self, e: Entry) -> None:
-        if self._entries.get(e.tokens) is not e:
+        if not self._is_current(e):
             return
-        del self._entries[e.tokens]
-        key = (len(e.tokens), e.hash)
+        del self._entries[(e.partition, e.tokens)]
+        key = (e.partition, len(e.tokens), e.hash)
         bucket = self._by_hash.get(key, [])
         if e in bucket:
             bucket.remove(e)
         if not bucket:
             self._by_hash.pop(key, None)
         n = len(e.tokens)
-        self._lengths[n] -= 1
-        if not self._lengths[n]:
-            del self._lengths[n]
+        lengths = self._lengths[e.partition]
+        lengths[n] -= 1
+        if not lengths[n]:
+            del lengths[n]
+            if not lengths:
+                del self._lengths[e.partition]
         if e.ram is not None:
             self.ram_used -= e.nbytes
             e.ram = None
 
-    def _longest(self, prompt: Sequence[int], longer_than: int = 0) -> Entry | None:
-        lengths = sorted((n for n in self._lengths if longer_than < n < len(prompt)), reverse=True)
+    def _longest(self, prompt: Sequence[int], longer_than: int = 0, partition: str | None = None) -> Entry | None:
+        lengths = sorted((n for n in self._lengths.get(partition, ()) if longer_than < n < len(prompt)), reverse=True)
         if not lengths:
             return None
         hashes = prefix_hashes(prompt, lengths[0])
         for n in lengths:
-            for e in self._by_hash.get((n, hashes[n - 1]), ()):
+            for e in self._by_hash.get((partition, n, hashes[n - 1]), ()):
                 if e.tokens == tuple(prompt[:n]):
                     return e
         return None
@@ -400,22 +232,23 @@ class StateStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def match(self, prompt: Sequence[int]) -> int:
-        """How many of `prompt`'s tokens the longest stored state covers (0: none); reads nothing from disk."""
+    def match(self, prompt: Sequence[int], partition: str | None = None) -> int:
+        """How many of `prompt`'s tokens the longest state stored for `partition` covers (0: none); reads nothing
+        from disk."""
         with self._lock:
-            e = self._longest(prompt)
+            e = self._longest(prompt, partition=partition)
             return len(e.tokens) if e is not None else 0
 
     # -- take and put -----------------------------------------------------------------------------------------
-    def take(self, prompt: Sequence[int], longer_than: int = 0,
-             count_miss: bool = True) -> tuple[tuple[int, ...], Checkpoint] | None:
-        """The longest stored state that is a proper prefix of `prompt` and longer than `longer_than`, loaded
-        (from disk if it is only there), or None (a miss, counted when `count_miss`). A file that is refused is
-        dropped and the next longest tried."""
+    def take(self, prompt: Sequence[int], longer_than: int = 0, count_miss: bool = True,
+             partition: str | None = None) -> tuple[tuple[int, ...], Checkpoint] | None:
+        """The longest state stored for `partition` that is a proper prefix of `prompt` and longer than
+        `longer_than`, loaded (from disk if it is only there), or None (a miss, counted when `count_miss`). A file
+        that is refused is dropped and the next longest tried."""
         self.refresh()
         while True:
             with self._lock:
-                e = self._longest(prompt, longer_than)
+                e = self._longest(prompt, longer_than, partition)
                 if e is None:
                     self.stats.misses += count_miss
                     return None
@@ -432,7 +265,7 @@ class StateStore:
                     self._remove(e)
                 continue
             try:
-                tokens, ck = read_state(path, self.config, self.model_sha256)
+                tokens, ck = read_state(path, self.config, self.model_sha256, self.key, e.partition)
                 if tokens != e.tokens:
                     raise StateFileError(f"{path.name} covers other tokens than its index entry")
             except (StateFileError, OSError) as err:
@@ -454,15 +287,16 @@ class StateStore:
                 self.stats.hits += 1
                 self.stats.restores_disk += 1
                 self.stats.saved_tokens += len(e.tokens)
-                if self._entries.get(e.tokens) is e and e.ram is None and e.nbytes <= self.ram_budget:
+                if self._is_current(e) and e.ram is None and e.nbytes <= self.ram_budget:
                     e.ram = ck  # recently used: back in RAM
                     self.ram_used += e.nbytes
                     self._enforce()
             return tokens, ck
 
-    def put(self, tokens: Sequence[int], ck: Checkpoint) -> bool:
-        """Keep `ck` (covering `tokens`; the store owns it from now on, nobody may write to it). False when it
-        fits neither tier. A state already stored under the same tokens is only marked used."""
+    def put(self, tokens: Sequence[int], ck: Checkpoint, partition: str | None = None) -> bool:
+        """Keep `ck` (covering `tokens`, saved for `partition`; the store owns it from now on, nobody may write to
+        it). False when it fits neither tier. A state already stored under the same tokens and partition is only
+        marked used."""
         tokens = tuple(int(t) for t in tokens)
         if ck.length != len(tokens) or not tokens:
             raise ValueError(f"a checkpoint of {ck.length} positions does not cover {len(tokens)} tokens")
@@ -470,14 +304,14 @@ class StateStore:
             ck = _to_cpu(ck)
         nbytes = ck.nbytes
         with self._lock:
-            old = self._entries.get(tokens)
+            old = self._entries.get((partition, tokens))
             if old is not None:
                 old.used = time.time()
                 return True
             fits_ram, fits_disk = nbytes <= self.ram_budget, self.on_disk and nbytes <= self.disk_budget
             if not (fits_ram or fits_disk):
                 return False
-            e = Entry(tokens, nbytes, prefix_hashes(tokens, len(tokens))[-1], ram=ck)
+            e = Entry(tokens, nbytes, prefix_hashes(tokens, len(tokens))[-1], partition, ram=ck)
             self.ram_used += nbytes  # until it is written, even a state bound for disk only is held in RAM
             self._add(e)
             if fits_disk:
@@ -513,10 +347,7 @@ class StateStore:
     def _drop_file(self, e: Entry) -> None:
         if e.file is None:
             return
-        try:
-            e.file.unlink(missing_ok=True)
-        except OSError:
-            pass
+        files.unlink_ours(e.file)
         self.disk_used -= e.file_bytes
         e.file, e.file_bytes = None, 0
 
@@ -529,13 +360,13 @@ class StateStore:
                 if not self._queue:
                     return
                 e = self._queue[0]
-                alive = self._entries.get(e.tokens) is e
+                alive = self._is_current(e)
                 ck = e.ram
             path, size, err = None, 0, None
             if alive and ck is not None:
-                path = self.directory / file_name(e.tokens)
+                path = self.directory / file_name(e.tokens, e.partition)
                 try:
-                    size = write_state(path, e.tokens, ck, self.model_sha256)
+                    size = write_state(path, e.tokens, ck, self.model_sha256, self.key, e.partition)
                 except Exception as x:  # noqa: BLE001 - a full or failing disk costs the disk copy, not the server
                     err = x
             with self._lock:
@@ -546,11 +377,11 @@ class StateStore:
                     msg = f"[deltaserve] state store: could not write a state to {self.directory} ({err})"
                 elif path is not None:
                     self.stats.writes += 1
-                    if self._entries.get(e.tokens) is e:
+                    if self._is_current(e):
                         self.disk_used += size - (e.file_bytes if e.file is not None else 0)
                         e.file, e.file_bytes = path, size
                     else:
-                        path.unlink(missing_ok=True)
+                        files.unlink_ours(path)
                     msg = None
                 if e.ram is not None and e.nbytes > self.ram_budget:  # bound for disk only
                     e.ram = None
@@ -584,14 +415,7 @@ class StateStore:
     def _scan(self) -> None:
         """At start: remove the temporary files crashed writes left (not those of a write another process on this
         directory is making), then index every state file in it (`refresh`)."""
-        now = time.time()
-        for tmp in self.directory.glob(".tmp-*" + SUFFIX):
-            try:
-                _regular(tmp)
-            except StateFileError:
-                continue  # not a file this store wrote
-            if _stale_tmp(tmp, now):
-                tmp.unlink(missing_ok=True)  # a write a crash interrupted
+        files.remove_stale_tmps(self.directory, self.key, SUFFIX)  # only ours: they carry the key's tag
         self.refresh(force=True)
 
     def refresh(self, force: bool = False) -> int:
@@ -642,7 +466,7 @@ class StateStore:
                     self._passed.add(path.name)
                     continue
                 try:
-                    meta = read_header(path)
+                    meta = read_header(path, self.key)
                     try:
                         check_identity(meta, self.model_sha256, path.name)
                     except StateFileError:
@@ -650,7 +474,11 @@ class StateStore:
                         self._passed.add(path.name)
                         continue
                     tokens = tuple(int(t) for t in json.loads(meta["tokens"]))
-                    if not tokens or int(meta.get("length", -1)) != len(tokens) or path.name != file_name(tokens):
+                    partition = meta.get("partition")
+                    if partition is not None and not isinstance(partition, str):
+                        raise StateFileError(f"{path.name}: its partition is not a string")
+                    if (not tokens or int(meta.get("length", -1)) != len(tokens)
+                            or path.name != file_name(tokens, partition)):
                         raise StateFileError(f"{path.name} does not hold what its name and header say")
                 except (StateFileError, ValueError, KeyError, OSError) as err:
                     if not path.exists():
@@ -661,16 +489,16 @@ class StateStore:
                         continue
                     self.stats.refused_files += 1
                     self.say(f"[deltaserve] state store: refused {err}; removed it")
-                    path.unlink(missing_ok=True)
+                    files.unlink_ours(path)
                     self._passed.add(path.name)
                     continue
                 with self._lock:
-                    e = self._entries.get(tokens)
-                    if e is not None and tokens in have and (e.writing or e.file is not None):
+                    e = self._entries.get((partition, tokens))
+                    if e is not None and (partition, tokens) in have and (e.writing or e.file is not None):
                         continue  # this process's own write, just renamed into place: the writer counts it
                     if e is None:
                         e = Entry(tokens, saved_state_bytes(self.config, len(tokens)),
-                                  prefix_hashes(tokens, len(tokens))[-1])
+                                  prefix_hashes(tokens, len(tokens))[-1], partition)
                         e.used = mtime_s
                         self._add(e)
                     if e.file is None:  # another process wrote these tokens' state: this one may read it too
@@ -715,30 +543,6 @@ class StateStore:
                 "tokens_not_prefilled": s.saved_tokens, "refused_files": s.refused_files,
                 "writes": s.writes, "write_errors": s.write_errors,
             }
-
-
-def _stale_tmp(path: Path, now: float) -> bool:
-    """Whether a temporary state file is what a crashed write left: older than STALE_TMP_S, or named by this host
-    and a pid that no longer runs. A file not named the way this store names them is not its own. A write in progress of another
-    process on this directory is left alone."""
-    m = _TMP.match(path.name)
-    if m is None:
-        return False  # not named the way this store names its temporary files: someone else's, left alone
-    try:
-        age = now - path.stat().st_mtime
-    except OSError:
-        return False
-    if age > STALE_TMP_S:
-        return True
-    if m["host"] != _HOST:
-        return False
-    try:
-        os.kill(int(m["pid"]), 0)
-    except ProcessLookupError:
-        return True
-    except OSError:
-        return False
-    return False
 
 
 def _to_cpu(ck: Checkpoint) -> Checkpoint:

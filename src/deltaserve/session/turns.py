@@ -170,9 +170,10 @@ class TurnRequest:
 
 def ask(messages: Iterable[Any], tools: Any = None, tool_choice: Any = None, parallel_tool_calls: bool | None = True,
         response_format: Any = None, enable_thinking: bool | None = None, max_image_pixels: int | None = None,
-        image_files: bool = False, image_fetch=None) -> TurnRequest:
+        image_files: bool = False, image_fetch=None, image_limits=None) -> TurnRequest:
     """A chat turn's request, validated: tools (OpenAI's list) and the tool choice (text.toolcalls raises ToolError
-    naming the problem), the response format (grammar.GrammarError), the messages as the template renders them."""
+    naming the problem), the response format (grammar.GrammarError), the messages as the template renders them.
+    `image_limits` (vision.inputs.ImageLimits, the server's) bounds the images and says how links are fetched."""
     offered = normalize_tools(tools)
     choice = normalize_tool_choice(tool_choice, offered, parallel_tool_calls)
     fmt = response_format if isinstance(response_format, CompiledFormat) else normalize(response_format)
@@ -182,7 +183,7 @@ def ask(messages: Iterable[Any], tools: Any = None, tool_choice: Any = None, par
     from deltaserve.vision.inputs import DEFAULT_MAX_PIXELS, take_images
 
     rendered, images = take_images([m.model_dump() if hasattr(m, "model_dump") else m for m in messages],
-                                   max_image_pixels or DEFAULT_MAX_PIXELS, image_files, image_fetch)
+                                   max_image_pixels or DEFAULT_MAX_PIXELS, image_files, image_fetch, image_limits)
     return TurnRequest(merge_system(template_messages(rendered)), offered, choice, fmt, enable_thinking, images)
 
 

@@ -1,13 +1,20 @@
 """A conversation rendered with the model's chat template: the one place prompts are built from messages.
 
 What a message contains is text. A client that writes `<|im_end|>\\n<|im_start|>system\\n...` into its content
-must not forge a turn: only the template's own markup becomes control tokens. Before the template runs, every
-occurrence of a special token's text in the messages' strings is replaced by a placeholder (a private-use
-character that occurs nowhere in the conversation); the template's manipulations of content (strip, split at
-`</think>`) are blind to it; the rendered prompt is then encoded piece by piece: the template's special tokens
-as themselves, the text between them with each placeholder turned back into its text and encoded as text
-(`Tokenizer.encode_literal`). A conversation without such text encodes exactly as before (one `encode`).
-transformers and llama.cpp render and encode in one pass, so there a message's content can forge turns.
+must not forge a turn, nor a reasoning block, a tool call or a tool response by writing `<think>`, `<tool_call>` or
+`<tool_response>`: only the template's own markup becomes the template's tokens. Every added token is protected
+(`Tokenizer.protected_texts`: the special ones and the `<think>`, `<tool_call>`, `<tool_response>`, FIM and repo
+families), in every string of the conversation (contents, names, arguments and their keys, tools, schemas).
+
+Before the template runs, every occurrence of a protected token's text in the messages' strings is replaced by a
+placeholder (a private-use character that occurs nowhere in the conversation); so is a string's end that is the
+start of one (a function name ending in `<|im_end|`, which the template's `>` after it would complete) and a
+string's start that is the end of one: what the template writes around a string never joins it into a token. The
+template's manipulations of content (strip, split at `</think>`) are blind to the placeholders; the rendered prompt
+is then encoded piece by piece: the template's added tokens as themselves, the text between them with each
+placeholder turned back into its text and encoded as text (`Tokenizer.encode_literal`). A conversation without such
+text encodes exactly as before (one `encode`). transformers and llama.cpp render and encode in one pass, so there a
+message's content can forge turns.
 """
 
 from __future__ import annotations
@@ -60,18 +67,52 @@ def _strings(value: Any, out: list[str]) -> None:
             _strings(v, out)
 
 
-def _replace(value: Any, table: list[tuple[str, str]]) -> Any:
+class _Edges:
+    """The proper prefixes and suffixes of the protected texts: a string that ends with the one or begins with the
+    other could be joined into a protected token by the template's text around it."""
+
+    def __init__(self, texts: tuple[str, ...]):
+        self.heads = {t[:k] for t in texts for k in range(1, len(t))}
+        self.tails = {t[k:] for t in texts for k in range(1, len(t))}
+        self.longest = max((len(t) for t in texts), default=1)
+
+    def of(self, text: str) -> tuple[str, str]:
+        """(the longest start of `text`, whitespace aside, that ends a protected text; the longest end that begins
+        one); '' where there is none."""
+        body = text.strip()
+        head = next((body[:k] for k in range(min(self.longest, len(body)), 0, -1) if body[:k] in self.tails), "")
+        rest = body[len(head):]
+        tail = next((rest[-k:] for k in range(min(self.longest, len(rest)), 0, -1) if rest[-k:] in self.heads), "")
+        return head, tail
+
+
+def _guard(text: str, table: list[tuple[str, str]], marks: dict[str, str], edges: _Edges) -> str:
+    """`text` with each protected text in it, and a start or end that could join one, as placeholders."""
+    for literal, mark in table:
+        if literal in text:
+            text = text.replace(literal, mark)
+    head, tail = edges.of(text)
+    if head or tail:
+        lead = len(text) - len(text.lstrip())
+        end = len(text.rstrip())
+        body = text[lead:end]
+        if head:
+            body = marks[head] + body[len(head):]
+        if tail:
+            body = body[:len(body) - len(tail)] + marks[tail]
+        text = text[:lead] + body + text[end:]
+    return text
+
+
+def _replace(value: Any, guard) -> Any:
     if isinstance(value, str):
-        for literal, mark in table:
-            if literal in value:
-                value = value.replace(literal, mark)
-        return value
+        return guard(value)
     if isinstance(value, dict):
-        return {_replace(k, table): (v if k == "role" else _replace(v, table)) for k, v in value.items()}
+        return {_replace(k, guard): (v if k == "role" else _replace(v, guard)) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_replace(v, table) for v in value]
+        return [_replace(v, guard) for v in value]
     if hasattr(value, "model_dump"):  # pydantic messages (the OpenAI SDK's)
-        return _replace(value.model_dump(), table)
+        return _replace(value.model_dump(), guard)
     return value
 
 
@@ -85,27 +126,53 @@ def render_prompt(tokenizer, messages, enable_thinking: bool | None = None, tool
     found: list[str] = []
     _strings(messages, found)
     _strings(extra, found)
-    specials = [s for s in tokenizer.special_texts if any(s in text for text in found)]
-    if not specials:
+    protected = getattr(tokenizer, "protected_texts", None) or tokenizer.special_texts
+    specials = [s for s in protected if any(s in text for text in found)]
+    edges = _edges_of(tokenizer, protected)
+    pieces: set[str] = set()  # the starts and ends that could join a protected text
+    for text in found:
+        cut = text
+        for s in specials:
+            if s in cut:
+                cut = cut.replace(s, "\x00")
+        head, tail = edges.of(cut)
+        pieces.update(p for p in (head, tail) if p)
+    if not specials and not pieces:
         return RenderedPrompt(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                             enable_thinking=enable_thinking, **extra))
+    wanted = specials + sorted(pieces - set(specials), key=lambda t: (-len(t), t))
     used = {ch for text in found for ch in text if ord(ch) >= _PUA_BASES[0]}
     marks: list[str] = []
     for base in _PUA_BASES:  # placeholders that occur nowhere in the conversation
         c = base
-        while len(marks) < len(specials) and c < base + 0xFFFE:
+        while len(marks) < len(wanted) and c < base + 0xFFFE:
             if chr(c) not in used:
                 marks.append(chr(c))
             c += 1
-    if len(marks) < len(specials):  # both private-use planes filled by the conversation itself: nothing is free
+    if len(marks) < len(wanted):  # both private-use planes filled by the conversation itself: nothing is free
         raise ConversationRejected(
-            f"the conversation writes {len(specials)} special tokens' text and uses every private-use character but "
-            f"{len(marks)}, so that text cannot be held apart from the template's own markup: refused (nothing of "
-            f"it would be encoded as text)")
-    table = sorted(zip(specials, marks), key=lambda p: -len(p[0]))  # the longest special text first
-    text = tokenizer.apply_chat_template(_replace(messages, table), add_generation_prompt=True,
-                                         enable_thinking=enable_thinking, **_replace(extra, table))
-    return RenderedPrompt(text, {mark: literal for literal, mark in table})
+            f"the conversation writes {len(wanted)} pieces of the template's tokens' text and uses every private-use "
+            f"character but {len(marks)}, so that text cannot be held apart from the template's own markup: refused "
+            f"(nothing of it would be encoded as text)")
+    mark_of = dict(zip(wanted, marks))
+    table = sorted(((s, mark_of[s]) for s in specials), key=lambda p: -len(p[0]))  # the longest text first
+
+    def guard(text: str) -> str:
+        return _guard(text, table, mark_of, edges)
+
+    text = tokenizer.apply_chat_template(_replace(messages, guard), add_generation_prompt=True,
+                                         enable_thinking=enable_thinking, **_replace(extra, guard))
+    return RenderedPrompt(text, {mark: literal for literal, mark in mark_of.items()})
+
+
+_EDGES: dict[tuple[str, ...], _Edges] = {}
+
+
+def _edges_of(tokenizer, protected: tuple[str, ...]) -> _Edges:
+    edges = _EDGES.get(protected)
+    if edges is None:
+        edges = _EDGES[protected] = _Edges(protected)
+    return edges
 
 
 def render_text(tokenizer, messages, enable_thinking: bool | None = None, tools=None) -> str:

@@ -405,8 +405,11 @@ class _Compact:
     def _skeleton(regex: str, added: list[tuple[int, str, bool]], literal: bool) -> _Backend:
         sk = _Backend(models.WordLevel({_PRE_TOKEN: 0}, unk_token=_PRE_TOKEN))
         sk.pre_tokenizer = pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False)
-        sk.add_tokens([AddedToken(content, special=special, normalized=False) for _, content, special in added])
-        sk.encode_special_tokens = literal  # its own object: the flag is per tokenizer
+        # literal: every added token is text (its own object: the flag is per tokenizer); `encode_special_tokens`
+        # covers the special ones only, so there each is added as special (<think> and <tool_call> are not)
+        sk.add_tokens([AddedToken(content, special=special or literal, normalized=False)
+                       for _, content, special in added])
+        sk.encode_special_tokens = literal
         return sk
 
     def encode(self, text: str, literal: bool = False) -> list[int]:
@@ -510,6 +513,7 @@ class Tokenizer:
         self._pieces: dict[int, bytes] = {}  # the ids decoded so far, until then
         self._longest: int | None = longest  # bytes of the longest token (fewest_tokens)
         self._special_texts: tuple[str, ...] | None = None
+        self._protected: tuple[str, ...] | None = None
         self._specials_re: re.Pattern | None = None
         self._literal: _Backend | None = None
 
@@ -577,16 +581,26 @@ class Tokenizer:
                                                key=lambda t: (-len(t), t)))
         return self._special_texts
 
+    @property
+    def protected_texts(self) -> tuple[str, ...]:
+        """The texts of every added token, the longest first: the chat template's structure (`<|im_end|>`, and the
+        non-special `<think>`, `<tool_call>`, `<tool_response>`, FIM and repo tokens too), which a client's text
+        never becomes (chat_template.py)."""
+        if self._protected is None:
+            self._protected = tuple(sorted(set(self._added.values()), key=lambda t: (-len(t), t)))
+        return self._protected
+
     def encode_literal(self, text: str, literals: Mapping[str, str]) -> list[int]:
         """Token ids of `text` in which each placeholder character of `literals` stands for text that is encoded
-        as text, never as an added token (chat_template.py: what a message contains cannot forge control
-        tokens). The special tokens written in `text` itself are recognised as `encode` does; the text between
-        them is encoded as `encode` would encode it (added tokens split first, as `tokenizers` does)."""
+        as text, never as an added token (chat_template.py: what a message contains cannot forge the template's
+        structure). The added tokens written in `text` itself (the template's) are recognised as `encode` does; a
+        stretch between them that holds a placeholder is encoded with no added token at all (what the client wrote
+        there cannot join the template's text around it into one), the others as `encode` would."""
         if not literals or not any(mark in text for mark in literals):
             return self.encode(text)
         _check_unicode(text)
         if self._specials_re is None:
-            self._specials_re = re.compile("|".join(re.escape(t) for t in self.special_texts))
+            self._specials_re = re.compile("|".join(re.escape(t) for t in self.protected_texts))
         ids: list[int] = []
         pos = 0
 
@@ -611,11 +625,15 @@ class Tokenizer:
         return ids
 
     def _literal_backend(self) -> _Backend:
-        """A copy of the backend that encodes special tokens' text as text (its own object: the flag is not
-        thread-safe to flip on the shared one)."""
+        """A copy of the backend that encodes every added token's text as text (its own object: the flag is not
+        thread-safe to flip on the shared one). `encode_special_tokens` covers special tokens alone, so in the copy
+        every added token is special."""
         with _LITERAL_LOCK:
             if self._literal is None:
-                copy = _Backend.from_str(self._backend.to_str())
+                spec = json.loads(self._backend.to_str())
+                for entry in spec.get("added_tokens") or []:
+                    entry["special"] = True
+                copy = _Backend.from_str(json.dumps(spec))
                 copy.encode_special_tokens = True
                 self._literal = copy
         return self._literal

@@ -22,7 +22,7 @@ import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from deltaserve.errors import DeltaserveError
 
@@ -74,53 +74,40 @@ def _data_url(url: str) -> bytes:
 URL_TIMEOUT_S = 10.0
 
 
-def fetch_url(url: str, limit: int = MAX_IMAGE_BYTES, timeout: float = URL_TIMEOUT_S) -> bytes:
-    """An image link's bytes (`serve --allow-image-urls`): http(s) only, at most `limit` bytes, within `timeout`
-    seconds for the whole transfer; ImageInputError saying which limit a link broke."""
-    import time
-    import urllib.error
-    import urllib.request
+def fetch_url(url: str, limit: int = MAX_IMAGE_BYTES, timeout: float = URL_TIMEOUT_S,
+              allow_private: bool = False) -> bytes:
+    """An image link's bytes (`serve --allow-image-urls`; vision.fetch: public addresses only unless
+    `allow_private`, redirects checked, one deadline, a byte cap); ImageInputError with one message for every
+    failure."""
+    from deltaserve.vision.fetch import FetchFailed, fetch_image
 
-    if not url.startswith(("http://", "https://")):
-        raise ImageInputError("an image link must be http:// or https://")
-    start = time.monotonic()
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers={"User-Agent": "deltaserve"}),
-                                    timeout=timeout) as r:
-            if not r.geturl().startswith(("http://", "https://")):
-                raise ImageInputError("the image link redirected off http(s)")
-            size = r.headers.get("Content-Length")
-            if size is not None and size.isdigit() and int(size) > limit:
-                raise ImageInputError(f"the image link's body is {size} bytes, over the limit of {limit}")
-            data = bytearray()
-            while len(data) <= limit:
-                chunk = r.read(65536)
-                if not chunk:
-                    break
-                data += chunk
-                if time.monotonic() - start > timeout:
-                    raise ImageInputError(f"the image link did not arrive within {timeout:g} s")
-            if len(data) > limit:
-                raise ImageInputError(f"the image link's body is over the limit of {limit} bytes")
-            return bytes(data)
-    except ImageInputError:
-        raise
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        reason = getattr(e, "reason", None) or e
-        raise ImageInputError(f"the image link could not be fetched: {str(reason)[:200]}") from None
+        return fetch_image(url, limit, timeout, allow_private)
+    except FetchFailed as e:
+        raise ImageInputError(str(e)) from None
 
 
-def decode(source: Any, max_pixels: int = DEFAULT_MAX_PIXELS, allow_files: bool = False,
-           fetch=None) -> ImageInput:
-    """A PIL image, bytes, a data URL, or (the Python API: `allow_files`) a path, decoded and checked; an http(s)
-    link only with `fetch` (`fetch_url`, where the server allows links)."""
-    from deltaserve.vision.preprocess import ImageError, decode_image
+def private_fetch_url(url: str) -> bytes:
+    """`fetch_url` that may reach loopback and private addresses (`--allow-private-image-urls`)."""
+    return fetch_url(url, allow_private=True)
 
+
+@dataclass
+class ImageLimits:
+    """What one request's images may be: each at most `max_pixels`; at most `max_images` of them and
+    `max_total_pixels` together (read from their headers before any is decoded); links fetched by `fetch` (None:
+    refused); `vision` False: the model has no vision encoder, so any image part is refused before it is read."""
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    max_images: int | None = None
+    max_total_pixels: int | None = None
+    fetch: Callable[[str], bytes] | None = None
+    vision: bool = True
+
+
+def _raw(source: Any, allow_files: bool, fetch) -> Any:
+    """An image part's source as bytes (a data URL decoded, a link fetched, a path read) or a PIL image."""
     if hasattr(source, "mode") and hasattr(source, "size"):  # a PIL image already
-        w, h = source.size
-        if w * h > max_pixels:
-            raise ImageInputError(f"the image is {w}x{h} pixels ({w * h}), over the limit of {max_pixels} pixels")
-        return ImageInput.of(source)
+        return source
     if isinstance(source, str):
         if source.startswith("data:"):
             data = _data_url(source)
@@ -142,13 +129,44 @@ def decode(source: Any, max_pixels: int = DEFAULT_MAX_PIXELS, allow_files: bool 
     elif isinstance(source, (bytes, bytearray, memoryview)):
         data = bytes(source)
     elif isinstance(source, os.PathLike) and allow_files:
-        return decode(os.fspath(source), max_pixels, allow_files, fetch)
+        return _raw(os.fspath(source), allow_files, fetch)
     else:
         raise ImageInputError(f"an image must be a data URL, bytes or a PIL image, not {type(source).__name__}")
+    return data
+
+
+def header_pixels(raw: Any) -> int:
+    """The pixels an image's header declares (0 where it cannot be read: its decode refuses it, by name)."""
+    if hasattr(raw, "size") and hasattr(raw, "mode"):
+        return raw.size[0] * raw.size[1]
+    from deltaserve.vision.preprocess import IMAGE_FORMATS, _open_header
+
     try:
-        return ImageInput.of(decode_image(data, max_pixels, max_bytes=MAX_IMAGE_BYTES))
+        im = _open_header(bytes(raw), IMAGE_FORMATS)
+    except Exception:  # noqa: BLE001 - a broken header: decode_image says what is wrong with it
+        return 0
+    return im.size[0] * im.size[1] if im is not None else 0
+
+
+def _decoded(raw: Any, max_pixels: int) -> ImageInput:
+    from deltaserve.vision.preprocess import ImageError, decode_image
+
+    if hasattr(raw, "mode") and hasattr(raw, "size"):
+        w, h = raw.size
+        if w * h > max_pixels:
+            raise ImageInputError(f"the image is {w}x{h} pixels ({w * h}), over the limit of {max_pixels} pixels")
+        return ImageInput.of(raw)
+    try:
+        return ImageInput.of(decode_image(raw, max_pixels, max_bytes=MAX_IMAGE_BYTES))
     except ImageError as e:
         raise ImageInputError(str(e)) from None
+
+
+def decode(source: Any, max_pixels: int = DEFAULT_MAX_PIXELS, allow_files: bool = False,
+           fetch=None) -> ImageInput:
+    """A PIL image, bytes, a data URL, or (the Python API: `allow_files`) a path, decoded and checked; an http(s)
+    link only with `fetch` (`fetch_url`, where the server allows links)."""
+    return _decoded(_raw(source, allow_files, fetch), max_pixels)
 
 
 def part_source(part: dict) -> Any | None:
@@ -162,11 +180,21 @@ def part_source(part: dict) -> Any | None:
     return None
 
 
+def _at(where: str, e: Exception) -> ImageInputError:
+    err = ImageInputError(f"{where}: {e}")
+    err.where = where
+    return err
+
+
 def take_images(messages: list, max_pixels: int = DEFAULT_MAX_PIXELS, allow_files: bool = False,
-                fetch=None) -> tuple[list, list[ImageInput]]:
+                fetch=None, limits: ImageLimits | None = None) -> tuple[list, list[ImageInput]]:
     """The messages with each image part as {"type": "image"}, and the images, in order. ImageInputError names the
-    part (`messages[i].content[j]`) and what is wrong with it."""
-    out, images = [], []
+    part (`messages[i].content[j]`) and what is wrong with it. With `limits` (the server's): the parts are counted,
+    and refused before any is read where the model has no vision encoder; their sources are read and their headers'
+    pixels added up before any is decoded."""
+    if limits is not None:
+        max_pixels, fetch = limits.max_pixels, limits.fetch
+    out, found = [], []
     for i, m in enumerate(messages):
         content = m.get("content") if isinstance(m, dict) else None
         if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") in IMAGE_PARTS
@@ -176,20 +204,47 @@ def take_images(messages: list, max_pixels: int = DEFAULT_MAX_PIXELS, allow_file
         parts = []
         for j, p in enumerate(content):
             if isinstance(p, dict) and p.get("type") in IMAGE_PARTS:
-                source = part_source(p)
-                where = f"messages[{i}].content[{j}]"
-                try:
-                    if source is None:
-                        raise ImageInputError("an image part without its image")
-                    images.append(decode(source, max_pixels, allow_files, fetch))
-                except ImageInputError as e:
-                    err = ImageInputError(f"{where}: {e}")
-                    err.where = where
-                    raise err from None
+                found.append((f"messages[{i}].content[{j}]", part_source(p)))
                 parts.append({"type": "image"})
             else:
                 parts.append(p)
         out.append({**m, "content": parts})
+    if not found:
+        return out, []
+    if limits is not None and not limits.vision:
+        raise _at(found[0][0], ImageInputError(f"this model has no vision encoder: image parts are refused unread "
+                                               f"({len(found)} in this request)"))
+    if limits is not None and limits.max_images is not None and len(found) > limits.max_images:
+        raise _at(found[limits.max_images][0], ImageInputError(
+            f"the request holds {len(found)} images, more than this server's limit of {limits.max_images} "
+            "(--max-images)"))
+    raws, total = [], 0
+    for where, source in found:
+        try:
+            if source is None:
+                raise ImageInputError("an image part without its image")
+            raw = _raw(source, allow_files, fetch)
+        except ImageInputError as e:
+            raise _at(where, e) from None
+        raws.append(raw)
+        pixels = header_pixels(raw)
+        if pixels > max_pixels:  # its own limit first: refused from its header, by its decode (nothing decoded)
+            try:
+                _decoded(raw, max_pixels)
+            except ImageInputError as e:
+                raise _at(where, e) from None
+        total += pixels
+        if limits is not None and limits.max_total_pixels is not None and total > limits.max_total_pixels:
+            raise _at(where, ImageInputError(
+                f"the images up to this one declare {total} pixels together, over this server's limit of "
+                f"{limits.max_total_pixels} for one request (--max-image-pixels-total): refused before any is "
+                "decoded"))
+    images = []
+    for (where, _), raw in zip(found, raws):
+        try:
+            images.append(_decoded(raw, max_pixels))
+        except ImageInputError as e:
+            raise _at(where, e) from None
     return out, images
 
 

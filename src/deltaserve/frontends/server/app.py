@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import hmac
 import ipaddress
 import json
 import os
@@ -25,26 +24,50 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from deltaserve import settings
 from deltaserve.runtime.guard import MAX_AGE as GUARD_MAX_AGE
 from deltaserve.version import __version__
 from deltaserve.frontends.common import load_model
 from deltaserve.errors import ContextError, DeltaserveError
-from deltaserve.session.grammar import GrammarError, compile_format, compile_process, isolated
+from deltaserve.session.grammar import GrammarError, compile_format, compile_process
 from deltaserve.session.resident import check_prompt, overflow_message
 from deltaserve.session.turns import CallArguments, CallStart, Content, Finish, Reasoning, stop_ids, thinking_flag
-from deltaserve.frontends.server import connections
+from deltaserve.frontends.server import connections, openapi, streams
+from deltaserve.frontends.server.compiles import CompileQueue
 from deltaserve.frontends.server.metrics import Metrics
-from deltaserve.frontends.server.protocol import APIError, GenerationRequest, Limits, bad, parse_chat, parse_completion
+from deltaserve.frontends.server.protocol import (APIError, GenerationRequest, Limits, bad, image_limits, parse_chat,
+                                                  parse_completion)
+from deltaserve.frontends.server.tenants import Keys, partition
 from deltaserve.frontends.server.responses import (Items, ResponsesRequest, frame, parse_responses, previous_not_found,
                                                     reasoning_tokens, response_object, sse, usage)
 from deltaserve.frontends.server.slots import QueueFull, SlotPool
 from deltaserve.session.responses import ResponseRecord, ResponseStore, new_id
 from deltaserve.session.turns import ask
-from deltaserve.vision.inputs import fetch_url
 from deltaserve.text.toolcalls import ToolError
 from deltaserve.text.chat_template import RenderedPrompt
 
 FINGERPRINT = f"deltaserve-{__version__}"
+RESPONSES_RAM = 64 << 20  # --responses-ram: the stored responses' budget
+
+
+def parse_json(body: bytes):
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad(f"the request body is not valid JSON: {e}"[:300]) from None
+    except RecursionError:
+        raise bad("the request body nests its JSON too deeply") from None
+
+
+def parse_body(parse, body: bytes, limits: Limits):
+    """A body's JSON read and validated by `parse` (parse_chat, parse_completion, parse_responses): run off the event
+    loop, where a 4 MB body of schemas or token ids costs a worker thread its time, not every other request's."""
+    return parse(parse_json(body), limits)
+
+
+def keys_of(api_key, api_keys_file: str | None) -> Keys:
+    return Keys.of(api_key, api_keys_file, say=lambda line: print(f"[deltaserve] {line}", file=sys.stderr, flush=True))
+
 
 def host_name(value: str) -> str:
     """The name in a Host header (or an --allowed-hosts entry), lowercased, without its port or a final dot:
@@ -134,10 +157,13 @@ class Server:
                  revalidate: bool = False, state_ram: int | None = None, state_dir: str | None = None,
                  state_disk: int | None = None, hosts: HostPolicy | None = None,
                  request_timeout: float = connections.DEFAULT_REQUEST_TIMEOUT, log_prefills: bool = True,
-                 guard_max_age: float = GUARD_MAX_AGE, mtp: int | None = None):
+                 guard_max_age: float = GUARD_MAX_AGE, mtp: int | None = None, api_keys_file: str | None = None,
+                 responses_ram: int = RESPONSES_RAM):
         self.model = model
         self.limits = limits or Limits()
-        self.api_key = api_key
+        # the keys it accepts, each a tenant where there are several (frontends/server/tenants.py)
+        self.keys = keys_of(api_key, api_keys_file)
+        self.api_key = api_key if self.keys.required else None  # whether a key is required (the keys are in `keys`)
         self.hosts = hosts or HostPolicy("127.0.0.1")
         self.request_timeout = request_timeout
         self.guard: connections.ConnectionGuard | None = None  # set by main, for /health
@@ -156,14 +182,18 @@ class Server:
 
         self.store = model.state_store(ram=state_ram, directory=state_dir, disk=state_disk, slots=slots,
                                        context=context, say=store_say)
-        # the Responses API's stored responses, beside the states (their JSON within a 16th of the store's budget)
-        self.responses = ResponseStore(budget=max(16 << 20, (self.store.disk_budget or self.store.ram_budget) // 16),
-                                       directory=state_dir, say=store_say)
+        # the Responses API's stored responses, beside the states, within a RAM budget of their own (--responses-ram),
+        # an equal share of it for each tenant; their files are read and written off the event loop (file_pool)
+        self.responses = ResponseStore(budget=responses_ram, directory=state_dir, say=store_say,
+                                       tenants=self.keys.tenants)
+        self.file_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltaserve-files")
         sessions = model.slots(slots, context=context, device=device, revalidate=revalidate, quiet=quiet,
                                store=self.store, log_prefills=log_prefills and not quiet, guard_max_age=guard_max_age,
                                mtp=mtp)
         self.pool = SlotPool(sessions, queue)
         self.context = sessions[0].context
+        self.limits.vision = model.host.vision is not None  # without an encoder an image part is refused unread
+        self.limits.context = self.context
         self.executor = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="deltaserve-slot",
                                            initializer=model.worker_initializer())
         # templates and tokenizers run here, not on the event loop (one large request must not stall the others)
@@ -171,10 +201,12 @@ class Server:
                                             initializer=model.worker_initializer())
         # schemas compile one at a time, apart from the tokenizing (a slow compile never holds a plain request's
         # rendering up), in a process of their own: bounded in time, and stopped when their client leaves (one
-        # whose client has gone while it waited is never started)
-        self.grammar_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltaserve-grammar")
+        # whose client has gone while it waited is never started); a fast lane for cached grammars and
+        # json_object, and each client's share of the queue (frontends/server/compiles.py)
+        self.compile_queue = CompileQueue(self.limits.compile_timeout, gone_errors=(ClientGone,))
+        self.compiles = self.compile_queue.counts
+        self.grammar_pool = self.compile_queue.slow_pool
         self.compile_process = compile_process()
-        self.compiles = {"waiting": 0, "running": 0, "abandoned": 0}
         self.started = time.time()
         model.tokenizer.fewest_tokens("")  # the vocabulary's byte table now, not in the first request
         try:  # compile the chat template now, not in the first request's time to first token
@@ -183,23 +215,43 @@ class Server:
             pass  # a template that refuses this conversation refuses it again, with its message, in a request
 
     # -- helpers ------------------------------------------------------------------------------------
-    def authorized(self, request: Request) -> bool | None:
-        """True: the right key (or the server needs none); None: no Authorization header; False: another key.
-        The key is compared in constant time."""
-        if not self.api_key:
-            return True
+    def identify(self, request: Request) -> tuple[bool | None, str | None]:
+        """(True: one of the keys (or the server needs none); None: no Authorization header; False: no key of its;
+        the key's tenant). Keys are compared in constant time."""
+        if not self.keys.required:
+            return True, None
         header = request.headers.get("authorization")
         if header is None:
-            return None
+            return None, None
         scheme, _, token = header.strip().partition(" ")
         # starlette decodes a header as latin-1: encoding it back gives the bytes the client sent
-        same = hmac.compare_digest(token.strip().encode("latin-1", "replace"), self.api_key.encode("utf-8"))
-        return same and scheme.lower() == "bearer"
+        key = self.keys.match(token.strip().encode("latin-1", "replace"))
+        if key is None or scheme.lower() != "bearer":
+            return False, None
+        return True, key.tenant
 
-    def check_auth(self, request: Request) -> None:
-        if self.authorized(request) is not True:
+    def authorized(self, request: Request) -> bool | None:
+        return self.identify(request)[0]
+
+    def check_auth(self, request: Request) -> str | None:
+        """The request's tenant (None: a single-tenant server), or a 401."""
+        ok, tenant = self.identify(request)
+        if ok is not True:
             raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                            "invalid_request_error", None, "invalid_api_key")
+        return tenant
+
+    @staticmethod
+    def client_of(request: Request, tenant: str | None) -> str:
+        """Who a request is, for its share of the compile queue: its tenant and its address."""
+        peer = request.client.host if request.client is not None else "?"
+        return f"{tenant or ''}@{peer}"
+
+    def place(self, req, tenant: str | None, request: Request):
+        """The request's cache partition (its tenant and cache_salt) and its client."""
+        req.partition = partition(tenant, req.cache_salt)
+        req.client = self.client_of(request, tenant)
+        return req
 
     @staticmethod
     def check_json(request: Request) -> None:
@@ -213,6 +265,10 @@ class Server:
                            "invalid_request_error", None, "unsupported_media_type")
 
     async def read_json(self, request: Request):
+        return parse_json(await self.read_body(request))
+
+    async def read_body(self, request: Request) -> bytearray:
+        """The request's body, bounded in size and in time; parsed elsewhere (`parse_body`, off the event loop)."""
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.limits.max_body:
             raise APIError(413, f"the request body has {length} bytes, more than the limit of {self.limits.max_body}",
@@ -236,12 +292,7 @@ class Server:
                            "invalid_request_error", None, "request_timeout", {"Connection": "close"}) from None
         except ClientDisconnect:
             raise ClientGone() from None  # the client left mid-body: nobody to answer
-        try:
-            return json.loads(body)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise bad(f"the request body is not valid JSON: {e}"[:300]) from None
-        except RecursionError:
-            raise bad("the request body nests its JSON too deeply") from None
+        return body
 
     def prompt_ids(self, req: GenerationRequest) -> tuple[list[int], bool]:
         """The request's prompt ids and whether they leave the model reasoning. Runs off the event loop (a large
@@ -305,33 +356,15 @@ class Server:
             else:
                 work = (compile_format, self.model.tokenizer, req.response_format, self.model.config.vocab_size, stops)
             constrained = req.turn.constrained if req.turn is not None else req.response_format is not None
-            if constrained:
-                self.compiles["waiting"] += 1
-                gone = threading.Event()  # raised when the client leaves: a compile running for it is stopped
-
-                def compile_it():
-                    self.compiles["running"] += 1  # (this thread alone writes it)
-                    try:
-                        with isolated(self.limits.compile_timeout, gone.is_set):
-                            return work[0](*work[1:])
-                    finally:
-                        self.compiles["running"] -= 1
-
-                try:
-                    grammar = await until_gone(loop.run_in_executor(self.grammar_pool, compile_it), request)
-                except (ClientGone, asyncio.CancelledError):
-                    gone.set()
-                    self.compiles["abandoned"] += 1  # not started yet: never will be; running: stopped
-                    raise
-                finally:
-                    self.compiles["waiting"] -= 1
+            if constrained:  # the fast lane, or this client's share of the queue (frontends/server/compiles.py)
+                grammar = await self.compile_queue.grammar(work, req.client, lambda a: until_gone(a, request))
             else:
                 grammar = None
         except DeltaserveError as e:
             tools = req.turn is not None and req.turn.offers_tools and str(e).startswith("tools")
             raise bad(str(e), "tools" if tools else "response_format") from None
         try:
-            slot = await until_gone(self.pool.acquire(ids), request)  # a client gone while queued leaves the queue
+            slot = await until_gone(self.pool.acquire(ids, req.partition), request)  # a client gone while queued leaves
         except QueueFull:
             raise APIError(503, f"all {len(self.pool.slots)} slots are busy and {self.pool.queue_size} requests are "
                            "already waiting; retry shortly", "server_overloaded", None, "server_busy",
@@ -488,7 +521,7 @@ class Server:
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     # -- the Responses API (frontends/server/responses.py) -------------------------------------------------
-    def responses_prompt(self, req: ResponsesRequest):
+    def responses_prompt(self, req: ResponsesRequest, tenant: str | None = None):
         """(prompt ids, whether they leave the model reasoning, the turn, the conversation's messages before this
         input, the frame, how it was rendered). A follow-up whose frame (system text, tools) is its previous
         response's continues from that response's tokens: only its new input is rendered and tokenized (and, where
@@ -497,7 +530,7 @@ class Server:
         tok = self.model.tokenizer
         prev = None
         if req.previous_response_id is not None:
-            prev = self.responses.get(req.previous_response_id)
+            prev = self.responses.get(req.previous_response_id, tenant)  # another tenant's is not found
             if prev is None:
                 raise previous_not_found(req.previous_response_id)
             if prev.model_sha256 != self.store.model_sha256:
@@ -506,8 +539,7 @@ class Server:
                           f"nothing to {self.model_name!r}", "previous_response_id", "model_mismatch")
         history = list(prev.messages) if prev is not None else []
         turn_args = (req.chat_tools, req.tool_choice, req.parallel_tool_calls, req.response_format,
-                     req.enable_thinking, self.limits.max_image_pixels, False,
-                     fetch_url if self.limits.image_urls else None)
+                     req.enable_thinking, self.limits.max_image_pixels, False, None, image_limits(self.limits))
         host = self.model.host
         try:
             turn = ask(req.messages, *turn_args)
@@ -535,19 +567,26 @@ class Server:
             raise bad(str(e)[:400], "input") from None
         return ids, prompt.thinking, turn, history, fr, how
 
-    async def respond(self, req: ResponsesRequest, prepared, t0: float, request: Request | None = None):
+    async def respond(self, req: ResponsesRequest, prepared, t0: float, request: Request | None = None,
+                      tenant: str | None = None):
         ids, thinking, turn_req, history, fr, how = prepared
         rid, created = new_id(), int(time.time())
         gen = GenerationRequest(model=req.model, max_tokens=req.max_output_tokens, temperature=req.temperature,
                                 top_p=req.top_p, top_k=None, min_p=None, seed=req.seed, stop=[], stream=req.stream,
                                 include_usage=False, repetition_penalty=1.0, presence_penalty=0.0,
-                                frequency_penalty=0.0, user=req.user, turn=turn_req, keep_end=req.store)
+                                frequency_penalty=0.0, user=req.user, turn=turn_req, keep_end=req.store,
+                                cache_salt=req.cache_salt)
+        if request is not None:
+            self.place(gen, tenant, request)
+        else:
+            gen.partition = partition(tenant, req.cache_salt)
+        loop = asyncio.get_running_loop()
         fut, pieces, cancel = await self.generate("chat", gen, ids, thinking, t0, request)
         output = turn_req.output(thinking)
         items = Items(rid)
         headers = {"x-deltaserve-response-id": rid, "x-deltaserve-rendered": how}
 
-        def finished(turn) -> dict:
+        async def finished(turn) -> dict:
             incomplete = "max_output_tokens" if turn.finish_reason == "length" else None
             used = usage(len(ids), turn.reused, turn.generated,
                          reasoning_tokens(turn.tokens, thinking, self.model.tokenizer.think_end_id))
@@ -560,16 +599,17 @@ class Server:
                     answer["reasoning_content"] = reasoning
                 if calls:
                     answer["tool_calls"] = calls
-                self.responses.put(ResponseRecord(rid, created, self.store.model_sha256, obj, req.input_items,
-                                                  history + turn_req.messages + [answer], fr,
-                                                  list(ids) + list(turn.tokens)))
+                record = ResponseRecord(rid, created, self.store.model_sha256, obj, req.input_items,
+                                        history + turn_req.messages + [answer], fr, list(ids) + list(turn.tokens),
+                                        tenant)
+                await loop.run_in_executor(self.file_pool, self.responses.put, record)  # a file: off the event loop
             return obj
 
         if not req.stream:
             turn = await self.whole_turn(fut, cancel, request)
             items.push(output.push(turn.text))
             items.push(output.finish(turn.finish_reason))
-            return JSONResponse(finished(turn), headers=headers)
+            return JSONResponse(await finished(turn), headers=headers)
 
         async def events():
             sent = 0
@@ -603,7 +643,7 @@ class Server:
                     yield fresh()
                     return
                 items.push(output.finish(turn.finish_reason))
-                obj = finished(turn)
+                obj = await finished(turn)
                 items.emit("response.incomplete" if obj["status"] == "incomplete" else "response.completed",
                            response=obj)
                 yield fresh()
@@ -611,11 +651,14 @@ class Server:
                 if not fut.done():
                     cancel.set()
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+        return await streams.settle(StreamingResponse(events(), media_type="text/event-stream",
+                                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                                               **headers}),
+                                    lambda a: until_gone(a, request))
 
-    def stored_response(self, rid: str) -> ResponseRecord:
-        record = self.responses.get(rid)
+    async def stored_response(self, rid: str, tenant: str | None = None) -> ResponseRecord:
+        """The response stored under `rid` by this tenant (read off the event loop: it may be a file), or a 404."""
+        record = await asyncio.get_running_loop().run_in_executor(self.file_pool, self.responses.get, rid, tenant)
         if record is None:
             raise APIError(404, f"no response found with id {rid[:100]!r} (never stored here, deleted, or left the "
                                 "stored responses' budget)", "invalid_request_error", None, "response_not_found")
@@ -655,7 +698,8 @@ class HostsAndCounts:
     kind runs the route in a task of its own behind a receive channel of its own, on which a client's disconnect
     never arrives: `request.is_disconnected()` stayed False and an abandoned request ran to its full budget.)"""
 
-    ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health", "/metrics")
+    ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health", "/metrics",
+              "/openapi.json")
 
     def __init__(self, app, server: "Server"):
         self.app, self.server = app, server
@@ -709,19 +753,20 @@ def create_app(server: Server) -> FastAPI:
 
     async def run(request: Request, endpoint: str):
         t0 = time.perf_counter()
-        server.check_auth(request)
+        tenant = server.check_auth(request)
         server.check_json(request)
         try:
-            body = await server.read_json(request)
+            body = await server.read_body(request)
             loop = asyncio.get_running_loop()
-            if endpoint == "chat":  # off the event loop: a message's images are decoded as it is read
-                req = await loop.run_in_executor(server.text_pool, parse_chat, body, server.limits)
-            else:
-                req = parse_completion(body, server.limits)
+            # parsed off the event loop: a body's JSON, its schemas and prompt ids, its images decoded as they are read
+            parse = parse_chat if endpoint == "chat" else parse_completion
+            req = await loop.run_in_executor(server.text_pool, parse_body, parse, body, server.limits)
+            server.place(req, tenant, request)
             ids, thinking = await loop.run_in_executor(server.text_pool, server.prompt_ids, req)
             server.check(ids, endpoint, images=req.turn is not None and bool(req.turn.images))
             server.check_model(req)
-            return await server.complete(endpoint, req, ids, thinking, t0, request)
+            answer = await server.complete(endpoint, req, ids, thinking, t0, request)
+            return await streams.settle(answer, lambda a: until_gone(a, request))  # an error before any event: its status
         except ClientGone:
             return Response(status_code=499)  # nobody reads it; the slot was freed
 
@@ -736,13 +781,14 @@ def create_app(server: Server) -> FastAPI:
     @app.post("/v1/responses")
     async def responses_create(request: Request):
         t0 = time.perf_counter()
-        server.check_auth(request)
+        tenant = server.check_auth(request)
         server.check_json(request)
         try:
-            body = await server.read_json(request)
-            req = parse_responses(body, server.limits)
+            body = await server.read_body(request)
+            loop = asyncio.get_running_loop()
+            req = await loop.run_in_executor(server.text_pool, parse_body, parse_responses, body, server.limits)
             server.check_model(req)
-            prepared = await asyncio.get_running_loop().run_in_executor(server.text_pool, server.responses_prompt, req)
+            prepared = await loop.run_in_executor(server.text_pool, server.responses_prompt, req, tenant)
             try:
                 check_prompt(prepared[0], server.model.config.vocab_size, server.context,
                              bool(prepared[2].images) or server.model.host.vision is not None)
@@ -750,26 +796,26 @@ def create_app(server: Server) -> FastAPI:
                 raise bad(str(e), "input", "context_length_exceeded") from None
             except DeltaserveError as e:
                 raise bad(str(e), "input") from None
-            return await server.respond(req, prepared, t0, request)
+            return await server.respond(req, prepared, t0, request, tenant)
         except ClientGone:
             return Response(status_code=499)
 
     @app.get("/v1/responses/{rid}")
     async def responses_get(request: Request, rid: str):
-        server.check_auth(request)
-        return server.stored_response(rid).response
+        tenant = server.check_auth(request)
+        return (await server.stored_response(rid, tenant)).response
 
     @app.delete("/v1/responses/{rid}")
     async def responses_delete(request: Request, rid: str):
-        server.check_auth(request)
-        server.stored_response(rid)
-        server.responses.delete(rid)
+        tenant = server.check_auth(request)
+        await server.stored_response(rid, tenant)
+        await asyncio.get_running_loop().run_in_executor(server.file_pool, server.responses.delete, rid, tenant)
         return {"id": rid, "object": "response", "deleted": True}
 
     @app.get("/v1/responses/{rid}/input_items")
     async def responses_input_items(request: Request, rid: str):
-        server.check_auth(request)
-        items = list(server.stored_response(rid).input_items)
+        tenant = server.check_auth(request)
+        items = list((await server.stored_response(rid, tenant)).input_items)
         q = request.query_params
         order = q.get("order", "desc")
         if order not in ("asc", "desc"):
@@ -806,6 +852,11 @@ def create_app(server: Server) -> FastAPI:
             raise APIError(404, f"the model {model_id[:100]!r} is not served here: this server serves "
                            f"{server.model_name!r}", "invalid_request_error", "model", "model_not_found")
         return model_card(server.model_name)
+
+    @app.get("/openapi.json")
+    async def openapi_document(request: Request):
+        """The routes and their request bodies as OpenAPI 3.1 (frontends/server/openapi.py); open, as /health is."""
+        return JSONResponse(openapi.document(server.model_name))
 
     @app.get("/health")
     async def health(request: Request):
@@ -871,11 +922,18 @@ def main(a) -> int:
         model.engine.step_s = step_ms / 1000
     load_s = model.load_seconds
     think = thinking_flag(a.think)  # None: the model's default (model.thinking_default)
-    server = Server(model, slots=a.slots, queue=a.queue, api_key=a.api_key, model_name=a.model_name,
+    api_keys = a.api_key if isinstance(a.api_key, list) else ([a.api_key] if a.api_key else [])
+    api_keys = api_keys or ([settings.current().api_key] if settings.current().api_key else [])
+    server = Server(model, slots=a.slots, queue=a.queue, api_key=api_keys, model_name=a.model_name,
+                    api_keys_file=getattr(a, "api_keys_file", None),
+                    responses_ram=getattr(a, "responses_ram", RESPONSES_RAM),
                     limits=Limits(max_tokens=a.max_tokens_limit, max_messages=a.max_messages, max_body=a.max_body,
                                   max_image_pixels=getattr(a, "max_image_pixels", Limits.max_image_pixels),
                                   image_urls=getattr(a, "allow_image_urls", False),
-                                  compile_timeout=getattr(a, "compile_timeout", Limits.compile_timeout)),
+                                  compile_timeout=getattr(a, "compile_timeout", Limits.compile_timeout),
+                                  max_images=getattr(a, "max_images", Limits.max_images),
+                                  max_total_pixels=getattr(a, "max_image_pixels_total", Limits.max_total_pixels),
+                                  private_image_urls=getattr(a, "allow_private_image_urls", False)),
                     device=a.device, think_default=think, context=a.ctx, revalidate=a.revalidate,
                     state_ram=a.state_ram, state_dir=a.state_dir, state_disk=a.state_disk, hosts=hosts,
                     request_timeout=request_timeout, log_prefills=getattr(a, "prefill_log", "on") == "on",
@@ -896,8 +954,11 @@ def main(a) -> int:
         f"{': on for model files of 64 MiB and more' if a.compute_thread == 'auto' else ''}); a step of "
         f"{model.engine.step_s * 1000:g} ms while sequences decode: their rows, then a prompt chunk (--step-ms)")
     say(server.store.describe().removeprefix("[deltaserve] "))
-    say(f"{a.slots} slots, queue {a.queue}, max_tokens <= {a.max_tokens_limit}, body <= {a.max_body} bytes, "
-        f"{'API key required' if a.api_key else 'no API key'}")
+    keys = server.keys
+    say(f"{a.slots} slots, queue {a.queue}, max_tokens <= {a.max_tokens_limit}, body <= {a.max_body} bytes, " +
+        (f"{keys.tenants} API keys, each a tenant of its own (its cached prefixes and stored responses apart)"
+         if keys.tenants > 1 else "API key required" if keys.required else "no API key") +
+        f"; stored responses within {server.responses.budget >> 20} MiB (--responses-ram)")
     sock = bind(a.host, a.port)
     room = connections.connection_room(limit, connections.open_files())
     cap = max_connections or (min(room, connections.MAX_CONNECTIONS_CEILING) if room else
@@ -911,7 +972,7 @@ def main(a) -> int:
             f"(about {room}): the first time the process runs out of descriptors it keeps under what it held then")
     say(f"answers to {hosts.describe()}; POST bodies must be 'Content-Type: application/json'")
     say(f"listening on http://{a.host}:{sock.getsockname()[1]}/v1")
-    if not hosts.loopback_bind and not a.api_key:
+    if not hosts.loopback_bind and not keys.required:
         say(f"warning: bound to {a.host} without --api-key: anyone who reaches this address can use the model")
     guard = connections.ConnectionGuard(request_timeout, cap, say=say)
     sock = guard.listening_socket(sock)  # its accept keeps the cap

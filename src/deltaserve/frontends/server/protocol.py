@@ -20,7 +20,7 @@ from deltaserve.errors import DeltaserveError
 from deltaserve.session.grammar import GrammarError, normalize
 from deltaserve.session.turns import TurnRequest, ask
 from deltaserve.text.toolcalls import ToolChoice, ToolError, normalize_tool_choice, normalize_tools
-from deltaserve.vision.inputs import ImageInputError, fetch_url
+from deltaserve.vision.inputs import ImageInputError, ImageLimits, fetch_url, private_fetch_url
 
 
 class APIError(Exception):
@@ -49,6 +49,21 @@ class Limits:
     max_image_pixels: int = 16_777_216
     image_urls: bool = False      # --allow-image-urls: http(s) image links are fetched (size and time bounded)
     compile_timeout: float = 10.0  # --compile-timeout: a schema's compile is stopped past it (a 400)
+    max_images: int = 8                       # --max-images: image parts in one request
+    max_total_pixels: int = 33_554_432        # --max-image-pixels-total: their decoded pixels together
+    private_image_urls: bool = False          # --allow-private-image-urls: links to loopback/private addresses
+    vision: bool = True                       # the model has a vision encoder (else an image part is refused unread)
+    context: int | None = None                # the served context (a token-id prompt longer is refused unread)
+
+
+def image_limits(limits: Limits) -> ImageLimits:
+    """What a request's images may be on this server (vision.inputs.take_images checks them)."""
+    fetch = (private_fetch_url if limits.private_image_urls else fetch_url) if limits.image_urls else None
+    return ImageLimits(limits.max_image_pixels, limits.max_images, limits.max_total_pixels, fetch, limits.vision)
+
+
+SEED_LIMIT = 1 << 63  # a seed is 0 <= seed < 2**63 (the sampler's generator takes a signed 64-bit integer)
+MAX_CACHE_SALT = 256
 
 
 @dataclass
@@ -72,11 +87,17 @@ class GenerationRequest:
     prompt: str | list[int] | None = None  # /v1/completions: raw text or token ids
     response_format: dict | None = None  # deltaserve.session.grammar.normalize's form; None: text
     keep_end: bool = False               # the session keeps the state after the answer (a stored response's)
+    cache_salt: str | None = None        # vLLM's: the request's prefix cache apart from other salts (frontends/server/tenants.py)
+    partition: str | None = None         # set by the server: whose cache this request may reuse (tenant and salt)
+    client: str = ""                     # set by the server: who sent it (its share of the compile queue)
 
     def sampling(self) -> dict:
-        return dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-                    seed=self.seed, repetition_penalty=self.repetition_penalty,
-                    presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
+        out = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                   seed=self.seed, repetition_penalty=self.repetition_penalty,
+                   presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
+        if self.partition is not None:  # a session keeps the partitions' states apart (Session.generate)
+            out["partition"] = self.partition
+        return out
 
 
 # -- custom errors ------------------------------------------------------------------------------------
@@ -256,7 +277,8 @@ class _Request(_Strict):
     logit_bias: Annotated[dict[str, float] | None, _refused_unless(None, {})] = None
     response_format: Annotated[dict | None, WrapValidator(_response_format)] = None
     user: str | None = None
-    seed: Annotated[int, Field(ge=-(2 ** 63), le=2 ** 63 - 1)] | None = None
+    seed: Annotated[int, Field(ge=0, lt=SEED_LIMIT)] | None = None
+    cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=-1, le=1 << 20)] | None = None  # -1 / 0: disabled, as vLLM reads it
@@ -311,7 +333,7 @@ class _Request(_Strict):
             max_tokens=self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens,
             stream=self.stream, include_usage=bool(self.stream_options and self.stream_options.include_usage),
             user=self.user, temperature=float(self.temperature), top_p=self.top_p, top_k=top_k, min_p=self.min_p,
-            response_format=self.response_format,
+            response_format=self.response_format, cache_salt=self.cache_salt,
             seed=self.seed, repetition_penalty=float(self.repetition_penalty),
             presence_penalty=float(self.presence_penalty), frequency_penalty=float(self.frequency_penalty))
 
@@ -362,9 +384,8 @@ class ChatCompletionRequest(_Request):
         thinking = self.chat_template_kwargs.enable_thinking if self.chat_template_kwargs else None
         try:  # the one turn policy (session.turns): calls' arguments as objects, system messages merged, ...
             turn = ask(messages, tuple(self.tools or ()), self.tool_choice, self.parallel_tool_calls,
-                       response_format=self.response_format,
-                       enable_thinking=thinking, max_image_pixels=self._server_limits.max_image_pixels,
-                       image_fetch=fetch_url if self._server_limits.image_urls else None)
+                       response_format=self.response_format, enable_thinking=thinking,
+                       image_limits=image_limits(self._server_limits))
         except ImageInputError as e:
             raise bad(str(e)[:300], e.where or "messages") from None
         except ToolError as e:
@@ -409,6 +430,7 @@ _SAYS = {  # pydantic's error type -> what the message says after the parameter'
     "greater_than_equal": "must be at least {ge}", "greater_than": "must be greater than {gt}",
     "less_than_equal": "must be at most {le}", "less_than": "must be less than {lt}",
     "too_short": "must hold at least {min_length} item(s)", "string_too_short": "must not be empty",
+    "string_too_long": "must hold at most {max_length} characters",
     "literal_error": "must be {expected}",
 }
 
@@ -431,7 +453,17 @@ def api_error(e: ValidationError) -> APIError:
     return bad(message[:300], param, ctx.get("code"))
 
 
+def _prompt_fits(body: Any, limits: Limits) -> None:
+    """A token-id prompt longer than the context is refused before pydantic walks its ids (a 1.3M-id list is
+    seconds of validation)."""
+    prompt = body.get("prompt") if isinstance(body, dict) else None
+    if limits.context is not None and isinstance(prompt, list) and len(prompt) >= limits.context:
+        raise bad(f"the prompt holds {len(prompt)} token ids, and this server's context is {limits.context} "
+                  "positions: refused whole (nothing is truncated)", "prompt", "context_length_exceeded")
+
+
 def _parse(model: type[_Request], body: Any, limits: Limits) -> GenerationRequest:
+    _prompt_fits(body, limits)
     try:
         req = model.model_validate(body, context={"limits": limits})
         if isinstance(req, ChatCompletionRequest):

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from deltaserve.frontends.server.protocol import APIError, Limits, bad
+from deltaserve.frontends.server.protocol import MAX_CACHE_SALT, SEED_LIMIT, APIError, Limits, bad
 from deltaserve.session.grammar import GrammarError, normalize
 from deltaserve.session.responses import new_id, valid_id
 from deltaserve.session.turns import CallArguments, CallStart, Content, Finish, Reasoning
@@ -33,6 +33,7 @@ from deltaserve.text.toolcalls import ToolError, normalize_tool_choice, normaliz
 BUILT_IN_TOOLS = ("web_search", "web_search_preview", "file_search", "computer_use_preview", "computer",
                   "code_interpreter", "image_generation", "mcp", "local_shell", "shell", "apply_patch", "custom")
 THINKING_OFF = ("none", "minimal")
+METADATA_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # as OpenAI bounds `metadata`
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
@@ -61,6 +62,7 @@ class ResponsesRequest:
     stream: bool
     metadata: dict
     user: str | None
+    cache_salt: str | None = None
 
     def system_messages(self) -> list:
         return [{"role": "system", "content": self.system}] if self.system else []
@@ -316,20 +318,32 @@ def parse_responses(body: Any, limits: Limits) -> ResponsesRequest:
         _need(isinstance(v, bool), f"'{key}' must be a boolean, got {_kind(v)}", key)
         flags[key] = v
     metadata = body.get("metadata", {})
-    _need(isinstance(metadata, dict) and len(metadata) <= 16 and all(isinstance(k, str) and isinstance(v, str)
-          for k, v in metadata.items()), "'metadata' must be an object of at most 16 string values", "metadata")
+    _need(isinstance(metadata, dict), f"'metadata' must be an object, got {_kind(metadata)}", "metadata")
+    _need(len(metadata) <= METADATA_KEYS, f"'metadata' holds {len(metadata)} keys, more than {METADATA_KEYS}",
+          "metadata")
+    for k, v in metadata.items():
+        _need(len(k) <= METADATA_KEY_CHARS, f"'metadata' key {k[:70]!r}... is {len(k)} characters, more than "
+              f"{METADATA_KEY_CHARS}", "metadata")
+        _need(isinstance(v, str), f"'metadata.{k}' must be a string, got {_kind(v)}", f"metadata.{k}")
+        _need(len(v) <= METADATA_VALUE_CHARS, f"'metadata.{k}' is {len(v)} characters, more than "
+              f"{METADATA_VALUE_CHARS}", f"metadata.{k}")
     user = body.get("user")
     _need(user is None or isinstance(user, str), f"'user' must be a string, got {_kind(user)}", "user")
     seed = body.get("seed")
     _need(seed is None or (isinstance(seed, int) and not isinstance(seed, bool)), f"'seed' must be an integer, got "
           f"{_kind(seed)}", "seed")
+    _need(seed is None or 0 <= seed < SEED_LIMIT, f"'seed' must be at least 0 and less than 2**63, got "
+          f"{str(seed)[:40]}", "seed")
+    salt = body.get("cache_salt")
+    _need(salt is None or (isinstance(salt, str) and 0 < len(salt) <= MAX_CACHE_SALT),
+          f"'cache_salt' must be a string of 1 to {MAX_CACHE_SALT} characters, got {_kind(salt)}", "cache_salt")
     return ResponsesRequest(
         body=body, model=model, messages=messages, system=system, input_items=items, tools=tools,
         chat_tools=chat_tools, tool_choice=choice, parallel_tool_calls=parallel, response_format=fmt, text=text,
         enable_thinking=thinking, reasoning=reasoning, max_output_tokens=max_out,
         temperature=float(_number(body, "temperature", 0.0, 2.0, 1.0)),
         top_p=_number(body, "top_p", 0.0, 1.0, None, above=True), seed=seed, previous_response_id=prev,
-        store=flags["store"], stream=flags["stream"], metadata=metadata, user=user)
+        store=flags["store"], stream=flags["stream"], metadata=metadata, user=user, cache_salt=salt)
 
 
 def frame(system: str | None, rendered_tools: list | None) -> str:
