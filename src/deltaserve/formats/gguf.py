@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Sequence
 from typing import Any
@@ -59,11 +60,21 @@ class GGUFFile:
     tensors: dict[str, RawTensor]
     buf: Any = None        # the mapping the tensors view
     data_start: int = 0
+    parts: list["GGUFFile"] = field(default_factory=list)  # a split GGUF's files, this one first (empty: one file)
+    _owner: dict[str, "GGUFFile"] = field(default_factory=dict, repr=False)  # a split's tensor -> the part holding it
+
+    @property
+    def disk_bytes(self) -> int:
+        """The bytes of the file, or of every part of a split GGUF together."""
+        return sum(p.path.stat().st_size for p in (self.parts or [self]))
 
     def release(self, name: str, lo_byte: int = 0, hi_byte: int | None = None) -> None:
         """Give back the pages of a tensor (or of its bytes lo_byte..hi_byte) already converted (they are not
         read again): keeps the load's peak resident memory near the converted weights, not the file plus
         the weights."""
+        owner = self._owner.get(name, self)
+        if owner is not self:
+            return owner.release(name, lo_byte, hi_byte)
         t = self.tensors.get(name)
         if t is None or self.buf is None or not hasattr(self.buf, "madvise"):
             return
@@ -238,7 +249,63 @@ class _Cursor:
         raise ModelFormatError(f"{self.name}: {what} has unknown value type {vtype}")
 
 
+SPLIT_NAME = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+def split_parts(path: str | os.PathLike) -> list[Path]:
+    """The files of a split GGUF named by its first part (`NAME-00001-of-0000N.gguf`, as llama.cpp's gguf-split
+    and converters write them), in order; [path] for a file that is not named as a first part."""
+    p = Path(path)
+    m = SPLIT_NAME.match(p.name)
+    if m is None or int(m["no"]) != 1 or int(m["count"]) < 2:
+        return [p]
+    count = int(m["count"])
+    return [p.with_name(f"{m['stem']}-{k:05d}-of-{count:05d}.gguf") for k in range(1, count + 1)]
+
+
 def read_gguf(path: str | os.PathLike) -> GGUFFile:
+    """A GGUF file memory-mapped; a split GGUF (its first part named) with the tensors of every part."""
+    first = read_gguf_part(path)
+    count = int(first.metadata.get("split.count", 1) or 1)
+    number = int(first.metadata.get("split.no", 0) or 0)
+    if number != 0:
+        m = SPLIT_NAME.match(first.path.name)
+        first_name = (f"{m['stem']}-00001-of-{m['count']}.gguf" if m else "its first part")
+        raise ModelFormatError(f"{first.path.name} is part {number + 1} of {count} of a split GGUF: pass the first "
+                               f"part, {first_name} (the others are read beside it)")
+    if count < 2:
+        return first
+    names = split_parts(first.path)
+    if len(names) != count:
+        raise ModelFormatError(f"{first.path.name} is the first of {count} parts of a split GGUF, but its name does "
+                               f"not say so: the parts must be named NAME-00001-of-{count:05d}.gguf ... "
+                               f"NAME-{count:05d}-of-{count:05d}.gguf, side by side")
+    missing = [n.name for n in names[1:] if not n.exists()]
+    if missing:
+        raise ModelFormatError(f"{first.path.name} is the first of {count} parts of a split GGUF and "
+                               f"{len(missing)} of the others are missing beside it: {', '.join(missing)}")
+    first.parts = [first]
+    for k, name in enumerate(names[1:], 1):
+        part = read_gguf_part(name)
+        no = int(part.metadata.get("split.no", -1))
+        if no != k or int(part.metadata.get("split.count", 0)) != count:
+            raise ModelFormatError(f"{name.name} says it is part {no + 1} of {part.metadata.get('split.count')}, "
+                                   f"not part {k + 1} of {count} as its name does")
+        for t, tensor in part.tensors.items():
+            if t in first.tensors:
+                raise ModelFormatError(f"{name.name}: tensor {t} appears in two parts of the split GGUF")
+            first.tensors[t] = tensor
+            first._owner[t] = part
+        first.parts.append(part)
+    declared = first.metadata.get("split.tensors.count")
+    if declared is not None and int(declared) != len(first.tensors):
+        raise ModelFormatError(f"{first.path.name}: the split GGUF declares {declared} tensors and its {count} parts "
+                               f"hold {len(first.tensors)}")
+    return first
+
+
+def read_gguf_part(path: str | os.PathLike) -> GGUFFile:
+    """One GGUF file (or one part of a split GGUF) memory-mapped."""
     path = Path(path)
     if not path.exists():
         raise ModelFormatError(f"no such model file: {path}")
@@ -309,4 +376,4 @@ def is_gguf(path: str | os.PathLike) -> bool:
         return int.from_bytes(f.read(4), "little") == GGUF_MAGIC
 
 
-__all__ = ["GGUFFile", "GGUFStrings", "RawTensor", "read_gguf", "is_gguf"]
+__all__ = ["GGUFFile", "GGUFStrings", "RawTensor", "read_gguf", "is_gguf", "split_parts"]
