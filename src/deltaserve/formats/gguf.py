@@ -249,6 +249,68 @@ class _Cursor:
         raise ModelFormatError(f"{self.name}: {what} has unknown value type {vtype}")
 
 
+@dataclass
+class GGUFHeader:
+    """A GGUF's header alone, parsed from its first bytes (the Hub's files are planned for before they are fetched):
+    the metadata, and each tensor's type and shape (numpy order)."""
+
+    metadata: dict[str, Any]
+    tensors: dict[str, tuple[GGMLQuantizationType, tuple[int, ...]]]
+    data_start: int
+
+
+class TruncatedHeader(ModelFormatError):
+    """The bytes given end inside the header: more of the file is needed."""
+
+
+def parse_header(buf, name: str) -> tuple[int, dict[str, Any], list, int]:
+    """(version, metadata, [(tensor, dims, type, offset)], where the tensor data starts) of the GGUF in `buf`."""
+    if len(buf) < 4 or int.from_bytes(bytes(buf[:4]), "little") != GGUF_MAGIC:
+        raise ModelFormatError(f"{name} is not a GGUF file: it starts with {bytes(buf[:4])!r}, a GGUF starts with "
+                               "b'GGUF'")
+    c = _Cursor(buf, name)
+    c.pos = 4
+    version = c.scalar("<I", "the version")
+    if version not in (2, 3):
+        raise ModelFormatError(f"{name}: GGUF version {version} is not supported (expected 2 or 3)")
+    n_tensors = c.scalar("<Q", "the tensor count")
+    n_kv = c.scalar("<Q", "the metadata count")
+    if n_tensors > 1 << 24 or n_kv > 1 << 24:
+        raise ModelFormatError(f"{name}: implausible header ({n_tensors} tensors, {n_kv} metadata keys)")
+    metadata: dict[str, Any] = {}
+    for i in range(n_kv):
+        key = c.string(f"metadata key {i}")
+        vtype = c.scalar("<I", f"the type of {key}")
+        metadata[key] = c.value(vtype, key)
+    infos = []
+    for i in range(n_tensors):
+        tname = c.string(f"tensor name {i}")
+        n_dims = c.scalar("<I", f"the dims of {tname}")
+        if n_dims > 8:
+            raise ModelFormatError(f"{name}: tensor {tname} claims {n_dims} dimensions")
+        dims = [c.scalar("<Q", f"the dims of {tname}") for _ in range(n_dims)]
+        raw_type = c.scalar("<I", f"the type of {tname}")
+        offset = c.scalar("<Q", f"the offset of {tname}")
+        try:
+            qtype = GGMLQuantizationType(raw_type)
+        except ValueError:
+            raise ModelFormatError(f"{name}: tensor {tname} has unknown type id {raw_type}") from None
+        infos.append((tname, dims, qtype, offset))
+    align = int(metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT))
+    return version, metadata, infos, -(-c.pos // align) * align
+
+
+def read_header(head: bytes, name: str) -> GGUFHeader:
+    """The header of a GGUF from its first bytes; TruncatedHeader where they end inside it (ask for more)."""
+    try:
+        _, metadata, infos, start = parse_header(head, name)
+    except ModelFormatError as e:
+        if str(e).startswith("truncated GGUF"):
+            raise TruncatedHeader(str(e)) from None
+        raise
+    return GGUFHeader(metadata, {t: (q, tuple(int(d) for d in reversed(dims))) for t, dims, q, _ in infos}, start)
+
+
 SPLIT_NAME = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
@@ -319,36 +381,7 @@ def read_gguf_part(path: str | os.PathLike) -> GGUFFile:
                                    f"a GGUF starts with b'GGUF' ({size} bytes)")
         # copy-on-write: tensors are writable views (torch wants that), nothing is copied unless written
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    c = _Cursor(buf, path.name)
-    c.pos = 4
-    version = c.scalar("<I", "the version")
-    if version not in (2, 3):
-        raise ModelFormatError(f"{path.name}: GGUF version {version} is not supported (expected 2 or 3)")
-    n_tensors = c.scalar("<Q", "the tensor count")
-    n_kv = c.scalar("<Q", "the metadata count")
-    if n_tensors > 1 << 24 or n_kv > 1 << 24:
-        raise ModelFormatError(f"{path.name}: implausible header ({n_tensors} tensors, {n_kv} metadata keys)")
-    metadata: dict[str, Any] = {}
-    for i in range(n_kv):
-        key = c.string(f"metadata key {i}")
-        vtype = c.scalar("<I", f"the type of {key}")
-        metadata[key] = c.value(vtype, key)
-    infos = []
-    for i in range(n_tensors):
-        name = c.string(f"tensor name {i}")
-        n_dims = c.scalar("<I", f"the dims of {name}")
-        if n_dims > 8:
-            raise ModelFormatError(f"{path.name}: tensor {name} claims {n_dims} dimensions")
-        dims = [c.scalar("<Q", f"the dims of {name}") for _ in range(n_dims)]
-        raw_type = c.scalar("<I", f"the type of {name}")
-        offset = c.scalar("<Q", f"the offset of {name}")
-        try:
-            qtype = GGMLQuantizationType(raw_type)
-        except ValueError:
-            raise ModelFormatError(f"{path.name}: tensor {name} has unknown type id {raw_type}") from None
-        infos.append((name, dims, qtype, offset))
-    align = int(metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT))
-    start = -(-c.pos // align) * align
+    version, metadata, infos, start = parse_header(buf, path.name)
     tensors: dict[str, RawTensor] = {}
     whole = np.frombuffer(buf, dtype=np.uint8)
     for name, dims, qtype, offset in infos:
@@ -376,4 +409,4 @@ def is_gguf(path: str | os.PathLike) -> bool:
         return int.from_bytes(f.read(4), "little") == GGUF_MAGIC
 
 
-__all__ = ["GGUFFile", "GGUFStrings", "RawTensor", "read_gguf", "is_gguf", "split_parts"]
+__all__ = ["GGUFFile", "GGUFHeader", "GGUFStrings", "RawTensor", "read_gguf", "read_header", "is_gguf", "split_parts"]

@@ -1,4 +1,4 @@
-"""`deltaserve run | chat | serve | convert | inspect | bench`.
+"""`deltaserve run | chat | serve | convert | inspect | bench | pull | list | rm`.
 
 Every error a user can cause prints one line and exits non-zero; a traceback only with DELTASERVE_DEBUG=1.
 """
@@ -18,6 +18,7 @@ from deltaserve.kernels.cpu import plural
 from deltaserve.errors import DeltaserveError
 from deltaserve.session.turns import ask
 from deltaserve.frontends.common import load_model, resolve_model, sampling_kwargs, thinking
+from deltaserve.frontends import models
 from deltaserve import settings
 
 
@@ -53,12 +54,15 @@ def size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+MODEL_HELP = ("a Qwen3.5 GGUF file (a split one's first part) or HF directory, or a Hugging Face Hub repository "
+              "OWNER/REPO[:QUANT], downloaded into its cache (see `deltaserve pull -h`)")
+
+
 def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
     if required:
-        p.add_argument("model", help="a Qwen3.5 GGUF file or HF directory")
+        p.add_argument("model", help=MODEL_HELP)
     else:
-        p.add_argument("model", nargs="?", default=None,
-                       help="a Qwen3.5 GGUF file or HF directory (default: the embedded demo model)")
+        p.add_argument("model", nargs="?", default=None, help=MODEL_HELP + " (default: the embedded demo model)")
 
 
 def _add_runtime(p: argparse.ArgumentParser) -> None:
@@ -495,6 +499,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="a smaller, faster run")
     b.add_argument("--presets", default=None, help="bench quants: these llama-quantize presets alone (A,B,...)")
     b.set_defaults(func=cmd_bench)
+    models.add_commands(sub, _add_model, positive_int)
     return p
 
 
@@ -505,7 +510,11 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(a, "command", None):
         parser.print_help()
         return 2
-    return run_command(lambda: a.func(a))
+    def command():
+        models.resolve_args(a)  # a Hub name becomes its files in the cache, before anything reads MODEL
+        return a.func(a)
+
+    return run_command(command)
 
 
 def run_command(fn) -> int:
