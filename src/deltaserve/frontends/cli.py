@@ -424,7 +424,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a response_format or tool schema still compiling after S seconds is stopped and the request "
                         "refused with a 400 (default 10); schemas compile in a process of their own, stopped too "
                         "when the client leaves")
-    s.add_argument("--model-name", default=None, help="the model id reported by /v1/models")
+    s.add_argument("--model-name", default=None, help="the model id reported by /v1/models (default: the file's "
+                                                       "name, or the OWNER/REPO[:QUANT] it was named by)")
+    s.add_argument("--no-webui", dest="webui", action="store_false",
+                   help="no chat page at / (by default the server answers GET / with a chat page for a browser: "
+                        "plain HTML and JavaScript from this server alone, conversations kept in the browser)")
     s.add_argument("--allowed-hosts", default=None, metavar="NAMES",
                    help="Host names to answer to besides loopback ones, comma-separated ('*.example.com' for the "
                         "names under one, '*' for any; default: on a loopback bind only localhost, 127.0.0.1 and "
