@@ -88,10 +88,13 @@ def _add_runtime(p: argparse.ArgumentParser) -> None:
 def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--max-tokens", type=positive_int, default=256, help="most tokens to generate (default 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--min-p", type=float, default=None)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=None, help="sample among the K most likely tokens (default: all)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="sample among the most likely tokens whose probabilities add up to P (default: all)")
+    p.add_argument("--min-p", type=float, default=None,
+                   help="leave out tokens less likely than P times the most likely one (default: none)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide the logits of tokens already in the context by this (default 1.0: none)")
     p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
 
 

@@ -80,5 +80,7 @@ def add_commands(sub, add_model, positive_int) -> None:
     rm = sub.add_parser("rm", help="remove a model from the Hugging Face cache",
                         description="Remove OWNER/REPO:QUANT (that quant's files) or OWNER/REPO (the whole "
                                     "repository) from the Hugging Face cache.")
-    rm.add_argument("model", metavar="OWNER/REPO[:QUANT]")
+    rm.add_argument("model", metavar="OWNER/REPO[:QUANT]",
+                    help="a model in the cache: OWNER/REPO:QUANT removes that quant's files, OWNER/REPO the whole "
+                         "repository")
     rm.set_defaults(func=cmd_rm)
