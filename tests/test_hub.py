@@ -207,7 +207,7 @@ def test_an_hf_checkpoint_is_fetched_when_the_repository_has_no_gguf(hub, cache)
 
 @pytest.mark.parametrize("name, message", [
     ("nobody/nothing-GGUF", r"no model repository nobody/nothing-GGUF on http://127\.0\.0\.1:\d+ \(or it is private "
-                            r"and no HF_TOKEN is set\)"),
+                            r"and no HF_TOKEN is set\), and no file or directory nobody/nothing-GGUF here"),
     (f"{GGUF_REPO}:Q4_K_M", rf"{GGUF_REPO} has no GGUF of the quant Q4_K_M: it has Q8_0 \(0\.3 MiB\), F32 \(1\.0 MiB\), "
                             r"BF16 \(4096\.0 GiB\)"),
     ("deltaserve-tests/gated-GGUF", r"deltaserve-tests/gated-GGUF is a gated repository: accept its terms on "
@@ -304,3 +304,13 @@ def test_the_repositorys_projector_comes_with_the_model_so_an_image_needs_no_fla
     # the same file without its projector has nothing to see the image with
     alone = cli(hub, tmp_path, "run", str(got.parent / "vision-F32.gguf"), "--image", str(picture), "-p", "hi")
     assert alone.returncode == 1 and "this model has no vision encoder" in alone.stderr
+
+
+def test_a_model_in_the_cache_is_planned_from_its_own_bytes_and_not_fetched_again(hub, cache):
+    h = in_process(hub, cache)
+    first = h.resolve(f"{GGUF_REPO}:Q8_0")
+    start = len(hub.log)
+    again = h.resolve(f"{GGUF_REPO}:Q8_0")
+    assert again.path == first.path
+    # the listing and huggingface_hub's check of the file's version: no byte of the file, its header included
+    assert not [r for r in hub.log[start:] if r.method == "GET" and r.path.endswith("hybrid-Q8_0.gguf")]

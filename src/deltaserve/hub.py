@@ -27,7 +27,7 @@ from pathlib import Path
 
 from deltaserve.errors import CapacityError, DeltaserveError, ModelFormatError
 from deltaserve.formats.config import HybridConfig
-from deltaserve.formats.gguf import SPLIT_NAME, GGUFHeader, TruncatedHeader, read_header
+from deltaserve.formats.gguf import SPLIT_NAME, GGUFHeader, TruncatedHeader, architecture, read_header
 from deltaserve.runtime import capacity
 
 NAME = re.compile(r"^(?P<repo>[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*)(?::(?P<tag>[A-Za-z0-9_.-]+))?$")
@@ -150,8 +150,8 @@ def hub_error(e: BaseException, repo: str, endpoint: str, what: str = "", offlin
         return DeltaserveError(f"{repo} is a gated repository: accept its terms on {endpoint}/{repo} while signed in, "
                                f"then set HF_TOKEN to a token of that account ({token})")
     if isinstance(e, hfe.RepositoryNotFoundError):
-        return DeltaserveError(f"no model repository {repo} on {endpoint} (or it is private and {token}): check the "
-                               "name, OWNER/REPO as on its page")
+        return DeltaserveError(f"no model repository {repo} on {endpoint} (or it is private and {token}), and no file "
+                               f"or directory {repo} here: check the name, OWNER/REPO as on its page")
     if isinstance(e, hfe.RemoteEntryNotFoundError):
         return DeltaserveError(f"{repo} has no file {what}" if what else f"{repo}: {e}")
     if isinstance(e, hfe.OfflineModeIsEnabled) or (isinstance(e, hfe.LocalEntryNotFoundError) and offline):
@@ -228,10 +228,17 @@ class Hub:
         except Exception as e:  # noqa: BLE001
             raise hub_error(e, repo, self.endpoint, filename, self.offline) from None
 
+    def cached_path(self, repo: str, filename: str) -> Path | None:
+        """The file of the cached snapshot refs/main names, where it is there."""
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(repo, filename, cache_dir=self.cache_dir)
+        return Path(found) if isinstance(found, str) else None
+
     def header(self, files: RepoFiles, filename: str) -> GGUFHeader:
         """A GGUF's header from the file's first bytes: the cached file where it is there, else ranged requests."""
-        if files.snapshot is not None:
-            local = files.snapshot / filename
+        local = files.snapshot / filename if files.snapshot is not None else self.cached_path(files.repo, filename)
+        if local is not None:  # in the cache already: its own first bytes, nothing fetched
             with open(local, "rb") as fh:
                 head = fh.read(HEADER_BYTES)
             while True:
@@ -429,8 +436,7 @@ def cached_models(files: RepoFiles) -> list[CachedModel]:
         m = SPLIT_NAME.match(first.name)
         complete = (m is None or int(m["count"]) == len(parts)) and all(p.exists() for p in parts)
         try:
-            with open(first, "rb") as fh:
-                arch = str(read_header(fh.read(HEADER_BYTES), first.name).metadata.get("general.architecture", "?"))
+            arch = str(architecture(first))
         except (OSError, ModelFormatError):
             arch = "?"
         out.append(CachedModel(f"{files.repo}:{c.quant}", c.size, arch, c.quant, first, complete, c, projector))

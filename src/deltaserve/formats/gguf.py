@@ -300,6 +300,25 @@ def parse_header(buf, name: str) -> tuple[int, dict[str, Any], list, int]:
     return version, metadata, infos, -(-c.pos // align) * align
 
 
+def architecture(path: str | os.PathLike) -> str | None:
+    """A GGUF's general.architecture from the metadata before it (the first key of every converter's files), read
+    from the file's first bytes without parsing the rest of its header."""
+    p = Path(path)
+    with open(p, "rb") as f:
+        head = f.read(1 << 20)
+    if len(head) < 24 or int.from_bytes(head[:4], "little") != GGUF_MAGIC:
+        raise ModelFormatError(f"{p.name} is not a GGUF file: it starts with {head[:4]!r}")
+    c = _Cursor(head, p.name)
+    c.pos = 24  # magic, version, tensor count, metadata count
+    n_kv = int.from_bytes(head[16:24], "little")
+    for i in range(min(n_kv, 1 << 24)):
+        key = c.string(f"metadata key {i}")
+        value = c.value(c.scalar("<I", f"the type of {key}"), key)
+        if key == "general.architecture":
+            return str(value)
+    return None
+
+
 def read_header(head: bytes, name: str) -> GGUFHeader:
     """The header of a GGUF from its first bytes; TruncatedHeader where they end inside it (ask for more)."""
     try:
@@ -409,4 +428,5 @@ def is_gguf(path: str | os.PathLike) -> bool:
         return int.from_bytes(f.read(4), "little") == GGUF_MAGIC
 
 
-__all__ = ["GGUFFile", "GGUFHeader", "GGUFStrings", "RawTensor", "read_gguf", "read_header", "is_gguf", "split_parts"]
+__all__ = ["GGUFFile", "GGUFHeader", "GGUFStrings", "RawTensor", "read_gguf", "read_header", "is_gguf", "split_parts",
+           "architecture"]
