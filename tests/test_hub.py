@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -205,28 +206,35 @@ def test_an_hf_checkpoint_is_fetched_when_the_repository_has_no_gguf(hub, cache)
         in_process(hub, cache).resolve("deltaserve-tests/hybrid:Q4_K_M")
 
 
-@pytest.mark.parametrize("name, message", [
-    ("nobody/nothing-GGUF", r"no model repository nobody/nothing-GGUF on http://127\.0\.0\.1:\d+ \(or it is private "
-                            r"and no HF_TOKEN is set\), and no file or directory nobody/nothing-GGUF here"),
-    (f"{GGUF_REPO}:Q4_K_M", rf"{GGUF_REPO} has no GGUF of the quant Q4_K_M: it has Q8_0 \(0\.3 MiB\), F32 \(1\.0 MiB\), "
-                            r"BF16 \(4096\.0 GiB\)"),
-    ("deltaserve-tests/gated-GGUF", r"deltaserve-tests/gated-GGUF is a gated repository: accept its terms on "
-                                    r"http://127\.0\.0\.1:\d+/deltaserve-tests/gated-GGUF while signed in, then set "
-                                    r"HF_TOKEN to a token of that account \(no HF_TOKEN is set\)"),
-])
-def test_each_hub_error_is_one_line_that_says_what_to_do(hub, tmp_path, name, message):
-    import re
-
-    proc = cli(hub, tmp_path, "run", name, "-p", "hi", "-n", "2")
+def test_a_missing_repository_is_one_line_naming_it_and_the_hub_asked(hub, tmp_path):
+    proc = cli(hub, tmp_path, "run", "nobody/nothing-GGUF", "-p", "hi", "-n", "2")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    line = proc.stderr.strip().splitlines()[-1]
-    assert line.startswith("deltaserve: error: ") and re.search(message, line), proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert re.fullmatch(r"deltaserve: error: no model repository nobody/nothing-GGUF on http://127\.0\.0\.1:\d+ \(or it "
+                        r"is private and no HF_TOKEN is set\), and no file or directory nobody/nothing-GGUF here: "
+                        r"check the name, OWNER/REPO as on its page", line), line
 
 
-def test_a_gated_repository_downloads_with_the_token_in_HF_TOKEN(hub, tmp_path):
-    proc = cli(hub, tmp_path, "pull", "deltaserve-tests/gated-GGUF", token=hub.token)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("deltaserve-tests/gated-GGUF: ") and "hybrid-Q8_0.gguf" in proc.stdout
+@pytest.mark.parametrize("name, message", [
+    (f"{GGUF_REPO}:Q4_K_M", rf"{GGUF_REPO} has no GGUF of the quant Q4_K_M: it has Q8_0 \(0\.3 MiB\), F32 \(1\.0 MiB\), "
+                            r"BF16 \(4096\.0 GiB\)$"),
+    ("deltaserve-tests/gated-GGUF", r"^deltaserve-tests/gated-GGUF is a gated repository: accept its terms on "
+                                    r"http://127\.0\.0\.1:\d+/deltaserve-tests/gated-GGUF while signed in, then set "
+                                    r"HF_TOKEN to a token of that account \(no HF_TOKEN is set\)$"),
+])
+def test_a_missing_quant_lists_those_there_are_and_a_gated_repository_names_HF_TOKEN(hub, cache, monkeypatch, name,
+                                                                                       message):
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    with pytest.raises(DeltaserveError) as e:
+        in_process(hub, cache).resolve(name)
+    assert re.search(message, str(e.value)), str(e.value)
+    assert not list(cache.glob("**/*.gguf"))
+
+
+def test_a_gated_repository_downloads_with_the_token_in_HF_TOKEN(hub, cache, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", hub.token)  # huggingface_hub reads it when it asks
+    got = in_process(hub, cache).resolve("deltaserve-tests/gated-GGUF")
+    assert sha256(got.path) == sha256(fx.gguf_path("hybrid", "q8_0"))
 
 
 def test_offline_a_cached_model_runs_without_the_network_and_list_and_rm_keep_the_cache(tmp_path):
