@@ -22,7 +22,7 @@ import os
 import re
 import shutil
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from deltaserve.errors import CapacityError, DeltaserveError, ModelFormatError
@@ -138,7 +138,6 @@ class Resolved:
     mmproj: Path | None = None
     quant: str | None = None
     size: int = 0
-    notes: list[str] = field(default_factory=list)
 
 
 def hub_error(e: BaseException, repo: str, endpoint: str, what: str = "", offline: bool = False) -> DeltaserveError:
@@ -392,24 +391,24 @@ class Hub:
             size = sum(f.stat().st_size for f in root.rglob("*") if f.is_file() and not f.is_symlink())
             shutil.rmtree(root)
             return [f"removed {repo} ({size_said(size)}: {', '.join(m.name for m in models) or 'no model'})"]
-        match = [m for m in models if m.choice is not None and m.choice.matches(tag)]
+        quants = [m for m in models if m.choice is not None]
+        match = [m for m in quants if m.quant.upper() == tag.upper()] or [m for m in quants if m.choice.matches(tag)]
         if not match:
             raise DeltaserveError(f"{repo} has no quant {tag} in the cache: it holds "
                                   f"{', '.join(m.name for m in models) or 'no model'}")
-        said = []
-        for m in match[:1]:
-            freed = 0
-            for f in m.choice.files:
-                link = files.snapshot / f
-                blob = link.resolve()
-                link.unlink(missing_ok=True)
-                if blob.exists() and not any(p.resolve() == blob for p in root.glob("snapshots/*/**/*")
-                                             if p.is_symlink()):
-                    freed += blob.stat().st_size
-                    blob.unlink()
-            said.append(f"removed {m.name} ({size_said(freed)})")
-        if not [c for c in RepoFiles(repo, {p.relative_to(files.snapshot).as_posix(): 0
-                                            for p in files.snapshot.rglob("*") if p.is_file()}).choices()]:
+        m, freed = match[0], 0
+        for f in m.choice.files:
+            link = files.snapshot / f
+            blob = link.resolve()
+            link.unlink(missing_ok=True)
+            linked = any(p.resolve() == blob for p in root.glob("snapshots/*/**/*") if p.is_symlink())
+            if blob.exists() and not linked:  # no other snapshot links it
+                freed += blob.stat().st_size
+                blob.unlink()
+        said = [f"removed {m.name} ({size_said(freed)})"]
+        left = RepoFiles(repo, {p.relative_to(files.snapshot).as_posix(): 0
+                                for p in files.snapshot.rglob("*") if p.is_file()})
+        if not left.choices():  # a projector or a README alone is no model: the repository goes too
             shutil.rmtree(root)
             said.append(f"no model left in {repo}: removed it from the cache")
         return said
