@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -20,6 +21,7 @@ from deltaserve.errors import CapacityError, DeltaserveError
 from deltaserve.hub import HEADER_BYTES, Hub, RepoFiles, is_hub_name, quant_of
 from tests.fixtures import models as fx
 from tests.hub_standin import StandInHub
+from tests.server_proc import ServerProcess
 
 GGUF_REPO = "deltaserve-tests/hybrid-GGUF"
 HUGE = 4 << 40  # the size the listing claims for the BF16 file: no machine here holds it
@@ -237,9 +239,10 @@ def test_a_gated_repository_downloads_with_the_token_in_HF_TOKEN(hub, cache, mon
     assert sha256(got.path) == sha256(fx.gguf_path("hybrid", "q8_0"))
 
 
-def test_offline_a_cached_model_runs_without_the_network_and_list_and_rm_keep_the_cache(tmp_path):
-    """Pulled while the stand-in answers; then, the stand-in gone, HF_HUB_OFFLINE=1 runs it from the cache (with
-    or without its tag), a quant not cached is named with those that are; list shows it; rm removes it."""
+def test_offline_a_cached_model_is_served_by_its_name_without_the_network_and_list_and_rm_keep_the_cache(tmp_path):
+    """Pulled while the stand-in answers; then, the stand-in gone, HF_HUB_OFFLINE=1 serves it from the cache by its
+    name (the name its /v1/models reports), a quant not cached is named with those that are; list shows it; rm
+    removes it."""
     server = StandInHub()
     server.add(GGUF_REPO, {"hybrid-Q8_0.gguf": fx.gguf_path("hybrid", "q8_0"),
                            "hybrid-F32.gguf": fx.gguf_path("hybrid", "f32")})
@@ -249,9 +252,13 @@ def test_offline_a_cached_model_runs_without_the_network_and_list_and_rm_keep_th
         assert "hybrid-Q8_0.gguf" in pulled.stdout and "%|" in pulled.stderr  # huggingface_hub's progress bar
     finally:
         server.stop()
-    run = cli(server, tmp_path, "run", GGUF_REPO, "--raw", "-p", "Hello", "-n", "3", offline=True)
-    assert run.returncode == 0 and "[stats]" in run.stderr, run.stderr
-    assert f"no quant named: {GGUF_REPO}:Q8_0 (0.3 MiB) is the largest of its 1 GGUFs" in run.stderr
+    env = {"HF_ENDPOINT": server.url, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    with ServerProcess(GGUF_REPO, "--slots", "1", env=env) as served:  # by name, no tag: among the cached ones
+        assert f"no quant named: {GGUF_REPO}:Q8_0 (0.3 MiB) is the largest of its 1 GGUFs" in served.stderr
+        assert httpx.get(served.url + "/v1/models").json()["data"][0]["id"] == GGUF_REPO
+        answer = httpx.post(served.url + "/v1/chat/completions", timeout=60,
+                            json={"model": GGUF_REPO, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] > 0
     missing = cli(server, tmp_path, "run", f"{GGUF_REPO}:F32", "-p", "hi", offline=True)
     assert missing.returncode == 1
     assert (f"{GGUF_REPO} has no GGUF of the quant F32 in the cache (HF_HUB_OFFLINE is set): it has Q8_0 (0.3 MiB)"
