@@ -220,13 +220,8 @@ def test_a_bench_run_draws_a_chart_beside_each_results_file_with_decode_against_
 
 
 def test_every_committed_results_file_has_its_chart_beside_it():
-    import json
-
-    from tools.bench.report import PLOTTERS
-
+    """Drawn by its bench (session_turns, serve) or by report.chart; a results file neither knows fails here."""
     root = Path(__file__).resolve().parents[1] / "benchmarks"
     for path in sorted(root.rglob("*.json")):
-        assert path.with_suffix(".png").exists(), f"{path} has no chart: python -c 'from tools.bench.report " \
-                                                  f"import charts; charts(Path(\"benchmarks\"))'"
-        r = json.loads(path.read_text())
-        assert any(test(r) for test, _ in PLOTTERS) or path.name == "session_turns.json", path
+        assert path.with_suffix(".png").exists(), f"{path} has no chart: python -c 'from pathlib import Path; from " \
+                                                  f"tools.bench.report import charts; charts(Path(\"benchmarks\"))'"
