@@ -189,3 +189,39 @@ def test_a_bench_reports_command_line_starts_with_the_route_variables_set_so_tha
     assert command_line(["moe", "--repeats", "3"], env) == \
         "DELTASERVE_AMX=off ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 deltaserve bench moe --repeats 3"
     assert command_line(["quants", "--presets", "Q4_0,IQ2_XS"], {}) == "deltaserve bench quants --presets Q4_0,IQ2_XS"
+
+
+def test_a_bench_run_draws_a_chart_beside_each_results_file_with_decode_against_the_memorys_bound(tmp_path):
+    import json
+    import os
+
+    from PIL import Image
+
+    from tools.bench.report import CHART_SOFTWARE, charts
+
+    engines = lambda pp, tg: {"pp": pp, "tg": tg}  # noqa: E731
+    rows = {"cpu": "a test CPU", "date": "today", "pp": 512, "rows": [
+        {"kind": "q8_0", "layers": 4, "deltaserve": engines(600, 40), "llama.cpp": engines(230, 36)},
+        {"kind": "q8_0", "layers": 8, "deltaserve": engines(340, 39), "llama.cpp": engines(120, 27)}],
+        "floor": {"q8_0": {"read_bandwidth": 64e9, "bytes_per_layer": 7e7, "fixed_bytes": 5.4e8}}}
+    (tmp_path / "moe").mkdir()
+    (tmp_path / "moe" / "results.json").write_text(json.dumps(rows))
+    (tmp_path / "other.json").write_text(json.dumps({"what": "no bench wrote this"}))
+    own = tmp_path / "session_turns.png"  # a bench that draws its own chart after writing its JSON keeps it
+    (tmp_path / "session_turns.json").write_text(json.dumps({"turns": []}))
+    Image.new("RGB", (4, 4)).save(own)
+    os.utime(own, (own.stat().st_mtime + 5,) * 2)
+    written = charts(tmp_path)
+    assert written == [tmp_path / "moe" / "results.png"]
+    with Image.open(written[0]) as im:
+        assert im.format == "PNG" and im.size[0] > 500 and im.info["Software"] == CHART_SOFTWARE
+    assert Image.open(own).size == (4, 4)
+    assert charts(tmp_path) == written  # its own chart is drawn again from the results as they are now
+
+
+def test_every_committed_results_file_has_its_chart_beside_it():
+    """Drawn by its bench (session_turns, serve) or by report.chart; a results file neither knows fails here."""
+    root = Path(__file__).resolve().parents[1] / "benchmarks"
+    for path in sorted(root.rglob("*.json")):
+        assert path.with_suffix(".png").exists(), f"{path} has no chart: python -c 'from pathlib import Path; from " \
+                                                  f"tools.bench.report import charts; charts(Path(\"benchmarks\"))'"

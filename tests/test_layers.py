@@ -24,7 +24,7 @@ LAYERS = [
     ("engine", ["deltaserve.engine.*"]),
     ("runtime", ["deltaserve.runtime.*"]),
     ("session", ["deltaserve.session.*"]),
-    ("api", ["deltaserve.api", "deltaserve.demo"]),
+    ("api", ["deltaserve.api", "deltaserve.demo", "deltaserve.hub"]),
     ("frontends", ["deltaserve.frontends.*", "deltaserve.ray", "deltaserve.__main__", "deltaserve"]),
     ("tools", ["tools.*", "scripts.*"]),
 ]

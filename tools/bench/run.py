@@ -144,6 +144,10 @@ def main(a) -> int:
         from tools.bench import replicas
 
         replicas.main(a)
+    from tools.bench.report import charts
+
+    for png in charts(Path(a.out)):  # a chart beside each results file this run wrote
+        print(f"[bench] chart: {png}", file=sys.stderr)
     return 0
 
 

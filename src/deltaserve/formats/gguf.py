@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Sequence
 from typing import Any
@@ -59,11 +60,21 @@ class GGUFFile:
     tensors: dict[str, RawTensor]
     buf: Any = None        # the mapping the tensors view
     data_start: int = 0
+    parts: list["GGUFFile"] = field(default_factory=list)  # a split GGUF's files, this one first (empty: one file)
+    _owner: dict[str, "GGUFFile"] = field(default_factory=dict, repr=False)  # a split's tensor -> the part holding it
+
+    @property
+    def disk_bytes(self) -> int:
+        """The bytes of the file, or of every part of a split GGUF together."""
+        return sum(p.path.stat().st_size for p in (self.parts or [self]))
 
     def release(self, name: str, lo_byte: int = 0, hi_byte: int | None = None) -> None:
         """Give back the pages of a tensor (or of its bytes lo_byte..hi_byte) already converted (they are not
         read again): keeps the load's peak resident memory near the converted weights, not the file plus
         the weights."""
+        owner = self._owner.get(name, self)
+        if owner is not self:
+            return owner.release(name, lo_byte, hi_byte)
         t = self.tensors.get(name)
         if t is None or self.buf is None or not hasattr(self.buf, "madvise"):
             return
@@ -238,7 +249,144 @@ class _Cursor:
         raise ModelFormatError(f"{self.name}: {what} has unknown value type {vtype}")
 
 
+@dataclass
+class GGUFHeader:
+    """A GGUF's header alone, parsed from its first bytes (the Hub's files are planned for before they are fetched):
+    the metadata, and each tensor's type and shape (numpy order)."""
+
+    metadata: dict[str, Any]
+    tensors: dict[str, tuple[GGMLQuantizationType, tuple[int, ...]]]
+    data_start: int
+
+
+class TruncatedHeader(ModelFormatError):
+    """The bytes given end inside the header: more of the file is needed."""
+
+
+def parse_header(buf, name: str) -> tuple[int, dict[str, Any], list, int]:
+    """(version, metadata, [(tensor, dims, type, offset)], where the tensor data starts) of the GGUF in `buf`."""
+    if len(buf) < 4 or int.from_bytes(bytes(buf[:4]), "little") != GGUF_MAGIC:
+        raise ModelFormatError(f"{name} is not a GGUF file: it starts with {bytes(buf[:4])!r}, a GGUF starts with "
+                               "b'GGUF'")
+    c = _Cursor(buf, name)
+    c.pos = 4
+    version = c.scalar("<I", "the version")
+    if version not in (2, 3):
+        raise ModelFormatError(f"{name}: GGUF version {version} is not supported (expected 2 or 3)")
+    n_tensors = c.scalar("<Q", "the tensor count")
+    n_kv = c.scalar("<Q", "the metadata count")
+    if n_tensors > 1 << 24 or n_kv > 1 << 24:
+        raise ModelFormatError(f"{name}: implausible header ({n_tensors} tensors, {n_kv} metadata keys)")
+    metadata: dict[str, Any] = {}
+    for i in range(n_kv):
+        key = c.string(f"metadata key {i}")
+        vtype = c.scalar("<I", f"the type of {key}")
+        metadata[key] = c.value(vtype, key)
+    infos = []
+    for i in range(n_tensors):
+        tname = c.string(f"tensor name {i}")
+        n_dims = c.scalar("<I", f"the dims of {tname}")
+        if n_dims > 8:
+            raise ModelFormatError(f"{name}: tensor {tname} claims {n_dims} dimensions")
+        dims = [c.scalar("<Q", f"the dims of {tname}") for _ in range(n_dims)]
+        raw_type = c.scalar("<I", f"the type of {tname}")
+        offset = c.scalar("<Q", f"the offset of {tname}")
+        try:
+            qtype = GGMLQuantizationType(raw_type)
+        except ValueError:
+            raise ModelFormatError(f"{name}: tensor {tname} has unknown type id {raw_type}") from None
+        infos.append((tname, dims, qtype, offset))
+    align = int(metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT))
+    return version, metadata, infos, -(-c.pos // align) * align
+
+
+def architecture(path: str | os.PathLike) -> str | None:
+    """A GGUF's general.architecture from the metadata before it (the first key of every converter's files), read
+    from the file's first bytes without parsing the rest of its header."""
+    p = Path(path)
+    with open(p, "rb") as f:
+        head = f.read(1 << 20)
+    if len(head) < 24 or int.from_bytes(head[:4], "little") != GGUF_MAGIC:
+        raise ModelFormatError(f"{p.name} is not a GGUF file: it starts with {head[:4]!r}")
+    c = _Cursor(head, p.name)
+    c.pos = 24  # magic, version, tensor count, metadata count
+    n_kv = int.from_bytes(head[16:24], "little")
+    for i in range(min(n_kv, 1 << 24)):
+        key = c.string(f"metadata key {i}")
+        value = c.value(c.scalar("<I", f"the type of {key}"), key)
+        if key == "general.architecture":
+            return str(value)
+    return None
+
+
+def read_header(head: bytes, name: str) -> GGUFHeader:
+    """The header of a GGUF from its first bytes; TruncatedHeader where they end inside it (ask for more)."""
+    try:
+        _, metadata, infos, start = parse_header(head, name)
+    except ModelFormatError as e:
+        if str(e).startswith("truncated GGUF"):
+            raise TruncatedHeader(str(e)) from None
+        raise
+    return GGUFHeader(metadata, {t: (q, tuple(int(d) for d in reversed(dims))) for t, dims, q, _ in infos}, start)
+
+
+SPLIT_NAME = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+def split_parts(path: str | os.PathLike) -> list[Path]:
+    """The files of a split GGUF named by its first part (`NAME-00001-of-0000N.gguf`, as llama.cpp's gguf-split
+    and converters write them), in order; [path] for a file that is not named as a first part."""
+    p = Path(path)
+    m = SPLIT_NAME.match(p.name)
+    if m is None or int(m["no"]) != 1 or int(m["count"]) < 2:
+        return [p]
+    count = int(m["count"])
+    return [p.with_name(f"{m['stem']}-{k:05d}-of-{count:05d}.gguf") for k in range(1, count + 1)]
+
+
 def read_gguf(path: str | os.PathLike) -> GGUFFile:
+    """A GGUF file memory-mapped; a split GGUF (its first part named) with the tensors of every part."""
+    first = read_gguf_part(path)
+    count = int(first.metadata.get("split.count", 1) or 1)
+    number = int(first.metadata.get("split.no", 0) or 0)
+    if number != 0:
+        m = SPLIT_NAME.match(first.path.name)
+        first_name = (f"{m['stem']}-00001-of-{m['count']}.gguf" if m else "its first part")
+        raise ModelFormatError(f"{first.path.name} is part {number + 1} of {count} of a split GGUF: pass the first "
+                               f"part, {first_name} (the others are read beside it)")
+    if count < 2:
+        return first
+    names = split_parts(first.path)
+    if len(names) != count:
+        raise ModelFormatError(f"{first.path.name} is the first of {count} parts of a split GGUF, but its name does "
+                               f"not say so: the parts must be named NAME-00001-of-{count:05d}.gguf ... "
+                               f"NAME-{count:05d}-of-{count:05d}.gguf, side by side")
+    missing = [n.name for n in names[1:] if not n.exists()]
+    if missing:
+        raise ModelFormatError(f"{first.path.name} is the first of {count} parts of a split GGUF and "
+                               f"{len(missing)} of the others are missing beside it: {', '.join(missing)}")
+    first.parts = [first]
+    for k, name in enumerate(names[1:], 1):
+        part = read_gguf_part(name)
+        no = int(part.metadata.get("split.no", -1))
+        if no != k or int(part.metadata.get("split.count", 0)) != count:
+            raise ModelFormatError(f"{name.name} says it is part {no + 1} of {part.metadata.get('split.count')}, "
+                                   f"not part {k + 1} of {count} as its name does")
+        for t, tensor in part.tensors.items():
+            if t in first.tensors:
+                raise ModelFormatError(f"{name.name}: tensor {t} appears in two parts of the split GGUF")
+            first.tensors[t] = tensor
+            first._owner[t] = part
+        first.parts.append(part)
+    declared = first.metadata.get("split.tensors.count")
+    if declared is not None and int(declared) != len(first.tensors):
+        raise ModelFormatError(f"{first.path.name}: the split GGUF declares {declared} tensors and its {count} parts "
+                               f"hold {len(first.tensors)}")
+    return first
+
+
+def read_gguf_part(path: str | os.PathLike) -> GGUFFile:
+    """One GGUF file (or one part of a split GGUF) memory-mapped."""
     path = Path(path)
     if not path.exists():
         raise ModelFormatError(f"no such model file: {path}")
@@ -252,36 +400,7 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
                                    f"a GGUF starts with b'GGUF' ({size} bytes)")
         # copy-on-write: tensors are writable views (torch wants that), nothing is copied unless written
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    c = _Cursor(buf, path.name)
-    c.pos = 4
-    version = c.scalar("<I", "the version")
-    if version not in (2, 3):
-        raise ModelFormatError(f"{path.name}: GGUF version {version} is not supported (expected 2 or 3)")
-    n_tensors = c.scalar("<Q", "the tensor count")
-    n_kv = c.scalar("<Q", "the metadata count")
-    if n_tensors > 1 << 24 or n_kv > 1 << 24:
-        raise ModelFormatError(f"{path.name}: implausible header ({n_tensors} tensors, {n_kv} metadata keys)")
-    metadata: dict[str, Any] = {}
-    for i in range(n_kv):
-        key = c.string(f"metadata key {i}")
-        vtype = c.scalar("<I", f"the type of {key}")
-        metadata[key] = c.value(vtype, key)
-    infos = []
-    for i in range(n_tensors):
-        name = c.string(f"tensor name {i}")
-        n_dims = c.scalar("<I", f"the dims of {name}")
-        if n_dims > 8:
-            raise ModelFormatError(f"{path.name}: tensor {name} claims {n_dims} dimensions")
-        dims = [c.scalar("<Q", f"the dims of {name}") for _ in range(n_dims)]
-        raw_type = c.scalar("<I", f"the type of {name}")
-        offset = c.scalar("<Q", f"the offset of {name}")
-        try:
-            qtype = GGMLQuantizationType(raw_type)
-        except ValueError:
-            raise ModelFormatError(f"{path.name}: tensor {name} has unknown type id {raw_type}") from None
-        infos.append((name, dims, qtype, offset))
-    align = int(metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT))
-    start = -(-c.pos // align) * align
+    version, metadata, infos, start = parse_header(buf, path.name)
     tensors: dict[str, RawTensor] = {}
     whole = np.frombuffer(buf, dtype=np.uint8)
     for name, dims, qtype, offset in infos:
@@ -309,4 +428,5 @@ def is_gguf(path: str | os.PathLike) -> bool:
         return int.from_bytes(f.read(4), "little") == GGUF_MAGIC
 
 
-__all__ = ["GGUFFile", "GGUFStrings", "RawTensor", "read_gguf", "is_gguf"]
+__all__ = ["GGUFFile", "GGUFHeader", "GGUFStrings", "RawTensor", "read_gguf", "read_header", "is_gguf", "split_parts",
+           "architecture"]

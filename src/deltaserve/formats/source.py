@@ -18,7 +18,7 @@ import torch
 from deltaserve.errors import ModelFormatError
 from deltaserve.formats import quant
 from deltaserve.formats.config import HybridConfig
-from deltaserve.formats.gguf import GGUFFile, GGUFStrings, is_gguf, read_gguf
+from deltaserve.formats.gguf import GGUFFile, GGUFStrings, is_gguf, read_gguf, split_parts
 from deltaserve.formats.hf import HFSource, hf_prefix
 from deltaserve.formats.layout import TensorSource
 from deltaserve.text.tokenizer import Tokenizer
@@ -109,7 +109,7 @@ def open_model(path: str | Path) -> ModelFile:
     # the vocabulary's and merges' lists (or where they lie in the file) are the tokenizer's now
     f.metadata = {k: v for k, v in f.metadata.items()
                   if not (k.startswith("tokenizer.ggml.") and isinstance(v, (list, GGUFStrings)))}
-    return ModelFile(p, "gguf", config, tokenizer, GGUFSource(f), p.stat().st_size, metadata)
+    return ModelFile(p, "gguf", config, tokenizer, GGUFSource(f), f.disk_bytes, metadata)
 
 
 _SAID: set[tuple] = set()
@@ -128,14 +128,19 @@ def say_once(path: Path, notices) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
-def file_identity(path: Path) -> tuple[str, int, int]:
-    """(resolved path, size, mtime) of a file, or of an HF directory's safetensors together."""
-    p = Path(path).resolve()
+def model_files(p: Path) -> list[Path]:
+    """The files a model's content is: an HF directory's safetensors, a split GGUF's parts, or the one file."""
     if p.is_dir():
-        files = sorted(p.glob("*.safetensors"))
-        return (str(p), sum(f.stat().st_size for f in files), max((f.stat().st_mtime_ns for f in files), default=0))
-    st = p.stat()
-    return (str(p), st.st_size, st.st_mtime_ns)
+        return sorted(p.glob("*.safetensors"))
+    parts = split_parts(p)
+    return parts if all(f.exists() for f in parts) else [p]
+
+
+def file_identity(path: Path) -> tuple[str, int, int]:
+    """(resolved path, size, mtime) of a file, or of an HF directory's safetensors (a split GGUF's parts) together."""
+    files = model_files(Path(path))  # by the names given (a cache's links resolve to blobs without them)
+    return (str(Path(path).resolve()), sum(f.stat().st_size for f in files),
+            max((f.stat().st_mtime_ns for f in files), default=0))
 
 
 _HASHES: dict[tuple[str, int, int], str] = {}
@@ -147,12 +152,12 @@ def model_sha256(path: Path) -> str:
     key = file_identity(path)
     with _HASH_LOCK:
         if key not in _HASHES:
-            _HASHES[key] = hash_files(Path(key[0]))
+            _HASHES[key] = hash_files(Path(path))
         return _HASHES[key]
 
 
 def hash_files(p: Path) -> str:
-    files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
+    files = model_files(p)
     h = hashlib.sha256()
     for f in files:
         with open(f, "rb") as fh:

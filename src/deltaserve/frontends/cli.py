@@ -1,4 +1,4 @@
-"""`deltaserve run | chat | serve | convert | inspect | bench`.
+"""`deltaserve run | chat | serve | convert | inspect | bench | pull | list | rm`.
 
 Every error a user can cause prints one line and exits non-zero; a traceback only with DELTASERVE_DEBUG=1.
 """
@@ -18,6 +18,7 @@ from deltaserve.kernels.cpu import plural
 from deltaserve.errors import DeltaserveError
 from deltaserve.session.turns import ask
 from deltaserve.frontends.common import load_model, resolve_model, sampling_kwargs, thinking
+from deltaserve.frontends import models
 from deltaserve import settings
 
 
@@ -53,12 +54,15 @@ def size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+MODEL_HELP = ("a Qwen3.5 GGUF file (a split one's first part) or HF directory, or a Hugging Face Hub repository "
+              "OWNER/REPO[:QUANT], downloaded into its cache (see `deltaserve pull -h`)")
+
+
 def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
     if required:
-        p.add_argument("model", help="a Qwen3.5 GGUF file or HF directory")
+        p.add_argument("model", help=MODEL_HELP)
     else:
-        p.add_argument("model", nargs="?", default=None,
-                       help="a Qwen3.5 GGUF file or HF directory (default: the embedded demo model)")
+        p.add_argument("model", nargs="?", default=None, help=MODEL_HELP + " (default: the embedded demo model)")
 
 
 def _add_runtime(p: argparse.ArgumentParser) -> None:
@@ -84,10 +88,13 @@ def _add_runtime(p: argparse.ArgumentParser) -> None:
 def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--max-tokens", type=positive_int, default=256, help="most tokens to generate (default 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--min-p", type=float, default=None)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=None, help="sample among the K most likely tokens (default: all)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="sample among the most likely tokens whose probabilities add up to P (default: all)")
+    p.add_argument("--min-p", type=float, default=None,
+                   help="leave out tokens less likely than P times the most likely one (default: none)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide the logits of tokens already in the context by this (default 1.0: none)")
     p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
 
 
@@ -438,7 +445,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a response_format or tool schema still compiling after S seconds is stopped and the request "
                         "refused with a 400 (default 10); schemas compile in a process of their own, stopped too "
                         "when the client leaves")
-    s.add_argument("--model-name", default=None, help="the model id reported by /v1/models")
+    s.add_argument("--model-name", default=None, help="the model id reported by /v1/models (default: the file's "
+                                                       "name, or the OWNER/REPO[:QUANT] it was named by)")
+    s.add_argument("--no-webui", dest="webui", action="store_false",
+                   help="no chat page at / (by default the server answers GET / with a chat page for a browser: "
+                        "plain HTML and JavaScript from this server alone, conversations kept in the browser)")
     s.add_argument("--allowed-hosts", default=None, metavar="NAMES",
                    help="Host names to answer to besides loopback ones, comma-separated ('*.example.com' for the "
                         "names under one, '*' for any; default: on a loopback bind only localhost, 127.0.0.1 and "
@@ -513,6 +524,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="a smaller, faster run")
     b.add_argument("--presets", default=None, help="bench quants: these llama-quantize presets alone (A,B,...)")
     b.set_defaults(func=cmd_bench)
+    models.add_commands(sub, _add_model, positive_int)
     return p
 
 
@@ -523,7 +535,11 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(a, "command", None):
         parser.print_help()
         return 2
-    return run_command(lambda: a.func(a))
+    def command():
+        models.resolve_args(a)  # a Hub name becomes its files in the cache, before anything reads MODEL
+        return a.func(a)
+
+    return run_command(command)
 
 
 def run_command(fn) -> int:

@@ -302,7 +302,7 @@ class ReplicaServer:
                              mtp=a.mtp)
         if a.state_ram is None and replicas_here > 1:  # the default RAM share is the machine's, split between them
             self.server.store.ram_budget //= replicas_here
-        self.app = create_app(self.server)
+        self.app = create_app(self.server, webui=getattr(a, "webui", True))
         s0 = self.server.pool.slots[0].session
         print(f"[deltaserve] replica {index} (pid {os.getpid()}): {model.path.name}, backend {s0.backend.describe()}; "
               f"{self.server.store.describe().removeprefix('[deltaserve] ')}", file=sys.stderr, flush=True)

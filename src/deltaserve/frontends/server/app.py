@@ -41,6 +41,7 @@ from deltaserve.frontends.server.tenants import Keys, partition
 from deltaserve.frontends.server.responses import (Items, ResponsesRequest, frame, parse_responses, previous_not_found,
                                                     reasoning_tokens, response_object, sse, usage)
 from deltaserve.frontends.server.slots import QueueFull, SlotPool
+from deltaserve.frontends.server.webui import add_webui, has_vision
 from deltaserve.session.responses import ResponseRecord, ResponseStore, new_id
 from deltaserve.session.turns import ask
 from deltaserve.text.toolcalls import ToolError
@@ -729,9 +730,13 @@ class HostsAndCounts:
         server.metrics.request(endpoint, status[0] if status else 499)
 
 
-def create_app(server: Server) -> FastAPI:
+def create_app(server: Server, webui: bool = True) -> FastAPI:
+    """The server's routes; `webui`: the chat page at / (serve --no-webui leaves it out)."""
     app = FastAPI(title="deltaserve", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
+    if webui:
+        add_webui(app)
+    vision = has_vision(server.model.host)  # /v1/models says whether the model reads images (the page asks)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
@@ -837,7 +842,7 @@ def create_app(server: Server) -> FastAPI:
 
     def model_card(name: str) -> dict:
         return {"id": name, "object": "model", "created": int(server.started), "owned_by": "deltaserve",
-                "context_length": server.context}
+                "context_length": server.context, "vision": vision}
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -971,7 +976,9 @@ def main(a) -> int:
         say(f"warning: --max-connections {max_connections} is more than the open-file limit leaves room for "
             f"(about {room}): the first time the process runs out of descriptors it keeps under what it held then")
     say(f"answers to {hosts.describe()}; POST bodies must be 'Content-Type: application/json'")
-    say(f"listening on http://{a.host}:{sock.getsockname()[1]}/v1")
+    say(f"listening on http://{a.host}:{sock.getsockname()[1]}/v1" +
+        (f"; the chat page at http://{a.host}:{sock.getsockname()[1]}/ (--no-webui: none)"
+         if getattr(a, "webui", True) else ""))
     if not hosts.loopback_bind and not keys.required:
         say(f"warning: bound to {a.host} without --api-key: anyone who reaches this address can use the model")
     guard = connections.ConnectionGuard(request_timeout, cap, say=say)
@@ -979,7 +986,7 @@ def main(a) -> int:
     server.guard = guard
     # the asyncio loop (not uvloop, whose accept does not go through the socket object) and uvicorn's h11
     # protocol under the guard's deadline; an idle keep-alive connection closes after 5 s (uvicorn's default)
-    config = uvicorn.Config(create_app(server), log_level="warning", access_log=False, http=guard.protocol(),
+    config = uvicorn.Config(create_app(server, webui=getattr(a, "webui", True)), log_level="warning", access_log=False, http=guard.protocol(),
                             loop="asyncio", timeout_keep_alive=5)
     connections.install_log_filter(limit=limit)  # after uvicorn.Config, which sets up uvicorn's loggers
     try:
