@@ -521,6 +521,7 @@ class Router:
         """The ids a generation request's prompt renders to (as the replica will render it), or None (not a
         generation request, or one the replica will refuse: routing does not matter then)."""
         from deltaserve.frontends.server.protocol import Limits, parse_chat, parse_completion
+        from deltaserve.session import driver
 
         if path not in ("/v1/chat/completions", "/v1/completions"):
             return None
@@ -528,13 +529,10 @@ class Router:
             data = json.loads(body)
             limits = Limits(max_body=int(self.opts["max_body"]), max_messages=int(self.opts["max_messages"]),
                             max_tokens=int(self.opts["max_tokens_limit"]))
-            if path == "/v1/chat/completions":
-                req = parse_chat(data, limits)  # rendered by the one turn pipeline, tools and all (session.turns)
-                return req.turn.prompt(self.tokenizer, self.think).encode(self.tokenizer)
-            req = parse_completion(data, limits)
-            if isinstance(req.prompt, list):
-                return [int(t) for t in req.prompt]
-            return self.tokenizer.encode(req.prompt)
+            req = parse_chat(data, limits) if path == "/v1/chat/completions" else parse_completion(data, limits)
+            # rendered by the turn driver's input half, as the replica renders it (session/driver.py)
+            return driver.prepare(self.tokenizer, 1 << 62, request=req.turn, raw=req.prompt,
+                                  default_thinking=self.think, images=False).ids
         except Exception:  # noqa: BLE001 - the replica answers the request's error
             return None
 

@@ -102,7 +102,8 @@ class Backend:
         else:
             route = ""
         why = f": {self.threads_why}" if self.threads_why else ""
-        return f"CPU ({plural(torch.get_num_threads(), 'thread')}{why}{route})"
+        threads = self._on_compute(torch.get_num_threads)  # the engine loop's thread runs the forwards: its count
+        return f"CPU ({plural(threads, 'thread')}{why}{route})"
 
     # -- state ------------------------------------------------------------------------------------
     def new_state(self, capacity: int, plan: cap.PrefillPlan | None = None) -> DecodeState:

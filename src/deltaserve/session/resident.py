@@ -26,6 +26,8 @@ from deltaserve.engine.state import Checkpoint, DecodeState
 from deltaserve.engine.weights import trim_heap
 from deltaserve.errors import BackendError, CapacityError, ContextError, DeltaserveError
 from deltaserve.session.drafting import DEFAULT_DRAFTS, DraftPolicy
+from deltaserve.session.driver import PreparedTurn, check_prompt, overflow_message
+from deltaserve.session.driver import run as run_prepared
 from deltaserve.session.grammar import CompiledFormat, GrammarError, compile_format
 from deltaserve.session.sampling import Sampler, SamplingParams
 from deltaserve.session.store import read_state, write_state
@@ -89,28 +91,6 @@ class Turn:
     def decode_tok_s(self) -> float:
         steps = max(len(self.tokens) - 1, 0)
         return steps / self.timings.decode_s if self.timings.decode_s > 0 else 0.0
-
-
-def check_prompt(prompt: Sequence[int], vocab_size: int, context: int, images: bool = False) -> None:
-    """The one check of a prompt before a turn (the session's, and the server's before a request takes a slot):
-    not empty, every id in the vocabulary (with `images`, an image's placeholder ids past it too:
-    deltaserve.vision.inputs), and shorter than the context, or refused whole with the numbers."""
-    n = len(prompt)
-    if n == 0:
-        raise ContextError("the prompt is empty: a turn needs at least one token")
-    if min(prompt) < 0 or (max(prompt) >= vocab_size and not images):
-        raise DeltaserveError(f"the prompt holds a token id outside 0..{vocab_size - 1}")
-    if n >= context:
-        raise ContextError(overflow_message(context, n))
-
-
-def overflow_message(context: int, tokens: int, at_least: bool = False) -> str:
-    """A prompt the context cannot hold, in the words OpenAI uses and client libraries match ("maximum context
-    length": litellm's context-window fallbacks; "prompt is too long": langchain-openai's ContextOverflowError),
-    then what deltaserve did."""
-    return (f"This model's maximum context length is {context} tokens. However, your messages resulted in "
-            f"{'at least ' if at_least else ''}{tokens} tokens. The prompt is too long: refused whole (nothing is "
-            f"truncated; shorten the conversation, or leave room for the answer: it must be shorter than the context)")
 
 
 def grown_capacity(positions: int, current: int, min_capacity: int, context: int) -> int:
@@ -712,31 +692,22 @@ class Session:
                  on_token: OnToken | None = None, on_reasoning: Callable[[str], None] | None = None,
                  on_event: Callable[[Any], None] | None = None, **sampling) -> Turn:
         """A chat turn already rendered (`request.prompt(...)`: its ids, and whether it leaves the model reasoning),
-        run as `chat` runs it: for a caller that needed the ids first (`run` plans its memory from their count)."""
+        run through the turn driver (session/driver.py) as `chat` runs it: for a caller that needed the ids first
+        (`run` plans its memory from their count). `on_token(None, text)` sees the answer's text, `on_reasoning` the
+        reasoning's, `on_event` every event."""
         grammar = request.grammar(self.tokenizer, self.host.config.vocab_size, self.stop_ids)
-        output = request.output(thinking)
 
-        def hand_out(events, tid=None) -> bool | None:
-            go = None
-            for e in events:
-                if on_event is not None:
-                    on_event(e)
-                if isinstance(e, Reasoning) and on_reasoning is not None:
-                    on_reasoning(e.text)
-                elif isinstance(e, Content) and on_token is not None:
-                    go = on_token(tid, e.text) if go is not False else go
-            return go
+        def on(e) -> bool | None:
+            if on_event is not None:
+                on_event(e)
+            if isinstance(e, Reasoning) and on_reasoning is not None:
+                on_reasoning(e.text)
+            elif isinstance(e, Content) and on_token is not None:
+                return on_token(None, e.text)
+            return None
 
-        turn = self.generate(prompt_ids, max_tokens=max_tokens,
-                             on_token=lambda tid, piece: hand_out(output.push(piece), tid), response_format=grammar,
-                             images=request.images, **sampling)
-        events = output.finish(turn.finish_reason)
-        if turn.finish_reason != "cancelled":
-            hand_out(events)  # what was held back (a tail that might have begun </think> or <tool_call>)
-        done = events[-1]
-        turn.reasoning, turn.text, turn.tool_calls = done.reasoning, done.content or "", done.tool_calls
-        turn.finish_reason = done.reason
-        return turn
+        return run_prepared(self, PreparedTurn(list(prompt_ids), thinking, request, grammar), max_tokens,
+                          on_event=on, **sampling)
 
     def _enter_partition(self, partition: str | None) -> None:
         """A turn of another partition than what the state holds: nothing held or checkpointed is reused for it."""

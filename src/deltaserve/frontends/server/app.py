@@ -30,7 +30,7 @@ from deltaserve.version import __version__
 from deltaserve.frontends.common import load_model
 from deltaserve.errors import ContextError, DeltaserveError
 from deltaserve.session.grammar import GrammarError, compile_format, compile_process
-from deltaserve.session.resident import check_prompt, overflow_message
+from deltaserve.session.resident import check_prompt
 from deltaserve.session.turns import CallArguments, CallStart, Content, Finish, Reasoning, stop_ids, thinking_flag
 from deltaserve.frontends.server import connections, openapi, streams
 from deltaserve.frontends.server.compiles import CompileQueue
@@ -43,9 +43,9 @@ from deltaserve.frontends.server.responses import (Items, ResponsesRequest, fram
 from deltaserve.frontends.server.slots import QueueFull, SlotPool
 from deltaserve.frontends.server.webui import add_webui, has_vision
 from deltaserve.session.responses import ResponseRecord, ResponseStore, new_id
+from deltaserve.session import driver
 from deltaserve.session.turns import ask
 from deltaserve.text.toolcalls import ToolError
-from deltaserve.text.chat_template import RenderedPrompt
 
 FINGERPRINT = f"deltaserve-{__version__}"
 RESPONSES_RAM = 64 << 20  # --responses-ram: the stored responses' budget
@@ -296,29 +296,20 @@ class Server:
         return body
 
     def prompt_ids(self, req: GenerationRequest) -> tuple[list[int], bool]:
-        """The request's prompt ids and whether they leave the model reasoning. Runs off the event loop (a large
-        request's template and tokenizer take seconds); text that surely cannot fit the context is refused
-        before it is tokenized, from a lower bound on its token count (`Tokenizer.fewest_tokens`)."""
-        if isinstance(req.prompt, list):
-            return list(req.prompt), False
+        """The request's prompt ids and whether they leave the model reasoning, from the turn driver's input half
+        (session/driver.py). Runs off the event loop (a large request's template and tokenizer take seconds); text
+        that surely cannot fit the context is refused before it is tokenized."""
         param = "prompt" if req.prompt is not None else "messages"
+        host = self.model.host
         try:
-            if req.prompt is not None:  # raw text: the client writes the whole prompt, markup included
-                prompt, thinking = RenderedPrompt(req.prompt), False
-            else:  # the turn pipeline renders it (session.turns): what the messages contain is encoded as text
-                prompt = req.turn.prompt(self.model.tokenizer, self.think_default)
-                thinking = prompt.thinking
-            least = self.model.tokenizer.fewest_tokens(prompt.display)
-            if least >= self.context:
-                raise ContextError(overflow_message(self.context, least, at_least=True))
-            if req.turn is not None and req.turn.images:  # each image's placeholder ids (vision.inputs)
-                host = self.model.host
-                return req.turn.encode(prompt, self.model.tokenizer, host.vision, host.config.vocab_size), thinking
-            return prompt.encode(self.model.tokenizer), thinking
+            turn = driver.prepare(self.model.tokenizer, self.context, request=req.turn, raw=req.prompt,
+                                  default_thinking=self.think_default, vision=host.vision,
+                                  vocab_size=host.config.vocab_size)
         except ContextError as e:
             raise bad(str(e), param, "context_length_exceeded") from None
         except DeltaserveError as e:
             raise bad(str(e), param) from None  # the tokenizer's and the template's messages name themselves
+        return turn.ids, turn.thinking
 
     def check_model(self, req: GenerationRequest) -> None:
         """A request that names a model this server does not serve is a 404, as OpenAI answers it (no `model`: the
@@ -371,26 +362,25 @@ class Server:
                            "already waiting; retry shortly", "server_overloaded", None, "server_busy",
                            {"Retry-After": "1"}) from None
         cancel = threading.Event()
-        pieces: asyncio.Queue = asyncio.Queue()
+        events: asyncio.Queue = asyncio.Queue()  # the turn driver's events (session/driver.py), then None
         first = {}
+        prepared = driver.PreparedTurn(ids, thinking, req.turn, grammar, req.keep_end)
 
-        def on_token(tid, text):
+        def on_event(e):  # on the engine loop's thread: handed over, never waited for
             if "t" not in first:
                 first["t"] = time.perf_counter()
-            if text:
-                loop.call_soon_threadsafe(pieces.put_nowait, text)
+            loop.call_soon_threadsafe(events.put_nowait, e)
             return not cancel.is_set()
 
         def work():
-            return slot.session.generate(ids, max_tokens=max_tokens, stop=req.stop, on_token=on_token,
-                                         response_format=grammar, keep_end=req.keep_end, cancel=cancel,
-                                         images=req.turn.images if req.turn is not None else (), **req.sampling())
+            return driver.run(slot.session, prepared, max_tokens, on_event=on_event, cancel=cancel, stop=req.stop,
+                              **req.sampling())
 
         fut = loop.run_in_executor(self.executor, work)
 
         def finished(f):
             self.pool.release(slot)
-            pieces.put_nowait(None)
+            events.put_nowait(None)
             if not f.cancelled() and f.exception() is None:
                 turn = f.result()
                 self.metrics.tokens(len(ids), turn.reused, turn.generated)
@@ -398,7 +388,7 @@ class Server:
             self.metrics.observe("duration", time.perf_counter() - t0)
 
         fut.add_done_callback(finished)
-        return fut, pieces, cancel
+        return fut, events, cancel
 
     @staticmethod
     def turn_error(e: BaseException) -> APIError:
@@ -428,19 +418,19 @@ class Server:
 
     async def complete(self, endpoint: str, req: GenerationRequest, ids: list[int], thinking: bool, t0: float,
                        request: Request | None = None):
-        fut, pieces, cancel = await self.generate(endpoint, req, ids, thinking, t0, request)
+        fut, queue, cancel = await self.generate(endpoint, req, ids, thinking, t0, request)
         rid = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if not req.stream:
             turn = await self.whole_turn(fut, cancel, request)
-            if endpoint == "chat":  # the turn pipeline's output half, as the stream reads it (session.turns)
-                done = req.turn.output(thinking).whole(turn.text, turn.finish_reason)
-                message = {"role": "assistant", "content": done.content, "refusal": None}
-                if done.tool_calls:
-                    message["tool_calls"] = [c.openai() for c in done.tool_calls]
-                if done.reasoning is not None:
-                    message["reasoning_content"] = done.reasoning
-                choice = {"index": 0, "message": message, "finish_reason": done.reason, "logprobs": None}
+            if endpoint == "chat":  # the turn driver's output half (session/driver.py) set the answer's parts
+                content = turn.text if turn.text or not turn.tool_calls else None
+                message = {"role": "assistant", "content": content, "refusal": None}
+                if turn.tool_calls:
+                    message["tool_calls"] = [c.openai() for c in turn.tool_calls]
+                if turn.reasoning is not None:
+                    message["reasoning_content"] = turn.reasoning
+                choice = {"index": 0, "message": message, "finish_reason": turn.finish_reason, "logprobs": None}
                 obj = "chat.completion"
             else:
                 choice = {"index": 0, "text": turn.text, "finish_reason": turn.finish_reason, "logprobs": None}
@@ -487,19 +477,21 @@ class Server:
             return out
 
         async def events():
-            output = req.turn.output(thinking) if endpoint == "chat" else None
+            ended: Finish | None = None
             try:
                 if endpoint == "chat":
                     yield chunk({"role": "assistant", "content": "", "refusal": None})
                 while True:
-                    text = await pieces.get()
-                    if text is None:
+                    e = await queue.get()
+                    if e is None:
                         break
-                    if endpoint != "chat":
-                        yield chunk(text=text)
-                        continue
-                    for c in deltas(output.push(text)):
-                        yield c
+                    if isinstance(e, Finish):
+                        ended = e  # framed once the turn's counts are known
+                    elif endpoint != "chat":
+                        yield chunk(text=e.text)
+                    else:
+                        for c in deltas([e]):
+                            yield c
                 try:
                     turn = await fut
                 except Exception as e:  # noqa: BLE001
@@ -507,7 +499,7 @@ class Server:
                     yield "data: [DONE]\n\n"
                     return
                 if endpoint == "chat":
-                    for c in deltas(output.finish(turn.finish_reason), turn):
+                    for c in deltas([ended or Finish(turn.finish_reason, turn.text, turn.reasoning)], turn):
                         yield c
                 else:
                     yield chunk(text="", finish=turn.finish_reason, capped=turn.context_capped)
@@ -582,8 +574,7 @@ class Server:
         else:
             gen.partition = partition(tenant, req.cache_salt)
         loop = asyncio.get_running_loop()
-        fut, pieces, cancel = await self.generate("chat", gen, ids, thinking, t0, request)
-        output = turn_req.output(thinking)
+        fut, queue, cancel = await self.generate("chat", gen, ids, thinking, t0, request)
         items = Items(rid)
         headers = {"x-deltaserve-response-id": rid, "x-deltaserve-rendered": how}
 
@@ -608,8 +599,10 @@ class Server:
 
         if not req.stream:
             turn = await self.whole_turn(fut, cancel, request)
-            items.push(output.push(turn.text))
-            items.push(output.finish(turn.finish_reason))
+            while not queue.empty():  # the turn driver's events, all in by the time its turn is done
+                e = queue.get_nowait()
+                if e is not None:
+                    items.push([e])
             return JSONResponse(await finished(turn), headers=headers)
 
         async def events():
@@ -627,10 +620,10 @@ class Server:
                 items.emit("response.in_progress", response=opening)
                 yield fresh()
                 while True:
-                    text = await pieces.get()
-                    if text is None:
+                    e = await queue.get()
+                    if e is None:
                         break
-                    items.push(output.push(text))
+                    items.push([e])
                     if len(items.events) > sent:
                         yield fresh()
                 try:
@@ -643,7 +636,6 @@ class Server:
                         error={"code": err.code or "server_error", "message": err.message}))
                     yield fresh()
                     return
-                items.push(output.finish(turn.finish_reason))
                 obj = await finished(turn)
                 items.emit("response.incomplete" if obj["status"] == "incomplete" else "response.completed",
                            response=obj)
