@@ -154,6 +154,28 @@ def test_the_repository_imports_one_another_without_a_cycle_the_bench_included()
     assert not any(t.startswith("tools.") for t in graph()["deltaserve.frontends.cli"])  # the bench is its own program
 
 
+# what a frontend may import below its own layer: the API facade (deltaserve.api and its layer's modules), the turn
+# modules (the pipeline and its driver) and the errors
+FRONTEND_DOORS = ("deltaserve.session.turns", "deltaserve.session.driver", "deltaserve.errors")
+
+
+def frontend_reaches(g: dict[str, set[str]]) -> list[str]:
+    api = dict(LAYERS)["api"]
+    out = []
+    for mod, targets in sorted(g.items()):
+        if layer_of(mod) != layer_of("deltaserve.frontends.cli") or mod == "deltaserve":  # the package's root: its
+            continue                                                                         # version, lazily `load`
+        for t in sorted(targets):
+            if t in g and layer_of(t) < layer_of(mod) and t not in FRONTEND_DOORS and not any(matches(e, t) for e in api):
+                out.append(f"{mod} imports {t}")
+    return out
+
+
+def test_the_frontends_import_only_the_api_facade_the_turn_modules_and_the_errors():
+    found = frontend_reaches(graph())
+    assert not found, "frontends reaching past the API facade (name it in deltaserve.api):\n" + "\n".join(found)
+
+
 def test_the_checker_finds_an_upward_import_and_a_real_cycle(tmp_path):
     pkg = tmp_path / "pkg"
     for sub in ("low", "high"):

@@ -24,6 +24,26 @@ from deltaserve.session.store import StateStore
 from deltaserve.session.turns import ask
 from deltaserve.text.chat_template import RenderedPrompt
 
+# -- the facade: what the frontends name from the layers below, through this one door (tests/test_layers.py
+# lets them import only this layer, the turn modules and the errors) ----------------------------------------
+from deltaserve import settings  # noqa: F401
+from deltaserve.cachedir import cache_root, data_root  # noqa: F401
+from deltaserve.engine.host import load_host  # noqa: F401
+from deltaserve.formats.convert import convert  # noqa: F401
+from deltaserve.formats.source import open_model  # noqa: F401
+from deltaserve.kernels.cpu import available_cores, plural, SPLIT_MIN_BYTES  # noqa: F401
+from deltaserve.runtime import capacity  # noqa: F401
+from deltaserve.runtime.capacity import cpu_memory  # noqa: F401
+from deltaserve.session import driver, files  # noqa: F401
+from deltaserve.session.grammar import compile_format, compile_process, GrammarError, isolated, normalize, NotCached  # noqa: F401
+from deltaserve.session.driver import check_prompt  # noqa: F401
+from deltaserve.session.responses import new_id, ResponseRecord, ResponseStore, valid_id  # noqa: F401
+from deltaserve.session.store import parse_size, prefix_hashes, read_header, saved_state_bytes, StateFileError  # noqa: F401
+from deltaserve.text.toolcalls import normalize_tool_choice, normalize_tools, ToolChoice, ToolError  # noqa: F401
+from deltaserve.version import __version__  # noqa: F401
+from deltaserve.vision.encoder import PREFIX  # noqa: F401
+from deltaserve.vision.inputs import decode, fetch_url, ImageInputError, ImageLimits, private_fetch_url  # noqa: F401
+
 
 class Model:
     """A loaded Qwen3.5 hybrid: config, tokenizer, host weights; sessions run on it."""
@@ -192,3 +212,50 @@ def load(path: str | os.PathLike | None = None, device: str = "cpu", threads: in
     model.threads_why = why
     model.load_seconds = time.perf_counter() - t0
     return model
+
+
+__all__ = [
+    '__version__',
+    'available_cores',
+    'cache_root',
+    'capacity',
+    'check_prompt',
+    'compile_format',
+    'compile_process',
+    'convert',
+    'cpu_memory',
+    'data_root',
+    'decode',
+    'driver',
+    'fetch_url',
+    'files',
+    'GrammarError',
+    'ImageInputError',
+    'ImageLimits',
+    'isolated',
+    'load',
+    'load_host',
+    'MAX_AGE',
+    'Model',
+    'new_id',
+    'normalize',
+    'normalize_tool_choice',
+    'normalize_tools',
+    'NotCached',
+    'open_model',
+    'parse_size',
+    'plural',
+    'PREFIX',
+    'prefix_hashes',
+    'private_fetch_url',
+    'read_header',
+    'ResponseRecord',
+    'ResponseStore',
+    'saved_state_bytes',
+    'settings',
+    'SPLIT_MIN_BYTES',
+    'StateFileError',
+    'ToolChoice',
+    'ToolError',
+    'valid_id'
+]

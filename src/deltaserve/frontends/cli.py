@@ -12,14 +12,14 @@ import sys
 import time
 from pathlib import Path
 
-from deltaserve.runtime.guard import MAX_AGE as GUARD_MAX_AGE
-from deltaserve.version import __version__
-from deltaserve.kernels.cpu import plural
+from deltaserve.api import MAX_AGE as GUARD_MAX_AGE
+from deltaserve.api import __version__
+from deltaserve.api import plural
 from deltaserve.errors import DeltaserveError
 from deltaserve.session.turns import ask
 from deltaserve.frontends.common import load_model, resolve_model, sampling_kwargs, thinking
 from deltaserve.frontends import models
-from deltaserve import settings
+from deltaserve.api import settings
 
 
 def positive_int(text: str) -> int:
@@ -46,7 +46,7 @@ def positive_float(text: str) -> float:
 
 def size_arg(text: str) -> int:
     """argparse type: a size in bytes, with an optional K/M/G/T suffix (powers of 1024)."""
-    from deltaserve.session.store import parse_size
+    from deltaserve.api import parse_size
 
     try:
         return parse_size(text)
@@ -250,7 +250,7 @@ def _run_turns(a, model, prompts: list[str], load_s: float, response_format: dic
 # ---------------------------------------------------------------------------------------------
 
 def cmd_convert(a) -> int:
-    from deltaserve.formats.convert import convert
+    from deltaserve.api import convert
 
     t0 = time.perf_counter()
     out = convert(a.hf_dir, a.out, a.type, progress=(lambda m: print(m, file=sys.stderr)) if a.verbose else None)
@@ -259,10 +259,10 @@ def cmd_convert(a) -> int:
 
 
 def cmd_inspect(a) -> int:
-    from deltaserve.runtime import capacity
-    from deltaserve.runtime.capacity import cpu_memory
-    from deltaserve.engine.host import load_host
-    from deltaserve.session.store import saved_state_bytes
+    from deltaserve.api import capacity
+    from deltaserve.api import cpu_memory
+    from deltaserve.api import load_host
+    from deltaserve.api import saved_state_bytes
 
     host = load_host(resolve_model(a.model), mmproj=getattr(a, "mmproj", None))
     c = host.config

@@ -61,8 +61,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 from deltaserve.errors import DeltaserveError
-from deltaserve.kernels.cpu import SPLIT_MIN_BYTES, available_cores, plural
-from deltaserve.session.store import prefix_hashes
+from deltaserve.api import SPLIT_MIN_BYTES, available_cores, plural
+from deltaserve.api import prefix_hashes
 from deltaserve.session.turns import thinking_flag
 
 # what `deltaserve serve` would take by default, for a config file that leaves options out
@@ -89,7 +89,7 @@ def options(args: dict | argparse.Namespace | None = None, **more) -> dict:
     opts["model"] = str(opts["model"]) if opts["model"] else None
     for key in ("state_ram", "state_disk"):
         if isinstance(opts[key], str):
-            from deltaserve.session.store import parse_size
+            from deltaserve.api import parse_size
 
             opts[key] = parse_size(opts[key])
     if int(opts["replicas"]) < 1 or int(opts["slots"]) < 1:
@@ -440,7 +440,7 @@ class Router:
         from prometheus_client import CollectorRegistry, Counter, Gauge
 
         from deltaserve.demo import default_model_path, thinking_default
-        from deltaserve.formats.source import open_model
+        from deltaserve.api import open_model
 
         self.opts = opts
         self.handles = list(replicas)
@@ -521,7 +521,7 @@ class Router:
         """The ids a generation request's prompt renders to (as the replica will render it), or None (not a
         generation request, or one the replica will refuse: routing does not matter then)."""
         from deltaserve.frontends.server.protocol import Limits, parse_chat, parse_completion
-        from deltaserve.session import driver
+        from deltaserve.api import driver
 
         if path not in ("/v1/chat/completions", "/v1/completions"):
             return None
@@ -806,7 +806,7 @@ def _free_port(host: str) -> int:
 def main(a) -> int:
     """`deltaserve serve MODEL --replicas N [--ray-address ADDR]`: the application on a local Ray instance bound to
     loopback (or on the cluster at ADDR), until SIGINT or SIGTERM."""
-    from deltaserve.cachedir import cache_root
+    from deltaserve.api import cache_root
     from deltaserve.frontends.common import resolve_model
 
     say = lambda line: print(f"[deltaserve] {line}", file=sys.stderr, flush=True)  # noqa: E731

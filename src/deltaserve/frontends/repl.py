@@ -25,15 +25,15 @@ import sys
 import time
 from pathlib import Path
 
-from deltaserve.runtime.guard import MAX_AGE as GUARD_MAX_AGE
-from deltaserve.cachedir import cache_root, data_root
+from deltaserve.api import MAX_AGE as GUARD_MAX_AGE
+from deltaserve.api import cache_root, data_root
 from deltaserve.errors import DeltaserveError
 from deltaserve.frontends.common import load_model, sampling_kwargs
-from deltaserve.kernels.cpu import plural
-from deltaserve.session import files
-from deltaserve.session.store import StateFileError, read_header
+from deltaserve.api import plural
+from deltaserve.api import files
+from deltaserve.api import StateFileError, read_header
 from deltaserve.session.turns import thinking_flag
-from deltaserve.version import __version__
+from deltaserve.api import __version__
 
 HELP = """commands:
   /clear          forget the conversation (keeps the system message; under --resume, the saved one too)
@@ -321,7 +321,7 @@ class ChatREPL:
             if not path:
                 self.out.write("[usage: /image FILE]\n")
             else:
-                from deltaserve.vision.inputs import ImageInputError, decode
+                from deltaserve.api import ImageInputError, decode
 
                 try:
                     image = decode(path, allow_files=True)

@@ -24,13 +24,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from deltaserve import settings
-from deltaserve.runtime.guard import MAX_AGE as GUARD_MAX_AGE
-from deltaserve.version import __version__
+from deltaserve.api import settings
+from deltaserve.api import MAX_AGE as GUARD_MAX_AGE
+from deltaserve.api import __version__
 from deltaserve.frontends.common import load_model
 from deltaserve.errors import ContextError, DeltaserveError
-from deltaserve.session.grammar import GrammarError, compile_format, compile_process
-from deltaserve.session.resident import check_prompt
+from deltaserve.api import GrammarError, compile_format, compile_process
+from deltaserve.api import check_prompt
 from deltaserve.session.turns import CallArguments, CallStart, Content, Finish, Reasoning, stop_ids, thinking_flag
 from deltaserve.frontends.server import connections, openapi, streams
 from deltaserve.frontends.server.compiles import CompileQueue
@@ -42,10 +42,10 @@ from deltaserve.frontends.server.responses import (Items, ResponsesRequest, fram
                                                     reasoning_tokens, response_object, sse, usage)
 from deltaserve.frontends.server.slots import QueueFull, SlotPool
 from deltaserve.frontends.server.webui import add_webui, has_vision
-from deltaserve.session.responses import ResponseRecord, ResponseStore, new_id
-from deltaserve.session import driver
+from deltaserve.api import ResponseRecord, ResponseStore, new_id
+from deltaserve.api import driver
 from deltaserve.session.turns import ask
-from deltaserve.text.toolcalls import ToolError
+from deltaserve.api import ToolError
 
 FINGERPRINT = f"deltaserve-{__version__}"
 RESPONSES_RAM = 64 << 20  # --responses-ram: the stored responses' budget

@@ -18,7 +18,7 @@ from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 
 from deltaserve.frontends.server.protocol import APIError
-from deltaserve.session.grammar import NotCached, isolated
+from deltaserve.api import NotCached, isolated
 
 PER_CLIENT = 4
 

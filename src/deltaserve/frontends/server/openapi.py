@@ -8,7 +8,7 @@ for whatever it refuses.
 
 from __future__ import annotations
 
-from deltaserve.version import __version__
+from deltaserve.api import __version__
 
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "param", "code"],

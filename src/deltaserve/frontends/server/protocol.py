@@ -17,10 +17,10 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 from pydantic_core import PydanticCustomError
 
 from deltaserve.errors import DeltaserveError
-from deltaserve.session.grammar import GrammarError, normalize
+from deltaserve.api import GrammarError, normalize
 from deltaserve.session.turns import TurnRequest, ask
-from deltaserve.text.toolcalls import ToolChoice, ToolError, normalize_tool_choice, normalize_tools
-from deltaserve.vision.inputs import ImageInputError, ImageLimits, fetch_url, private_fetch_url
+from deltaserve.api import ToolChoice, ToolError, normalize_tool_choice, normalize_tools
+from deltaserve.api import ImageInputError, ImageLimits, fetch_url, private_fetch_url
 
 
 class APIError(Exception):

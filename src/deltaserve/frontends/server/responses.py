@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deltaserve.frontends.server.protocol import MAX_CACHE_SALT, SEED_LIMIT, APIError, Limits, bad
-from deltaserve.session.grammar import GrammarError, normalize
-from deltaserve.session.responses import new_id, valid_id
+from deltaserve.api import GrammarError, normalize
+from deltaserve.api import new_id, valid_id
 from deltaserve.session.turns import CallArguments, CallStart, Content, Finish, Reasoning
-from deltaserve.text.toolcalls import ToolError, normalize_tool_choice, normalize_tools
+from deltaserve.api import ToolError, normalize_tool_choice, normalize_tools
 
 BUILT_IN_TOOLS = ("web_search", "web_search_preview", "file_search", "computer_use_preview", "computer",
                   "code_interpreter", "image_generation", "mcp", "local_shell", "shell", "apply_patch", "custom")

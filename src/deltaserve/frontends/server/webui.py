@@ -51,7 +51,7 @@ def has_vision(host) -> bool:
         return False
     from safetensors import safe_open
 
-    from deltaserve.vision.encoder import PREFIX
+    from deltaserve.api import PREFIX
 
     try:
         for path in sorted(Path(host.path).glob("*.safetensors")):
