@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from deltaserve.runtime.backend import CPUBackend
-from deltaserve.runtime.engine import EngineLoop, GRANULE
+from deltaserve.runtime.engine import CHUNK, EngineLoop
 
 
 @pytest.fixture(scope="module")
@@ -109,15 +109,15 @@ def test_with_a_threaded_loop_every_forward_of_every_session_runs_on_its_thread(
     engine.close()
 
 
-def test_a_long_prompt_is_cut_into_chunks_with_the_others_decode_steps_between_them(hybrid_model):
-    """While one sequence decodes, another's long prompt goes in chunks of whole granules, each step running the
-    decoding sequence's row first; the long prompt's answer is the same as alone."""
+def test_a_long_prompt_runs_a_few_layers_a_step_with_the_others_decode_rows_between(hybrid_model):
+    """While one sequence decodes, another's long prompt goes in chunks of CHUNK tokens (the same cuts as alone), each
+    chunk a few layers a step with the decoding sequence's row between; both answers are the same as alone."""
     long = [(37 * i) % 500 + 10 for i in range(700)]
     short = [5, 6, 7, 8, 9]
     want_long = hybrid_model.generate(long, max_tokens=3).tokens
     want_short = hybrid_model.generate(short, max_tokens=40).tokens
     engine, (a, b) = _sessions(hybrid_model, 2)
-    engine.step_s = 1e-6  # the fewest tokens a step (min_chunk) while others decode: many chunks
+    engine.step_s = 1e-6  # one layer a step while another decodes
     engine.record()
     started = threading.Event()
     out = {}
@@ -132,11 +132,14 @@ def test_a_long_prompt_is_cut_into_chunks_with_the_others_decode_steps_between_t
     t.join()
     assert out["short"].tokens == want_short and out["long"].tokens == want_long
     log = list(engine.stats.log)
-    chunks = [i for i, e in enumerate(log) if e[0] == "prefill" and e[2] >= GRANULE and e[2] % GRANULE == 0]
-    assert len(chunks) >= 5, log
-    # between two consecutive chunks of the long prompt, the decoding sequence's row ran
-    between = [any(e[0] == "rows" for e in log[i + 1:j]) for i, j in zip(chunks, chunks[1:])]
-    assert sum(between) >= len(between) - 1, log
+    chunks = [e[2] for e in log if e[0] == "prefill" and e[1] == "b"]
+    assert chunks[:2] == [CHUNK, 700 - 1 - CHUNK], chunks  # the span before the checkpoint, as alone cuts it
+    first = log.index(("prefill", "b", CHUNK))
+    slices = [i for i, e in enumerate(log[:first + 1]) if e[0] == "layers" and e[1] == "b"]
+    layers = hybrid_model.config.num_layers
+    assert len(slices) == layers and all(log[i][2] == 1 for i in slices)  # the chunk's layers one a step
+    between = [any(e[0] == "rows" and ("a", 1) in e[1] for e in log[i + 1:j]) for i, j in zip(slices, slices[1:])]
+    assert all(between), log  # the decoding sequence's row between every two of them
     engine.close()
 
 
@@ -170,40 +173,37 @@ def test_a_cancelled_sequence_has_no_rows_in_the_step_after_its_cancel(hybrid_mo
     engine.close()
 
 
-def test_a_client_gone_during_a_long_prefill_stops_it_at_the_next_chunk(hybrid_model):
-    long = [(37 * i) % 500 + 10 for i in range(900)]
+def test_a_client_gone_during_a_long_prefill_stops_it_after_the_chunk_under_way(hybrid_model):
+    """A chunk's layers are never left half done (the state is consistent only between chunks): the prompt stops at
+    the end of the chunk under way, and what was fed is held."""
+    long = [(37 * i) % 500 + 10 for i in range(3 * CHUNK)]
     engine, (a, b) = _sessions(hybrid_model, 2)
     engine.step_s = 1e-6
     engine.record()
     cancel = threading.Event()
     started = threading.Event()
-    calls = {"n": 0}
-    forward = a.backend.forward
-    original = forward.prefill
+    seen = {"layers": 0}
+    original = engine._prefill_layers
 
-    def prefill(state, tokens, *args, **kwargs):  # the long prompt's second chunk: its client leaves
-        if len(tokens) == GRANULE:
-            calls["n"] += 1
-            if calls["n"] == 2:
+    def counting(seq, deadline):  # a few layers into the first chunk, its client leaves
+        if seq.label == "a":
+            seen["layers"] += 1
+            if seen["layers"] == 3:
                 cancel.set()
-        return original(state, tokens, *args, **kwargs)
+        return original(seq, deadline)
 
-    forward.prefill = prefill
-    try:
-        t = threading.Thread(target=lambda: b.generate([5, 6, 7], max_tokens=60, stop=[],
-                                                       on_token=lambda tid, text: started.set()))
-        t.start()
-        started.wait(30)
-        turn = a.generate(long, max_tokens=5, cancel=cancel)
-        t.join()
-    finally:
-        del forward.prefill
+    engine._prefill_layers = counting
+    t = threading.Thread(target=lambda: b.generate([5, 6, 7], max_tokens=400, stop=[],
+                                                   on_token=lambda tid, text: started.set()))
+    t.start()
+    started.wait(30)
+    turn = a.generate(long, max_tokens=5, cancel=cancel)
+    t.join()
     assert turn.finish_reason == "cancelled" and turn.tokens == []
-    chunks = [e for e in engine.stats.log if e[0] == "prefill" and e[1] == a.label]
-    assert sum(n for _, _, n in chunks) == 2 * GRANULE < len(long)  # no chunk after the cancel
-    assert a.held == long[:2 * GRANULE]  # what was fed is held: a retry prefills only the rest
+    assert [e[2] for e in engine.stats.log if e[0] == "prefill" and e[1] == "a"] == [CHUNK]  # that chunk, no other
+    assert a.held == long[:CHUNK]  # what was fed is held: a retry prefills only the rest
     retry = a.generate(long, max_tokens=2)
-    assert retry.reused == 2 * GRANULE and retry.tokens == hybrid_model.generate(long, max_tokens=2).tokens
+    assert retry.reused == CHUNK and retry.tokens == hybrid_model.generate(long, max_tokens=2).tokens
     engine.close()
 
 
@@ -337,7 +337,7 @@ def test_a_device_that_loses_memory_between_chunks_goes_one_plan_down_at_the_nex
     a, b = (hybrid_model.session(backend=backend, quiet=True) for _ in range(2))
     a.label, b.label = "a", "b"
     engine.step_s = 1e-6
-    long = [(37 * i) % 500 + 10 for i in range(600)]
+    long = [(37 * i) % 500 + 10 for i in range(3 * CHUNK)]
     b.generate([5, 6, 7], max_tokens=2)  # both states allocated (4096 positions each) before the measured turn
     a.generate([8, 9], max_tokens=1)
 
@@ -348,17 +348,17 @@ def test_a_device_that_loses_memory_between_chunks_goes_one_plan_down_at_the_nex
     big, small = total(cap.PREFILL_PLANS[0]), total(cap.PREFILL_PLANS[1])
     assert small < big
     forward = backend.forward
-    original = forward.prefill
+    original = forward.prefill_steps
     seen = {"chunks": 0}
 
-    def prefill(state, tokens, *args, **kwargs):
+    def prefill_steps(state, tokens):
         if state is a.state:
             seen["chunks"] += 1
-            if seen["chunks"] == 1:  # after the first chunk a neighbour takes memory: only the smaller plan fits
+            if seen["chunks"] == 1:  # during the first chunk a neighbour takes memory: only the smaller plan fits
                 backend.memory_bytes = (big + small) // 2 + b.state.nbytes
-        return original(state, tokens, *args, **kwargs)
+        return original(state, tokens)
 
-    forward.prefill = prefill
+    forward.prefill_steps = prefill_steps
     started = threading.Event()
     try:
         t = threading.Thread(target=lambda: b.generate([5, 6, 7, 11], max_tokens=80, stop=[],
@@ -368,7 +368,7 @@ def test_a_device_that_loses_memory_between_chunks_goes_one_plan_down_at_the_nex
         turn = a.generate(long, max_tokens=2)
         t.join()
     finally:
-        del forward.prefill
+        del forward.prefill_steps
         backend.memory_bytes = None
     assert a.on_accelerator and turn.backend == backend.name and seen["chunks"] > 2
     said = [n for n in a.notices if "at this chunk" in n]
@@ -379,7 +379,7 @@ def test_a_device_that_loses_memory_between_chunks_goes_one_plan_down_at_the_nex
 
 
 def test_a_prompt_is_fed_at_every_step_while_many_sequences_decode(hybrid_model):
-    """Fair both ways: while four sequences decode, a waiting prompt gets a chunk in every step (never starved by the
+    """Fair both ways: while four sequences decode, a waiting prompt gets layers in every step (never starved by the
     decodes), and every step still runs the decodes' rows first (never starved by the prompt)."""
     engine, sessions = _sessions(hybrid_model, 5)
     engine.step_s = 1e-6
@@ -390,20 +390,20 @@ def test_a_prompt_is_fed_at_every_step_while_many_sequences_decode(hybrid_model)
 
     def decode(i):
         started.wait()
-        out[i] = decoders[i].generate([5 + i, 6, 7], max_tokens=60, stop=[])
+        out[i] = decoders[i].generate([5 + i, 6, 7], max_tokens=80, stop=[])
 
     threads = [threading.Thread(target=decode, args=(i,)) for i in range(4)]
     [t.start() for t in threads]
     started.wait()
     while engine.stats.rows["decode"] < 8:  # the four are decoding
         threading.Event().wait(0.005)
-    long = [(37 * i) % 500 + 10 for i in range(512)]
+    long = [(37 * i) % 500 + 10 for i in range(CHUNK)]
     turn = prompter.generate(long, max_tokens=1)
     [t.join() for t in threads]
     log = list(engine.stats.log)
-    mine = [i for i, e in enumerate(log) if e[0] == "prefill" and e[1] == prompter.label]
-    assert len(mine) >= 5 and turn.prefilled == len(long)
-    for i, j in zip(mine, mine[1:]):  # between two of its chunks: exactly one step's rows, the decoders'
-        between = log[i + 1:j]
+    mine = [i for i, e in enumerate(log) if e[0] == "layers" and e[1] == prompter.label]
+    assert len(mine) >= hybrid_model.config.num_layers and turn.prefilled == len(long)
+    for i, j in zip(mine, mine[1:]):  # between two of its steps: one step's rows, the decoders'
+        between = [e for e in log[i + 1:j] if e[0] != "prefill"]
         assert len(between) == 1 and between[0][0] == "rows" and len(between[0][1]) >= 1, between
     engine.close()

@@ -88,7 +88,6 @@ class Forward:
         if getattr(state, "mtp", None) is not None and self.mtp is not None:
             self.mtp.follow(state.mtp, start, ids, hidden)
 
-    @torch.inference_mode()
     def _run(self, state: DecodeState, ids: torch.Tensor, chunked: bool, all_logits: bool,
              snaps: list | None = None, hidden_only: bool = False, images=None) -> torch.Tensor:
         """A span of one sequence from the state's position. `snaps` (the recurrent path): the DeltaNet states after
@@ -96,6 +95,18 @@ class Forward:
         the final norm instead of logits. `images`: embeddings in place of the image tokens' rows and the span's 3-D
         rotary positions (deltaserve.vision.span.ImageSpan); the state's rope_delta moves to where they leave the
         text."""
+        steps = self._run_steps(state, ids, chunked, all_logits, snaps, hidden_only, images)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def _run_steps(self, state: DecodeState, ids: torch.Tensor, chunked: bool, all_logits: bool,
+                   snaps: list | None = None, hidden_only: bool = False, images=None):
+        """`_run` a layer at a time: a generator that yields after each layer and returns what `_run` returns. The state
+        is consistent only once it has returned (its length moves then; the layers before the one it stopped at have
+        fed the span): the engine loop runs other sequences' rows between its layers, never abandons it midway."""
         c = self.config
         t, start = int(ids.numel()), state.length
         if t == 0:
@@ -104,11 +115,15 @@ class Forward:
             raise ValueError(f"{start + t} positions do not fit a decode state of {state.capacity}")
         id_list = ids.tolist()
         self._check_ids(id_list)
-        if images is not None:
-            rope = L.mrope_tables(images.positions.to(self.device), c.rotary_dim, c.rope_theta, c.mrope_section)
-        else:
-            rope = L.rope_tables(torch.arange(start, start + t, device=self.device) + state.rope_delta,
-                                 c.rotary_dim, c.rope_theta)
+        with torch.inference_mode():
+            if images is not None:
+                rope = L.mrope_tables(images.positions.to(self.device), c.rotary_dim, c.rope_theta, c.mrope_section)
+            else:
+                rope = L.rope_tables(torch.arange(start, start + t, device=self.device) + state.rope_delta,
+                                     c.rotary_dim, c.rope_theta)
+            x = self.weights.embed.lookup(ids)
+            if images is not None:
+                x = images.placed(x, ids)
 
         def attention(i, h, mw):
             k_cache, v_cache = state.kv[i]
@@ -118,21 +133,23 @@ class Forward:
             return L.deltanet_mixer(h, mw, c, state.conv[i], state.ssm[i], chunked, self.native,
                                     snaps=[(s.conv[i], s.ssm[i]) for s in snaps] if snaps else None)
 
-        x = self.weights.embed.lookup(ids)
-        if images is not None:
-            x = images.placed(x, ids)
-        with L.scratch():
-            x = self._layers(x, attention, deltanet)
-        state.length = start + t
-        if images is not None:
-            state.rope_delta = images.next_position - state.length
-        if hidden_only:
-            return self._normed(x)
-        if getattr(state, "mtp", None) is not None and self.mtp is not None:
-            normed = self._normed(x)
-            self._follow(state, start, id_list, normed)
-            return self.weights.lm_head(normed if all_logits else normed[-1:]).float()
-        return self._head(x if all_logits else x[-1:])
+        eps, buffers = c.rms_norm_eps, {}
+        for i, lw in enumerate(self.weights.layers):
+            with torch.inference_mode(), L.scratch(buffers):
+                x = L.layer(i, lw, x, eps, attention, deltanet)
+            if i + 1 < len(self.weights.layers):
+                yield i
+        with torch.inference_mode():
+            state.length = start + t
+            if images is not None:
+                state.rope_delta = images.next_position - state.length
+            if hidden_only:
+                return self._normed(x)
+            if getattr(state, "mtp", None) is not None and self.mtp is not None:
+                normed = self._normed(x)
+                self._follow(state, start, id_list, normed)
+                return self.weights.lm_head(normed if all_logits else normed[-1:]).float()
+            return self._head(x if all_logits else x[-1:])
 
     def hidden_rows(self, state: DecodeState, tokens) -> torch.Tensor:
         """A span fed as `prefill` feeds it, returning every row after the final norm [T, hidden] (what an MTP block
@@ -200,6 +217,16 @@ class Forward:
                                 images=images.rows(i, min(i + rows, ids.numel()), ids))
                       for i in range(0, ids.numel(), rows)]
         return torch.cat(pieces) if all_logits else pieces[-1][0]
+
+    def prefill_steps(self, state: DecodeState, tokens):
+        """`prefill` a layer at a time: a generator that yields after each layer of each call of `state.prefill_rows`
+        tokens and returns the last position's logits [vocab] (see `_run_steps`: the engine loop runs other sequences'
+        rows between its layers)."""
+        ids, rows = self._ids(tokens), state.prefill_rows
+        logits = None
+        for i in range(0, ids.numel(), rows):
+            logits = yield from self._run_steps(state, ids[i:i + rows], chunked=True, all_logits=False)
+        return logits[0]
 
     def decode(self, state: DecodeState, token: int) -> torch.Tensor:
         """One token through the recurrent path. Returns logits [vocab]."""

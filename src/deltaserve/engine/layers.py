@@ -61,10 +61,15 @@ def layer_loop(x: torch.Tensor, layers, eps: float, attention, deltanet) -> torc
     MoE block), residual per layer; `attention(i, h, weights)` and `deltanet(i, h, weights)` mix layer i's normed
     input."""
     for i, lw in enumerate(layers):
-        h = rms_norm(x, lw.attn_norm, eps)
-        x = x + (attention(i, h, lw.mixer) if isinstance(lw.mixer, AttentionWeights) else deltanet(i, h, lw.mixer))
-        x = x + ffn(rms_norm(x, lw.post_norm, eps), lw)
+        x = layer(i, lw, x, eps, attention, deltanet)
     return x
+
+
+def layer(i: int, lw, x: torch.Tensor, eps: float, attention, deltanet) -> torch.Tensor:
+    """Layer i of the loop (a prefill the engine loop runs a few layers at a time calls it one layer a step)."""
+    h = rms_norm(x, lw.attn_norm, eps)
+    x = x + (attention(i, h, lw.mixer) if isinstance(lw.mixer, AttentionWeights) else deltanet(i, h, lw.mixer))
+    return x + ffn(rms_norm(x, lw.post_norm, eps), lw)
 
 
 def ffn(x: torch.Tensor, lw) -> torch.Tensor:
@@ -106,18 +111,21 @@ _SCRATCH = threading.local()
 
 
 @contextlib.contextmanager
-def scratch():
+def scratch(buffers: dict | None = None):
     """Large working buffers (an MoE layer's pairs) that the layers of one forward reuse in turn, their pages faulted
     once a forward rather than once a layer (a fresh 32 MB buffer: ~4 ms of page faults, against ~2 ms to write it
-    again), and dropped when it ends. Outside this, each layer allocates its own."""
+    again), and dropped when it ends. Outside this, each layer allocates its own. `buffers`: the forward's own dict,
+    for a forward run a few layers at a time (its buffers kept between its steps, whatever ran in between)."""
     outer = getattr(_SCRATCH, "buffers", None)
-    if outer is None:
+    if buffers is not None:
+        _SCRATCH.buffers = buffers
+    elif outer is None:
         _SCRATCH.buffers = {}
     try:
         yield
     finally:
-        if outer is None:
-            _SCRATCH.buffers = None
+        if buffers is not None or outer is None:
+            _SCRATCH.buffers = outer
 
 
 def scratch_buffer(name: str, n: int, device: torch.device) -> torch.Tensor:

@@ -476,9 +476,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "64 MiB and more, where a forward is long against a thread hand-off; off: the slots' threads "
                         "step it in turn)")
     s.add_argument("--step-ms", type=float, default=None, metavar="MS",
-                   help="the engine loop's step while sequences decode: their rows, then as much of a waiting "
-                        "prompt as fits the rest of MS milliseconds (default 250: a streaming client's longest gap "
-                        "while another's long prompt prefills; smaller: shorter gaps and a slower long prompt)")
+                   help="the engine loop's step while sequences decode: their rows, then a waiting prompt's layers "
+                        "for the rest of MS milliseconds (default 200: a streaming client's longest gap while "
+                        "another's long prompt prefills; smaller: shorter gaps and a slower long prompt)")
     s.add_argument("--replicas", type=positive_int, default=None, metavar="N",
                    help="run N replicas of this server on Ray Serve behind one endpoint, each conversation routed to "
                         "the replica holding its state, all sharing --state-dir (needs deltaserve[ray]; on one "

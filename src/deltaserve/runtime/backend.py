@@ -124,6 +124,11 @@ class Backend:
     def prefill(self, state: DecodeState, tokens, all_logits: bool = False, images=None) -> torch.Tensor:
         return self._on_compute(self.forward.prefill, state, tokens, all_logits, images)
 
+    def prefill_steps(self, state: DecodeState, tokens):
+        """`prefill` a layer at a time (`Forward.prefill_steps`): a generator the engine loop steps on its thread,
+        running other sequences' rows between its layers; it returns the last position's logits [vocab]."""
+        return self.forward.prefill_steps(state, tokens)
+
     def run_rows(self, runs: list) -> tuple[list[torch.Tensor], int]:
         """Rows of several sequences (`runs`: (state, tokens, snapshots or None) each), every weight read once for
         all where the kernels allow (`Forward.run_rows`): each run's logits [len(tokens), vocab], and the forward
@@ -235,6 +240,17 @@ class CUDABackend(Backend):
         at = ", ".join(str(st.length) for st, _, _ in runs[:4])
         return self._guarded(f"the decode step at position {at}", super().run_rows, runs)
 
+    def prefill_steps(self, state, tokens):
+        steps = self._guarded(f"the prefill at position {state.length}", super().prefill_steps, state, tokens)
+        while True:  # every layer's failure is the device's
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+            except Exception as e:  # noqa: BLE001
+                raise AcceleratorFailure(f"the prefill at position {state.length} failed on {self.name}: {e}") from e
+            yield
+
 
 class FaultyBackend(Backend):
     """A test accelerator: the CPU forward, posing as a device, that fails at a chosen stage.
@@ -301,6 +317,10 @@ class FaultyBackend(Backend):
         self._hit("prefill")
         out = super().prefill(state, tokens, all_logits, images)
         return out
+
+    def prefill_steps(self, state, tokens):
+        self._hit("prefill")
+        return super().prefill_steps(state, tokens)
 
     def run_rows(self, runs):
         self._hit("decode")

@@ -13,12 +13,13 @@ thread. The loop owns the order: each `step` runs
 
 1. the `Rows` of every sequence waiting for them, in as few forwards as the kernels allow (`Backend.run_rows`: one
    native call takes up to 8 rows of any mix of sequences, each sequence's rows in order), then resumes each;
-2. a chunk of the oldest waiting prompt: the whole rest of it when no sequence is decoding (at most `ALONE_ROWS`
-   tokens a call, so that a request that arrives meanwhile waits for one chunk, not a whole prompt); while others
-   decode, as many tokens as fit the step's time (`step_s`, less what the rows took, at the prefill speed measured
-   on this loop), at least `min_chunk`. A chunk is a multiple of `GRANULE` tokens from its span's start (the delta
-   rule's own chunk, and the attention's query block), and a tail shorter than that goes with the chunk before it, so
-   on the file's own blocks a prompt's logits are the same bits whatever the load cut it into;
+2. the oldest waiting prompt's current chunk, a layer at a time: while other sequences decode, as many layers as fit
+   the rest of the step's time (`step_s` less what the rows took; at least one layer, so a prompt is never starved),
+   then the next step runs their rows again; with nothing decoding, its layers until the chunk is done or another
+   sequence arrives. A prompt is fed in chunks of `CHUNK` tokens from its span's start (a tail shorter than `GRANULE`
+   goes with the chunk before it), whatever the load: the cuts are the same alone or among others, so a prompt's
+   logits are the same bits either way, and a chunk large enough to multiply at full speed is never cut smaller to
+   keep the others' gaps short: its layers are;
 3. the sequences whose `Blocking` work finished.
 
 A sequence whose `cancel` event is set gets `Cancelled` raised at its next step (its rows are never run again).
@@ -40,10 +41,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator
 
-GRANULE = 64       # prefill chunks are multiples of this many tokens from their span's start (the delta rule's chunk)
-ALONE_ROWS = 512   # tokens a prefill call takes when no sequence decodes
-DEFAULT_STEP_S = 0.25  # a step's time while sequences decode: their rows, then a prefill chunk (the token gap)
-DEFAULT_MIN_CHUNK = GRANULE
+GRANULE = 64       # the delta rule's chunk and the attention's query block: a prompt is cut at multiples of it
+CHUNK = 512        # prompt tokens a forward call takes (the prefill runs at about full speed from 128-256 up)
+DEFAULT_STEP_S = 0.2   # a step's time while sequences decode: their rows, then a prompt's layers (the token gap)
 
 
 class Cancelled(Exception):
@@ -79,6 +79,8 @@ class Prefill:
     fed: int = 0
     seconds: float = 0.0
     calls: int = 0
+    running: Any = None   # the current chunk's layers (a generator: Backend.prefill_steps), while it is under way
+    chunk: int = 0        # its tokens
 
 
 @dataclass
@@ -149,19 +151,16 @@ def _quantile(xs: list[float], q: float) -> float | None:
 
 
 class EngineLoop:
-    """See the module's docstring. `step_s`: a step's time while sequences decode; `min_chunk`: the fewest prompt
-    tokens a step feeds (a prompt is never starved by decodes); `alone_rows`: tokens per prefill call when nothing
-    decodes."""
+    """See the module's docstring. `step_s`: a step's time while sequences decode; `chunk`: a prompt's tokens a forward
+    call takes."""
 
     def __init__(self, threaded: bool = False, name: str = "deltaserve-engine", step_s: float = DEFAULT_STEP_S,
-                 min_chunk: int = DEFAULT_MIN_CHUNK, alone_rows: int = ALONE_ROWS):
+                 chunk: int = CHUNK):
         if step_s <= 0:
             raise ValueError(f"a step's time must be positive, got {step_s}")
         self.step_s = step_s
-        self.min_chunk = max(GRANULE, (int(min_chunk) // GRANULE) * GRANULE)
-        self.alone_rows = max(GRANULE, (int(alone_rows) // GRANULE) * GRANULE)
+        self.chunk = max(GRANULE, (int(chunk) // GRANULE) * GRANULE)
         self.stats = EngineStats()
-        self.prefill_rate: dict[int, float] = {}  # backend id -> tokens/s of its prefill chunks under load
         self.threaded = threaded
         self._cv = threading.Condition()
         self._incoming: deque = deque()   # sequences and calls handed over, not yet taken in
@@ -317,10 +316,11 @@ class EngineLoop:
             self._wake()
 
     def _cancel_gone(self, seqs: list[Sequence]) -> list[Sequence]:
-        """Those of `seqs` whose client is still there; the others get Cancelled raised at their yield."""
+        """Those of `seqs` whose client is still there; the others get Cancelled raised at their yield (a prompt whose
+        chunk is under way finishes that chunk first: its state is consistent only between chunks)."""
         kept = []
         for s in seqs:
-            if s.cancel is not None and s.cancel.is_set():
+            if s.cancel is not None and s.cancel.is_set() and getattr(s.work, "running", None) is None:
                 self.stats.cancelled += 1
                 if self.stats.log is not None:
                     self.stats.log.append(("cancelled", s.label))
@@ -333,13 +333,15 @@ class EngineLoop:
         """One step: every sequence's rows, then a chunk of the oldest waiting prompt, then finished blocking work."""
         self._take_in()
         self.stats.steps += 1
+        t0 = time.perf_counter()
         waiting = self._cancel_gone([s for s in self._seqs if isinstance(s.work, Rows)])
-        rows_s = self._run_rows(waiting) if waiting else 0.0
+        if waiting:
+            self._run_rows(waiting)
         prompts = self._cancel_gone([s for s in self._seqs if isinstance(s.work, Prefill)])
         if prompts:
             oldest = min(prompts, key=lambda s: s.arrived)
             decoding = bool(waiting) or any(isinstance(s.work, Rows) for s in self._seqs)
-            self._prefill_chunk(oldest, decoding, rows_s)
+            self._prefill_layers(oldest, t0 + self.step_s if decoding else None)
         for s in [s for s in self._seqs if s.pending is not None and s.pending.done()]:
             fut, s.pending = s.pending, None
             error = fut.exception()
@@ -379,37 +381,54 @@ class EngineLoop:
                 self._advance(s, logits)
         return spent
 
-    def _prefill_chunk(self, seq: Sequence, decoding: bool, rows_s: float) -> None:
+    def _prefill_layers(self, seq: Sequence, deadline: float | None) -> None:
+        """The prompt's current chunk (started here if none is under way), a layer at a time, until `deadline` (at
+        least one layer) or, with none, until it is done or another sequence arrives."""
         w: Prefill = seq.work
-        left = len(w.tokens) - w.fed
-        if w.images is not None:
-            n = left  # an image's rows are fed with the span they are in
-        elif not decoding:
-            n = min(left, self.alone_rows)
-        else:
-            rate = self.prefill_rate.get(id(w.backend))
-            room = self.step_s - rows_s
-            n = self.min_chunk if rate is None else int(room * rate) // GRANULE * GRANULE
-            n = min(left, max(self.min_chunk, n), self.alone_rows)
-        if left - n < GRANULE:
-            n = left  # a tail shorter than a granule goes with this chunk (its rows take the same kernels as alone)
-        if w.fit is not None and w.images is None and w.fit() <= 0:
-            self._one_token(seq, w)  # no batched plan fits the memory free now: this chunk one token at a time
-            return
-        t0 = time.perf_counter()
-        try:
-            logits = w.backend.prefill(w.state, w.tokens[w.fed:w.fed + n],
-                                       images=w.images) if w.images is not None else \
-                w.backend.prefill(w.state, w.tokens[w.fed:w.fed + n])
-        except BaseException as e:  # noqa: BLE001
-            self._advance(seq, None, e)
-            return
-        dt = time.perf_counter() - t0
-        self._count_prefill(seq, w, n, dt, decoding)
-        if w.fed >= len(w.tokens):
-            self._advance(seq, PrefillDone(logits, w.seconds, w.calls))
+        if w.running is None:
+            left = len(w.tokens) - w.fed
+            if w.images is not None:
+                n = left  # an image's rows are fed with the span they are in
+            else:
+                n = min(left, self.chunk)
+                if left - n < GRANULE:
+                    n = left  # a tail shorter than a granule goes with this chunk (as it does alone)
+                if w.fit is not None and w.fit() <= 0:
+                    self._one_token(seq, w)  # no batched plan fits the memory free now: one token at a time
+                    return
+            try:
+                if w.images is not None:
+                    w.running = _whole(w.backend.prefill, w.state, w.tokens[w.fed:w.fed + n], False, w.images)
+                else:
+                    w.running = w.backend.prefill_steps(w.state, w.tokens[w.fed:w.fed + n])
+            except BaseException as e:  # noqa: BLE001
+                self._advance(seq, None, e)
+                return
+            w.chunk = n
+        t0 = last = time.perf_counter()
+        layers, recent = 0, deque(maxlen=4)  # the last layers' times: the next one's is taken as their longest
+        while True:
+            try:
+                next(w.running)
+                layers += 1
+            except StopIteration as done:
+                self._chunk_done(seq, w, done.value, time.perf_counter() - t0, layers + 1)
+                return
+            except BaseException as e:  # noqa: BLE001 - a forward's failure is the sequence's
+                w.running = None
+                self._advance(seq, None, e)
+                return
+            now = time.perf_counter()
+            recent.append(now - last)
+            last = now
+            if (deadline is not None and now + max(recent) > deadline) or (deadline is None and self._incoming):
+                w.seconds += now - t0
+                if self.stats.log is not None:
+                    self.stats.log.append(("layers", seq.label, layers))
+                return
 
-    def _count_prefill(self, seq: Sequence, w: Prefill, n: int, dt: float, decoding: bool) -> None:
+    def _chunk_done(self, seq: Sequence, w: Prefill, logits, dt: float, layers: int) -> None:
+        n, w.running = w.chunk, None
         w.fed += n
         w.seconds += dt
         w.calls += 1
@@ -418,12 +437,10 @@ class EngineLoop:
         st.prefill_chunks += 1
         st.rows["prefill"] += n
         if st.log is not None:
+            st.log.append(("layers", seq.label, layers))
             st.log.append(("prefill", seq.label, n))
-        if decoding and dt > 0 and n >= GRANULE:  # the speed a chunk under load gets (small chunks run slower)
-            key = id(w.backend)
-            rate = n / dt
-            old = self.prefill_rate.get(key)
-            self.prefill_rate[key] = rate if old is None else 0.5 * old + 0.5 * rate
+        if w.fed >= len(w.tokens):
+            self._advance(seq, PrefillDone(logits, w.seconds, w.calls))
 
     def _one_token(self, seq: Sequence, w: Prefill) -> None:
         t0 = time.perf_counter()
@@ -432,13 +449,18 @@ class EngineLoop:
         except BaseException as e:  # noqa: BLE001
             self._advance(seq, None, e)
             return
-        self._count_prefill(seq, w, 1, time.perf_counter() - t0, False)
-        if w.fed >= len(w.tokens):
-            self._advance(seq, PrefillDone(outs[0][-1], w.seconds, w.calls))
+        w.chunk = 1
+        self._chunk_done(seq, w, outs[0][-1], time.perf_counter() - t0, 0)
 
     def record(self, on: bool = True) -> None:
         """Keep every forward's kind and rows, in order, in `stats.log` (for the tests of the mechanism)."""
         self.stats.log = deque() if on else None
+
+
+def _whole(fn, *args):
+    """A forward that is not stepped a layer at a time (a span with images), as a generator of no steps."""
+    return fn(*args)
+    yield  # unreachable: makes this a generator
 
 
 def _run_alone(gen: Generator):
