@@ -24,9 +24,9 @@ from deltaserve.runtime.backend import AcceleratorFailure, Backend, CPUBackend
 from deltaserve.runtime.engine import Blocking, Cancelled, Prefill, PrefillDone, Rows
 from deltaserve.engine.state import Checkpoint, DecodeState
 from deltaserve.engine.weights import trim_heap
-from deltaserve.errors import BackendError, CapacityError, ContextError, DeltaserveError
+from deltaserve.errors import BackendError, CapacityError, DeltaserveError
 from deltaserve.session.drafting import DEFAULT_DRAFTS, DraftPolicy
-from deltaserve.session.driver import PreparedTurn, check_prompt, overflow_message
+from deltaserve.session.driver import PreparedTurn, check_prompt
 from deltaserve.session.driver import run as run_prepared
 from deltaserve.session.grammar import CompiledFormat, GrammarError, compile_format
 from deltaserve.session.sampling import Sampler, SamplingParams
