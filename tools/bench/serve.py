@@ -12,8 +12,9 @@ thread count (`--threads`, default 2), each server in a process of its own, one 
   `LONG`-token prompt. Measured: the first client's longest gap between two tokens while the long prompt prefills (its
   send to its first token), and the long prompt's time to first token, against the same prompt's time to first
   token with no other client (a prompt of other tokens each time: nothing is reused).
-- **One stream, in-process**: `deltaserve.load(...)` in a fresh process, pp512 and the decode of 32 tokens
-  (tools/bench/peers.py's), to compare a stream through the server with the engine called directly.
+- **One stream, in-process**: in a fresh process, `deltaserve.load(...).generate` (a one-call session: the issue's
+  measure) and the bare forward's pp512 and decode (tools/bench/peers.py's), to compare a stream through the
+  server with the engine called directly.
 
 Each round runs both servers on both files; `--repeats` rounds, medians reported, every run kept in the JSON.
 Written under --out: serve.json, serve.md, serve.png.
@@ -142,6 +143,21 @@ def long_prompt(url: str, engine: str, seed: int, with_stream: bool) -> dict:
     return out
 
 
+def deltaserve_generate(path: Path, threads: int, repeats: int = 3) -> dict:
+    """One stream in-process as the issue measures it: `deltaserve.load(path).generate(...)` (a one-call session:
+    sampling and detokenizing included), the decode's tokens per second, the median of `repeats` turns of a prompt
+    of PROMPT_TOKENS ids and STREAM_TOKENS tokens (run in a fresh process: tools/bench/peers.in_fresh_process)."""
+    import deltaserve
+
+    m = deltaserve.load(path, threads=threads)
+    rates = []
+    for r in range(repeats + 1):
+        turn = m.generate(_ids(500 + r, PROMPT_TOKENS), max_tokens=STREAM_TOKENS, stop=[])
+        if r:  # the first turn pays one-time costs
+            rates.append(turn.decode_tok_s)
+    return {"tg": median(rates), "tg_runs": rates}
+
+
 def serve_cmd(engine: str, path: Path, port: int, threads: int) -> list[str]:
     if engine == "deltaserve":
         return [sys.executable, "-m", "deltaserve.frontends.cli", "serve", str(path), "--port", str(port), "--slots",
@@ -194,12 +210,15 @@ def main(a) -> None:
               "slots": SLOTS, "files": {}}
     paths = {kind: model_file("0.8B", kind) for kind in FILES}
     for kind in FILES:
-        result["files"][kind] = {"deltaserve": {"runs": []}, "llama-server": {"runs": []}, "in_process": []}
+        result["files"][kind] = {"deltaserve": {"runs": []}, "llama-server": {"runs": []}, "in_process": [],
+                                 "in_process_generate": []}
     for rnd in range(repeats):
         for kind in FILES:
             path = paths[kind]
             entry = result["files"][kind]
             entry["in_process"].append(in_fresh_process("deltaserve_pp_tg", path, threads, 1, 64))
+            entry["in_process_generate"].append(in_fresh_process("deltaserve_generate", path, threads,
+                                                                 module="tools.bench.serve"))
             for engine in ("deltaserve", "llama-server"):
                 print(f"[bench] serve: round {rnd + 1}/{repeats}, {kind}, {engine}", file=sys.stderr, flush=True)
                 entry[engine]["runs"].append(one_server(engine, path, threads, seed=1000 * rnd + 17))
@@ -209,6 +228,7 @@ def main(a) -> None:
             entry[engine]["summary"] = summarize(entry[engine]["runs"])
         entry["in_process_tg"] = median([r["tg"] for r in entry["in_process"]])
         entry["in_process_pp512"] = median([r["pp512"] for r in entry["in_process"]])
+        entry["in_process_generate_tg"] = median([r["tg"] for r in entry["in_process_generate"]])
     out = Path(a.out)
     (out / "serve.json").write_text(json.dumps(result, indent=1))
     md = report(result, out)
@@ -232,9 +252,11 @@ def report(r: dict, out: Path) -> Path:
         for n in STREAMS:
             dn, ln = d["streams"].get(n) or d["streams"].get(str(n)), l["streams"].get(n) or l["streams"].get(str(n))
             lines.append(f"| {n} | {dn or 0:.1f} | {ln or 0:.1f} | {_x(dn, ln)} | {_x(dn, one)} |")
-        lines += ["", f"One stream through the server: {one or 0:.1f} tok/s; in-process decode of the same file: "
-                      f"{e['in_process_tg']:.1f} tok/s ({_x(one, e['in_process_tg'])}); in-process pp512 "
-                      f"{e['in_process_pp512']:.1f} tok/s.", "",
+        gen = e.get("in_process_generate_tg")
+        lines += ["", f"One stream through the server: {one or 0:.1f} tok/s; in-process, the same file: "
+                      f"`deltaserve.load(...).generate` {gen or 0:.1f} tok/s ({_x(one, gen)}), the bare forward's "
+                      f"decode after pp512 {e['in_process_tg']:.1f} tok/s ({_x(one, e['in_process_tg'])}); in-process "
+                      f"pp512 {e['in_process_pp512']:.1f} tok/s.", "",
                   f"A {r['long_tokens']}-token prompt while another client streams: | engine | longest gap of the "
                   "streaming client (s) | the long prompt's TTFT (s) | alone (s) | ratio |", "|---|---|---|---|---|"]
         for name, s in (("deltaserve", d), ("llama-server", l)):

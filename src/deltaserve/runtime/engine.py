@@ -34,6 +34,7 @@ drive at once take turns stepping it, each step serving all of them.
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 from collections import deque
@@ -172,6 +173,7 @@ class EngineLoop:
         if threaded:
             self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
             self._thread.start()
+            atexit.register(self.close)  # the thread ends before the interpreter does (torch's pools go after it)
 
     # -- handing work over ---------------------------------------------------------------------------------
     @property
@@ -236,6 +238,8 @@ class EngineLoop:
             self._cv.notify_all()
         if self._io is not None:
             self._io.shutdown(wait=False)
+        if self._thread is not None and not self.on_loop_thread:
+            self._thread.join(timeout=10)
 
     @property
     def busy(self) -> int:
