@@ -39,6 +39,8 @@ from deltaserve.session.grammar import compile_format, compile_process, GrammarE
 from deltaserve.session.driver import check_prompt  # noqa: F401
 from deltaserve.session.responses import new_id, ResponseRecord, ResponseStore, valid_id  # noqa: F401
 from deltaserve.session.store import parse_size, prefix_hashes, read_header, saved_state_bytes, StateFileError  # noqa: F401
+from deltaserve.session.thinking import (check_budget, EFFORT_BUDGETS, EFFORTS, parse_effort_budgets,  # noqa: F401
+                                         rendered_thinking, ThinkingDefaults)
 from deltaserve.text.toolcalls import normalize_tool_choice, normalize_tools, ToolChoice, ToolError  # noqa: F401
 from deltaserve.version import __version__  # noqa: F401
 from deltaserve.vision.encoder import PREFIX  # noqa: F401
@@ -120,11 +122,11 @@ class Model:
     def session(self, context: int | None = None, device: str | None = None, backend: Backend | None = None,
                 guard=None, quiet: bool = False, one_call: bool = False, plan_memory=None,
                 plan_positions: int | None = None, revalidate: bool = False, store: StateStore | None = None,
-                guard_max_age: float = MAX_AGE, mtp: int | None = None) -> Session:
+                guard_max_age: float = MAX_AGE, mtp: int | None = None, loop_guard: bool | None = None) -> Session:
         """A resident session: its state starts at 4096 positions and grows by doubling. On an accelerator it
         is guarded (`revalidate`: a new parity verdict even if one is cached). `mtp`: speculative decoding with the
         file's MTP block, at most that many draft tokens a step (None: on, adaptive, where the file carries one; 0:
-        off)."""
+        off). `loop_guard`: whether a thought that repeats itself is closed (None: DELTASERVE_LOOP_GUARD, on)."""
         notice = None
         if backend is None:
             backend, notice = self.backend(device)
@@ -132,12 +134,12 @@ class Model:
             guard = ParityGuard(revalidate=revalidate, max_age=guard_max_age)
         s = Session(self.host, backend, context=context, one_call=one_call, guard=guard, quiet=quiet,
                     plan_memory=plan_memory, plan_positions=plan_positions, thinking_default=self.thinking_default,
-                    notice=notice, store=store, mtp=mtp)
+                    notice=notice, store=store, mtp=mtp, loop_guard=loop_guard)
         return s
 
     def slots(self, n: int, context: int | None = None, device: str | None = None, revalidate: bool = False,
               quiet: bool = False, store: StateStore | None = None, log_prefills: bool = False,
-              guard_max_age: float = MAX_AGE, mtp: int | None = None) -> list[Session]:
+              guard_max_age: float = MAX_AGE, mtp: int | None = None, loop_guard: bool | None = None) -> list[Session]:
         """`n` resident sessions on one backend (weights shared), their turns sequences of the model's engine loop
         (decode rows of all of them in one forward, prompts cut into chunks between), one parity guard for all
         (`revalidate` forces a new verdict), one state store (`store`) under them all. Each slot says its own route
@@ -147,7 +149,8 @@ class Model:
         guard = ParityGuard(revalidate=revalidate, max_age=guard_max_age) if backend.accelerator else None
         return [Session(self.host, backend, context=context, guard=guard, quiet=quiet,
                         thinking_default=self.thinking_default, notice=notice, store=store,
-                        label=f"slot {i}" if n > 1 else None, log_prefills=log_prefills, mtp=mtp) for i in range(n)]
+                        label=f"slot {i}" if n > 1 else None, log_prefills=log_prefills, mtp=mtp,
+                        loop_guard=loop_guard) for i in range(n)]
 
     def state_store(self, ram: int | None = None, directory: str | os.PathLike | None = None,
                     disk: int | None = None, slots: int = 1, context: int | None = None, say=None) -> StateStore:
@@ -176,7 +179,8 @@ class Model:
 
     def generate(self, prompt_ids: Sequence[int], max_tokens: int = 256, **kwargs) -> Turn:
         """One call on a one-call session sized to the call exactly."""
-        session_kw = {k: kwargs.pop(k) for k in ("device", "backend", "quiet", "context", "mtp") if k in kwargs}
+        session_kw = {k: kwargs.pop(k) for k in ("device", "backend", "quiet", "context", "mtp", "loop_guard")
+                      if k in kwargs}
         session_kw.setdefault("quiet", True)
         return self.session(one_call=True, **session_kw).generate(prompt_ids, max_tokens=max_tokens, **kwargs)
 
@@ -219,6 +223,7 @@ __all__ = [
     'available_cores',
     'cache_root',
     'capacity',
+    'check_budget',
     'check_prompt',
     'compile_format',
     'compile_process',
@@ -227,6 +232,8 @@ __all__ = [
     'data_root',
     'decode',
     'driver',
+    'EFFORT_BUDGETS',
+    'EFFORTS',
     'fetch_url',
     'files',
     'GrammarError',
@@ -243,18 +250,21 @@ __all__ = [
     'normalize_tools',
     'NotCached',
     'open_model',
+    'parse_effort_budgets',
     'parse_size',
     'plural',
     'PREFIX',
     'prefix_hashes',
     'private_fetch_url',
     'read_header',
+    'rendered_thinking',
     'ResponseRecord',
     'ResponseStore',
     'saved_state_bytes',
     'settings',
     'SPLIT_MIN_BYTES',
     'StateFileError',
+    'ThinkingDefaults',
     'ToolChoice',
     'ToolError',
     'valid_id'

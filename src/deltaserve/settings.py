@@ -54,6 +54,8 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "or more sequences at once runs on the decode tiles, not the faster GEMM)"),
     Variable("DELTASERVE_CUDA_GRAPH", "off", "on: a CUDA session records its decode step as a CUDA graph and replays "
              "it"),
+    Variable("DELTASERVE_LOOP_GUARD", "on", "off: a thought that repeats itself is not closed early (the loop "
+             "guard, session/thinking.py)", "--loop-guard"),
     Variable("DELTASERVE_API_KEY", "", "the bearer token `serve` requires (empty: none)", "--api-key"),
     Variable("DELTASERVE_API_KEYS_FILE", "", "a file of the bearer tokens `serve` accepts, one a line (KEY or NAME "
              "KEY), each a tenant of its own (empty: none)", "--api-keys-file"),
@@ -85,6 +87,7 @@ class Settings:
     native: bool
     cuda_graph: bool
     batch_invariant: bool
+    loop_guard: bool
     vision: str
     draft_vocab: str
     api_key: str | None
@@ -114,6 +117,7 @@ def read(environ=None) -> Settings:
         native=_not_off(get("DELTASERVE_NATIVE")),
         cuda_graph=_on(get("DELTASERVE_CUDA_GRAPH")),
         batch_invariant=_on(get("DELTASERVE_BATCH_INVARIANT")),
+        loop_guard=_not_off(get("DELTASERVE_LOOP_GUARD")),
         vision=get("DELTASERVE_VISION").strip().lower() or "auto",
         draft_vocab=get("DELTASERVE_DRAFT_VOCAB").strip(),
         api_key=get("DELTASERVE_API_KEY") or None,

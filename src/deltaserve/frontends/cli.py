@@ -17,7 +17,7 @@ from deltaserve.api import __version__
 from deltaserve.api import plural
 from deltaserve.errors import DeltaserveError
 from deltaserve.session.turns import ask
-from deltaserve.frontends.common import load_model, resolve_model, sampling_kwargs, thinking
+from deltaserve.frontends.common import load_model, loop_guard, resolve_model, sampling_kwargs, thinking, thinking_kwargs
 from deltaserve.frontends import models
 from deltaserve.api import settings
 
@@ -41,6 +41,17 @@ def positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a number over 0, got {text}")
+    return value
+
+
+def budget_arg(text: str) -> int:
+    """argparse type: a thinking budget in tokens (-1: unlimited, 0: thinking off)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of tokens, got {text!r}") from None
+    if value < -1:
+        raise argparse.ArgumentTypeError(f"must be -1 (unlimited), 0 (thinking off) or more, got {value}")
     return value
 
 
@@ -102,6 +113,18 @@ def _add_think(p: argparse.ArgumentParser) -> None:
     p.add_argument("--think", choices=["on", "off", "auto"], default="auto",
                    help="thinking in the chat template (default auto: the model's own default; off for the "
                         "embedded demo model); reasoning is kept apart from the answer")
+    p.add_argument("--loop-guard", choices=["on", "off"], default=None,
+                   help="close a thought that repeats itself (the same run of tokens 3 times in a row, over 64 tokens "
+                        "or more) as a spent thinking budget closes it (default on: $DELTASERVE_LOOP_GUARD)")
+
+
+def _add_think_budget(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--think-budget", type=budget_arg, default=None, metavar="N",
+                   help="think N tokens at most, then close the thought (</think>) and answer under -n/--max-tokens "
+                        "of its own (default -1: unlimited; 0: thinking off)")
+    p.add_argument("--think-budget-message", default=None, metavar="TEXT",
+                   help="a sentence written before the closing when the budget (or the loop guard) closes a thought, "
+                        "e.g. \"I have to answer from what I have thought so far.\" (default: none)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,24 +200,40 @@ def cmd_run(a) -> int:
     else:
         ids = model.tokenizer.encode(text)
     context = min(a.ctx or model.config.context_length, model.config.context_length)
-    positions = len(ids) + min(a.max_tokens, max(context - len(ids), 0))
+    most = a.max_tokens + (a.think_budget + 16 if a.think_budget is not None and a.think_budget > 0 else 0)
+    positions = len(ids) + min(most, max(context - len(ids), 0))
     session = model.session(context=a.ctx, device=a.device, one_call=True, plan_positions=positions,
-                            revalidate=a.revalidate, guard_max_age=a.guard_max_age, mtp=mtp_arg(a))
+                            revalidate=a.revalidate, guard_max_age=a.guard_max_age, mtp=mtp_arg(a),
+                            loop_guard=loop_guard(a))
     if a.chat:
         turn = session.run_turn(request, ids, prompt.thinking, a.max_tokens, on_token=_stream,
-                                on_reasoning=lambda r: _show(r, ""), **sampling_kwargs(a))
+                                on_reasoning=lambda r: _show(r, ""), **sampling_kwargs(a), **thinking_kwargs(a))
     else:
         turn = session.generate(ids, max_tokens=a.max_tokens, on_token=lambda t, piece: _show("", piece),
-                                response_format=response_format, **sampling_kwargs(a))
+                                response_format=response_format, **sampling_kwargs(a), **thinking_kwargs(a))
     print(flush=True)
     capped = " (cut by the context)" if turn.context_capped else ""
     for line in session.prefill_lines:
         print(line, file=sys.stderr)
     print(f"[stats] prompt {plural(turn.prompt_tokens, 'token')}, prefill {turn.prefill_tok_s:.1f} tok/s, "
-          f"decode {turn.decode_tok_s:.1f} tok/s ({plural(turn.generated, 'token')}, {turn.finish_reason}{capped}), "
+          f"decode {turn.decode_tok_s:.1f} tok/s ({plural(turn.generated, 'token')}{thought_said(turn)}, "
+          f"{turn.finish_reason}{capped}), "
           f"TTFT {turn.timings.ttft_s * 1000:.0f} ms{drafts_said(session, turn)}, load {load_s:.2f} s, "
           f"backend {turn.backend}", file=sys.stderr)
     return 0
+
+
+ENDED = {"model": "closed by the model", "budget": "closed by the budget", "loop_guard": "closed by the loop guard",
+         "unclosed": "never closed"}
+
+
+def thought_said(turn) -> str:
+    """The stats line's thinking and answer tokens, apart, where the prompt opened a thought."""
+    if turn.reasoning_ended is None:
+        return ""
+    inserted = f", {turn.inserted_tokens} inserted" if turn.inserted_tokens else ""
+    return (f": thinking {turn.reasoning_tokens} ({ENDED.get(turn.reasoning_ended, turn.reasoning_ended)}"
+            f"{inserted}), answer {turn.answer_tokens}")
 
 
 def mtp_arg(a) -> int | None:
@@ -224,13 +263,14 @@ def _run_turns(a, model, prompts: list[str], load_s: float, response_format: dic
     """Several -p: the user turns of one conversation on one resident session, each reply streamed,
     each turn's reuse said on stderr (a later turn prefills only what the history added)."""
     session = model.session(context=a.ctx, device=a.device, revalidate=a.revalidate, guard_max_age=a.guard_max_age,
-                            mtp=mtp_arg(a))
+                            mtp=mtp_arg(a), loop_guard=loop_guard(a))
     messages = [{"role": "system", "content": a.system}] if a.system else []
     for k, text in enumerate(prompts, 1):
         messages.append({"role": "user", "content": _with_images(text, images if k == 1 else None)})
         print(f"> {text}", flush=True)
         turn = session.chat(messages, max_tokens=a.max_tokens, enable_thinking=thinking(a), on_token=_stream,
-                            on_reasoning=lambda r: _show(r, ""), response_format=response_format, **sampling_kwargs(a))
+                            on_reasoning=lambda r: _show(r, ""), response_format=response_format, **sampling_kwargs(a),
+                            **thinking_kwargs(a))
         print(flush=True)
         messages.append({"role": "assistant", "content": turn.text})
         for line in session.prefill_lines:
@@ -238,8 +278,8 @@ def _run_turns(a, model, prompts: list[str], load_s: float, response_format: dic
         session.prefill_lines.clear()
         replay = f", replayed {turn.replayed} on the CPU after a fallback" if turn.replayed else ""
         print(f"[stats] turn {k}: prompt {plural(turn.prompt_tokens, 'token')}, reused {turn.reused}, prefilled {turn.prefilled}{replay}, "
-              f"TTFT {turn.timings.ttft_s * 1000:.0f} ms, decode {turn.decode_tok_s:.1f} tok/s ({plural(turn.generated, 'token')}, "
-              f"{turn.finish_reason}){drafts_said(session, turn)}" + (f", load {load_s:.2f} s" if k == 1 else "")
+              f"TTFT {turn.timings.ttft_s * 1000:.0f} ms, decode {turn.decode_tok_s:.1f} tok/s ({plural(turn.generated, 'token')}"
+              f"{thought_said(turn)}, {turn.finish_reason}){drafts_said(session, turn)}" + (f", load {load_s:.2f} s" if k == 1 else "")
               + f", backend {turn.backend}",
               file=sys.stderr)
     return 0
@@ -378,8 +418,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "with a vision encoder: an HF directory holding model.visual.*)")
     r.add_argument("--json-schema", default=None, metavar="FILE",
                    help="constrain the answer to the JSON schema in FILE (structured outputs: it parses and "
-                        "validates whatever the weights; thinking is off for the turn)")
+                        "validates whatever the weights; thinking is off for the turn unless --think on, and then the "
+                        "schema starts after the thought)")
     _add_think(r)
+    _add_think_budget(r)
     _add_sampling(r)
     _add_runtime(r)
     r.set_defaults(func=cmd_run)
@@ -389,6 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(c)
     c.add_argument("--system", default=None, help="a system message")
     _add_think(c)
+    _add_think_budget(c)
 
     def chat_name(text: str) -> str:
         try:
@@ -461,6 +504,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="connections kept open at most; past it the oldest that has not sent a whole request is "
                         "closed (default: what the open-file limit leaves room for, at most 4096)")
     _add_think(s)
+    s.add_argument("--reasoning-budget", type=budget_arg, default=-1, metavar="N",
+                   help="the thinking budget of a request that names none (llama.cpp's flag): N tokens at most, then "
+                        "the thought is closed and the answer runs under max_tokens of its own (default -1: "
+                        "unlimited; 0: thinking off)")
+    s.add_argument("--reasoning-budget-message", default="", metavar="TEXT",
+                   help="a sentence written before the closing when a budget or the loop guard closes a thought "
+                        "(llama.cpp's flag; a request's reasoning_budget_message wins; default: none)")
+    s.add_argument("--reasoning-effort-budgets", default=None, metavar="LEVEL=N,...",
+                   help="the thinking budget of each reasoning_effort level (default none=0, minimal=128, low=512, "
+                        "medium=2048, high=8192, xhigh=32768; -1: unlimited)")
     s.add_argument("--state-ram", type=size_arg, default=None, metavar="SIZE",
                    help="RAM for saved conversation states beyond the slots, e.g. 2G (default: a quarter of the "
                         "memory left after the slots' plan; 0: none)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from deltaserve.api import Model, load
+from deltaserve.api import Model, load, rendered_thinking
 from deltaserve.demo import default_model_path
 from deltaserve.session.turns import thinking_flag
 
@@ -30,5 +30,23 @@ def sampling_kwargs(a) -> dict:
 
 
 def thinking(a) -> bool | None:
-    """--think on|off|auto; auto (None) is the model's default (the embedded demo model's is off)."""
-    return thinking_flag(a.think)
+    """--think on|off|auto; auto (None) is the model's default (the embedded demo model's is off). --think-budget 0
+    is thinking off (the template's own empty thought)."""
+    return rendered_thinking(thinking_flag(a.think), think_budget(a))
+
+
+def think_budget(a) -> int | None:
+    """--think-budget N: None (unlimited: -1 or not given) or N >= 0."""
+    n = getattr(a, "think_budget", None)
+    return None if n is None or n < 0 else n
+
+
+def thinking_kwargs(a) -> dict:
+    """A turn's thinking budget and bridge sentence (--think-budget, --think-budget-message)."""
+    return dict(thinking_budget=think_budget(a), thinking_message=getattr(a, "think_budget_message", None))
+
+
+def loop_guard(a) -> bool | None:
+    """--loop-guard on|off (None: DELTASERVE_LOOP_GUARD, on)."""
+    value = getattr(a, "loop_guard", None)
+    return None if value is None else value == "on"

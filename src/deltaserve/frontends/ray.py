@@ -40,7 +40,7 @@ A Ray Serve config file::
 `serve run config.yaml` (or `serve deploy` to a running cluster). `args` takes the long options of `deltaserve
 serve` with underscores (model, replicas, slots, queue, threads, ctx, state_dir, state_ram, state_disk, think,
 api_key, model_name, allowed_hosts, max_tokens_limit, max_body, max_messages, max_image_pixels, allow_image_urls,
-compile_timeout, device, step_ms).
+compile_timeout, device, step_ms, reasoning_budget, reasoning_budget_message, reasoning_effort_budgets, loop_guard).
 """
 
 from __future__ import annotations
@@ -70,7 +70,8 @@ DEFAULTS = dict(model=None, replicas=2, slots=2, queue=16, threads=None, ctx=Non
                 api_key=None, model_name=None, allowed_hosts=None, host="127.0.0.1", max_tokens_limit=4096,
                 max_body=4 << 20, max_messages=512, max_image_pixels=16_777_216, allow_image_urls=False,
                 compile_timeout=10.0, state_ram=None, state_dir=None, state_disk=None, compute_thread="auto", revalidate=False,
-                request_timeout=30.0, mtp=None, draft=None, mmproj=None, step_ms=None)
+                request_timeout=30.0, mtp=None, draft=None, mmproj=None, step_ms=None, reasoning_budget=-1,
+                reasoning_budget_message="", reasoning_effort_budgets=None, loop_guard=None)
 INDEX_ENTRIES = 1 << 16      # saved prefixes the router remembers (least recently used forgotten first)
 OPENING_TOKENS = 64          # the opening of a prompt with no assistant turn marker: its first tokens
 PROBE_S = 1.0                # how often the router checks its replicas
@@ -272,7 +273,7 @@ class ReplicaServer:
     def __init__(self, opts: dict, index: int = 0, replicas_here: int = 1, cores: int | None = None):
         from deltaserve.api import load
         from deltaserve.frontends.common import resolve_model
-        from deltaserve.frontends.server.app import HostPolicy, Server, create_app, wants_compute_thread
+        from deltaserve.frontends.server.app import HostPolicy, Server, create_app, thinking_defaults, wants_compute_thread
         from deltaserve.frontends.server.protocol import Limits
 
         a = argparse.Namespace(**opts)
@@ -291,7 +292,7 @@ class ReplicaServer:
         if a.step_ms is not None:
             model.engine.step_s = a.step_ms / 1000
         self.threads = threads
-        think = thinking_flag(a.think)
+        thinking, think = thinking_defaults(a, thinking_flag(a.think))
         self.server = Server(model, slots=a.slots, queue=a.queue, api_key=a.api_key, model_name=a.model_name,
                              limits=Limits(max_tokens=a.max_tokens_limit, max_messages=a.max_messages,
                                            max_body=a.max_body, max_image_pixels=a.max_image_pixels,
@@ -299,7 +300,8 @@ class ReplicaServer:
                              device=a.device, think_default=think, context=a.ctx, revalidate=a.revalidate,
                              state_ram=a.state_ram, state_dir=a.state_dir, state_disk=a.state_disk,
                              hosts=HostPolicy(a.host, a.allowed_hosts), request_timeout=a.request_timeout,
-                             mtp=a.mtp)
+                             mtp=a.mtp, thinking=thinking,
+                             loop_guard=None if a.loop_guard is None else a.loop_guard == "on")
         if a.state_ram is None and replicas_here > 1:  # the default RAM share is the machine's, split between them
             self.server.store.ram_budget //= replicas_here
         self.app = create_app(self.server, webui=getattr(a, "webui", True))

@@ -28,7 +28,7 @@ from pathlib import Path
 from deltaserve.api import MAX_AGE as GUARD_MAX_AGE
 from deltaserve.api import cache_root, data_root
 from deltaserve.errors import DeltaserveError
-from deltaserve.frontends.common import load_model, sampling_kwargs
+from deltaserve.frontends.common import load_model, loop_guard, sampling_kwargs, thinking_kwargs
 from deltaserve.api import plural
 from deltaserve.api import files
 from deltaserve.api import StateFileError, read_header
@@ -258,6 +258,8 @@ class ChatREPL:
         self.out.write(f"[reused {turn.reused} | prefilled {turn.prefilled}{replay} | TTFT {turn.timings.ttft_s * 1000:.0f} ms | "
                        f"{turn.decode_tok_s:.1f} tok/s | {plural(turn.generated, 'token')}, {turn.finish_reason}{capped}"
                        + (f", MTP {turn.accepted}/{turn.drafted} drafts accepted" if turn.drafted else "")
+                       + (f" | thinking {turn.reasoning_tokens} ({turn.reasoning_ended.replace('_', ' ')}), answer "
+                          f"{turn.answer_tokens}" if turn.reasoning_ended is not None else "")
                        + f" | {turn.start}]\n")
         self.out.flush()
         if self.resumed is not None and not self.turns_since_resume:
@@ -449,7 +451,8 @@ def main(a) -> int:
     model = load_model(a)
     data, said = resume(a, model, saved) if saved is not None else (None, [])
     session = model.session(context=a.ctx, device=a.device, revalidate=a.revalidate,
-                            guard_max_age=getattr(a, "guard_max_age", GUARD_MAX_AGE), mtp=getattr(a, "mtp", None))
+                            guard_max_age=getattr(a, "guard_max_age", GUARD_MAX_AGE), mtp=getattr(a, "mtp", None),
+                            loop_guard=loop_guard(a))
     c = model.config
     print(f"[deltaserve] {model.path.name}: {c.num_layers} layers, context {session.context}, loaded in "
           f"{model.load_seconds:.2f} s", file=sys.stderr)
@@ -457,7 +460,7 @@ def main(a) -> int:
     if data is not None:
         system = a.system if a.system is not None else data.get("system")
         think = think if think is not None else data.get("thinking")
-    repl = ChatREPL(model, session, sampling_kwargs(a), a.max_tokens, system, think, saved=saved,
+    repl = ChatREPL(model, session, {**sampling_kwargs(a), **thinking_kwargs(a)}, a.max_tokens, system, think, saved=saved,
                     messages=data["messages"] if data is not None else None)
     for line in said:
         print(line, file=sys.stderr)

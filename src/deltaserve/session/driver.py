@@ -99,10 +99,13 @@ def prepare(tokenizer, context: int, *, request: TurnRequest | None = None, raw:
 
 
 def run(session, turn: PreparedTurn, max_tokens: int = 256, on_event: Callable[[Event], Any] | None = None,
-        cancel: threading.Event | None = None, stop=None, partition: str | None = None, **sampling):
+        cancel: threading.Event | None = None, stop=None, partition: str | None = None,
+        thinking_budget: int | None = None, thinking_message: str | None = None, **sampling):
     """Drive a prepared turn on `session` to its end, handing each event to `on_event` as it comes (on the engine
     loop's thread: a sink that must not block); `on_event` returning False cancels the turn as `cancel` does. Returns
-    the session's Turn with the output half's reasoning, answer text, calls and finish reason."""
+    the session's Turn with the output half's reasoning, answer text, calls and finish reason. A prompt that opens a
+    thought thinks `thinking_budget` tokens at most (None: unlimited), then the closing, `thinking_message` first
+    (session/thinking.py); its Turn says `reasoning_tokens` and `reasoning_ended`."""
     output = turn.request.output(turn.thinking) if turn.request is not None else RawOutput()
 
     def hand_out(events) -> bool | None:
@@ -115,7 +118,8 @@ def run(session, turn: PreparedTurn, max_tokens: int = 256, on_event: Callable[[
     result = session.generate(turn.ids, max_tokens=max_tokens, stop=stop,
                               on_token=lambda tid, piece: hand_out(output.push(piece)),
                               response_format=turn.grammar, keep_end=turn.keep_end, images=turn.images,
-                              cancel=cancel, partition=partition, **sampling)
+                              cancel=cancel, partition=partition, thinking_budget=thinking_budget,
+                              thinking_message=thinking_message, **sampling)
     events = output.finish(result.finish_reason)
     if result.finish_reason != "cancelled":
         hand_out(events)  # what was held back (a tail that might have begun </think> or <tool_call>), and Finish

@@ -40,8 +40,9 @@ Design choices:
   strings a maxLength and arrays a maxItems to bound it). json_object is any JSON object, no free whitespace.
   A generation that reaches max_tokens before the JSON closes ends with finish_reason "length", honestly: its
   text is then a prefix of a valid answer, not a valid answer.
-* Only the answer is constrained: a chat turn with a response_format is rendered with thinking off
-  (`Session.chat`, and the server's request parsing), simpler than constraining after `</think>` and correct.
+* Only the answer is constrained: a chat turn with a response_format is rendered with thinking off unless thinking
+  is asked for; then the grammar sleeps while the model thinks and starts after the thought's closing, whoever
+  closed it (session/thinking.py: the budget and the loop guard bound the thought).
 * Tokens holding a control byte (< 0x20) and the control (special, non-stop) added tokens are never allowed: in
   compact JSON no whitespace but the space is needed, and xgrammar's string rule would let a raw control character
   into a string, which is not JSON (json.loads refuses it; found on the random-weight fixtures).

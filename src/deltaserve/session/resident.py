@@ -32,6 +32,7 @@ from deltaserve.session.grammar import CompiledFormat, GrammarError, compile_for
 from deltaserve.session.sampling import Sampler, SamplingParams
 from deltaserve.session.store import read_state, write_state
 from deltaserve.session.turns import Content, Reasoning, TurnRequest, ask, stop_ids
+from deltaserve.session import thinking
 from deltaserve.text.stream import StopCutter
 from deltaserve.text.toolcalls import ToolCall
 from deltaserve import settings
@@ -74,6 +75,13 @@ class Turn:
     tool_calls: list[ToolCall] = field(default_factory=list)  # the calls a chat turn with tools made (text: the rest)
     drafted: int = 0              # tokens the MTP block drafted in this turn
     accepted: int = 0             # of them, those the model's own verification kept
+    # a turn whose prompt opened a thought (session/thinking.py): the thought's tokens the model wrote, why it ended
+    # ("model", "budget", "loop_guard", "unclosed"; None: no thought), and the tokens the turn inserted (the bridge
+    # and the closing) and of the closing's markup (those and a `</think>` the model wrote)
+    reasoning_tokens: int = 0
+    reasoning_ended: str | None = None
+    inserted_tokens: int = 0
+    closing_tokens: int = 0
 
     @property
     def acceptance(self) -> float:
@@ -82,6 +90,11 @@ class Turn:
     @property
     def generated(self) -> int:
         return len(self.tokens)
+
+    @property
+    def answer_tokens(self) -> int:
+        """The tokens after the thought and its closing (all of them where the prompt opened no thought)."""
+        return len(self.tokens) - self.reasoning_tokens - self.closing_tokens
 
     @property
     def prefill_tok_s(self) -> float:
@@ -112,7 +125,8 @@ class Session:
     def __init__(self, host, backend: Backend | None = None, *, context: int | None = None,
                  one_call: bool = False, guard=None, quiet: bool = False, plan_memory=None,
                  plan_positions: int | None = None, thinking_default: bool | None = None, notice: str | None = None,
-                 store=None, label: str | None = None, log_prefills: bool = False, mtp: int | None = None):
+                 store=None, label: str | None = None, log_prefills: bool = False, mtp: int | None = None,
+                 loop_guard: bool | None = None):
         self.host = host
         if mtp is not None and (isinstance(mtp, bool) or not isinstance(mtp, int) or mtp < 0):
             raise DeltaserveError(f"mtp must be a count of draft tokens >= 0 (0: off), got {mtp!r}")
@@ -125,6 +139,8 @@ class Session:
         # restores from, shared with the other slots; None: the session keeps only its own
         self.store = store
         self.thinking_default = thinking_default  # enable_thinking when a chat turn does not say (None: the template's)
+        # whether a thought that repeats itself is closed (session/thinking.py; None: DELTASERVE_LOOP_GUARD, on)
+        self.loop_guard = settings.current().loop_guard if loop_guard is None else bool(loop_guard)
         self.tokenizer = host.tokenizer
         declared = host.config.context_length
         if context is not None and context < 1:
@@ -611,7 +627,8 @@ class Session:
                  repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                  seed: int | None = None, stop: Sequence[str | int] | None = None,
                  on_token: OnToken | None = None, response_format=None, keep_end: bool = False,
-                 images: Sequence = (), cancel: threading.Event | None = None, partition: str | None = None) -> Turn:
+                 images: Sequence = (), cancel: threading.Event | None = None, partition: str | None = None,
+                 thinking_budget: int | None = None, thinking_message: str | None = None) -> Turn:
         """One turn from raw prompt ids. `response_format` (OpenAI's: {"type": "json_object"} or {"type":
         "json_schema", "json_schema": {"schema": {...}}}, or a `grammar.CompiledFormat`) constrains every generated
         token from the first one to the grammar (deltaserve.session.grammar); the turn ends ("stop") when it is complete.
@@ -626,7 +643,12 @@ class Session:
         The turn runs as a sequence of the engine loop (runtime/engine.py), which batches its forwards with the other
         sequences' and cuts its prefill into chunks between their steps. `cancel`: an event whose setting ends the turn
         at its next step ("cancelled"; what was fed stays held). `partition`: whose conversation this is (a tenant, a
-        cache salt): a state held or stored for another partition is never reused for it."""
+        cache salt): a state held or stored for another partition is never reused for it.
+
+        A prompt that leaves the model inside a thought (session/thinking.py): `thinking_budget` thinking tokens at
+        most (None: unlimited; 0: the thought closed at once), after which the turn writes the closing
+        (`thinking_message`, a bridge sentence, then `</think>` and a blank line) and the answer runs under its own
+        `max_tokens`; the loop guard (`loop_guard`) closes a thought that repeats itself the same way."""
         params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
                                 frequency_penalty, seed)
         grammar = self.compile_format(response_format)
@@ -635,7 +657,7 @@ class Session:
             try:
                 self._enter_partition(partition)
                 turn = self._turn(list(int(t) for t in prompt_ids), max_tokens, params, stop, on_token, grammar,
-                                  keep_end)
+                                  keep_end, (thinking_budget, thinking_message))
                 return self.backend.engine.drive(turn, cancel, self.label)
             finally:
                 self._images = {}
@@ -664,8 +686,9 @@ class Session:
         `on_event` every event (`turns.Reasoning`, `Content`, `CallStart`, `CallArguments`, `Finish`), as they
         stream.
 
-        With a `response_format` (see `generate`) the answer is constrained and thinking is off for the turn
-        (rendered with enable_thinking=False whatever was asked): only the answer is ever constrained.
+        With a `response_format` (see `generate`) the answer is constrained: thinking is off for the turn unless
+        `enable_thinking=True` asks for it, and then the grammar starts after the thought's closing (bound the thought
+        with `thinking_budget`). Only the answer is ever constrained. `thinking_budget=0` renders thinking off.
 
         Images: a message's content may hold image parts ({"type": "image", "image": a PIL image, bytes or a path},
         or OpenAI's {"type": "image_url", "image_url": {"url": "data:..."}}) on a model with a vision encoder (an HF
@@ -681,6 +704,7 @@ class Session:
         call the budget cut is dropped (never content). Assistant messages may carry `tool_calls` (arguments as
         JSON strings or objects, or the ToolCalls of an earlier turn) and `tool` messages the results; several or
         late system messages are merged, in order, into the leading one."""
+        enable_thinking = thinking.rendered_thinking(enable_thinking, sampling.get("thinking_budget"))
         request = ask(messages, tools, tool_choice, parallel_tool_calls, response_format, enable_thinking,
                       image_files=True)
         prompt = request.prompt(self.tokenizer, self.thinking_default)
@@ -719,8 +743,9 @@ class Session:
             self.partition = partition
 
     def _turn(self, prompt: list[int], max_tokens: int, params: SamplingParams, stop, on_token,
-              grammar: CompiledFormat | None = None, keep_end: bool = False):
-        """One turn, as a coroutine of engine work (runtime/engine.py): returns its Turn."""
+              grammar: CompiledFormat | None = None, keep_end: bool = False, think=(None, None)):
+        """One turn, as a coroutine of engine work (runtime/engine.py): returns its Turn. `think`: the thinking budget
+        and bridge sentence (session/thinking.py)."""
         t0 = time.perf_counter()
         n = len(prompt)
         self._replayed = 0
@@ -730,11 +755,14 @@ class Session:
                                                    and self.host.vision is not None))
         if max_tokens < 1:
             raise DeltaserveError(f"max_tokens must be at least 1, got {max_tokens}")
-        budget = min(max_tokens, self.context - n)
-        limited = budget < max_tokens
         stop_ids, stop_texts = set(self.stop_ids), []
         for s in stop or ():
             (stop_ids.add(int(s)) if isinstance(s, int) else stop_texts.append(str(s)))
+        # [thinking] a prompt that opens a thought: its budget and loop guard (the answer's own max_tokens after it)
+        thought = thinking.start(self, prompt, max_tokens, *think, stop_ids, grammar is not None)
+        want = max_tokens if thought is None else thought.own_bound
+        budget = min(want, self.context - n)
+        limited = budget < want
 
         try:
             self.backend.bind_thread()
@@ -771,7 +799,7 @@ class Session:
 
         try:
             tokens, text, finish, ttft, decode_s = yield from self._decode(prompt, logits, budget, params, stop_ids,
-                                                                           stop_texts, on_token, t0, grammar)
+                                                                           stop_texts, on_token, t0, grammar, thought)
         finally:
             if keep_end and not self.one_call:
                 self._checkpoint_end()
@@ -781,18 +809,23 @@ class Session:
             trim_heap()
         if self._replayed:  # what ran: the prompt from its start (on the CPU after the fallback), nothing reused
             start, start_kind = 0, "replay"
-        capped = finish == "length" and limited
+        capped = finish == "length" and (limited if thought is None else self.context - n < thought.own_bound)
         if capped:
             self.say(f"[deltaserve] the context of {self.context} positions cut the answer at {len(tokens)} tokens "
                      f"(max_tokens {max_tokens}, prompt {n})")
-        return Turn(
+        turn = Turn(
             tokens=tokens, text=text, reused=start, prefilled=n - start, prompt_tokens=n,
             finish_reason=finish, context_capped=capped,
             backend=self.backend.name, start=start_kind,
             timings=Timings(prefill_s=prefill_s, ttft_s=ttft, decode_s=decode_s), replayed=self._replayed,
             drafted=self._turn_drafts[0], accepted=self._turn_drafts[1])
+        if thought is not None:  # [thinking] what the thought was; a loop the guard closed is logged, by slot
+            thought.report(turn)
+            if thought.notice() is not None and not self.quiet:
+                self._print(thought.notice())
+        return turn
 
-    def _decode(self, prompt, logits, budget, params, stop_ids, stop_texts, on_token, t0, grammar=None):
+    def _decode(self, prompt, logits, budget, params, stop_ids, stop_texts, on_token, t0, grammar=None, thought=None):
         """Sample, hand out, feed back; until a stop token or string, the budget, or a cancel. With a grammar, each
         step's logits are masked to what it allows (stop tokens only where it can end) and the sampled token
         advances it; a grammar left with nothing but a stop ends the turn ("stop").
@@ -801,12 +834,18 @@ class Session:
         (`_speculate`): the rows' logits are then sampled in order exactly as the plain loop samples them, and a
         draft equal to the token sampled is already fed (its row is next); the first that differs, or the turn's end,
         rolls the state back to the rows kept. Every token is sampled from the model's own logits, so the output
-        is the plain loop's (greedy: token for token; sampled: the same distribution, each token one draw)."""
+        is the plain loop's (greedy: token for token; sampled: the same distribution, each token one draw).
+
+        `thought` (session/thinking.py, marked [thinking]): a prompt that opened a thought; its `step` may put the
+        closing in place of the sampled token (what is fed is what is taken), the grammar sleeps until the closing is
+        written, and `after` gives the answer its own token budget."""
         sampler = Sampler(params)
         vocab = self.host.config.vocab_size
         # a penalty's ids: text only (an image's placeholder ids, this turn's or the state's, are past the vocabulary)
         seen = [t for t in prompt if t < vocab] if max(prompt) >= vocab else prompt
         constraint = grammar.constraint() if grammar is not None else None
+        if thought is not None:  # [thinking] the grammar starts after the thought's closing
+            constraint = thought.gate(constraint)
         stream = _TextStream(self.tokenizer, stop_texts)
         generated: list[int] = []
         finish = "length"
@@ -843,6 +882,8 @@ class Session:
                         break
                     logits = constraint.mask(logits)
                 token = sampler(logits, seen, generated)
+                if thought is not None:  # [thinking] the closing in its place (budget spent, a loop, being written)
+                    token = thought.step(token)
                 if not generated:
                     ttft = time.perf_counter() - t0
                     decode_t0 = time.perf_counter()
@@ -858,6 +899,8 @@ class Session:
                             "was cut short")
                     raise BackendError(f"internal: the grammar refused token {token}, which its mask allowed")
                 generated.append(token)
+                if thought is not None:  # [thinking] the answer's own max_tokens once the closing is written
+                    budget = thought.after(budget, len(generated))
                 piece, hit_stop = stream.push(token)
                 if on_token is not None and on_token(token, piece) is False:
                     finish = "cancelled"

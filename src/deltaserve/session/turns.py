@@ -6,7 +6,8 @@ messages merged, in order, into the one leading system turn the template allows;
 arguments as objects), the functions offered and the tool choice, the response format, the thinking asked for.
 `prompt()` renders it with the model's template; `grammar()` compiles what constrains the answer: the format, the
 enforced tool choice, or (a format with tools on "auto") a call or the schema; a constrained answer is rendered
-with thinking off (only the answer is ever constrained). `output(thinking)` starts the output half.
+with thinking off unless thinking is asked for (then its grammar starts after the thought: session/thinking.py;
+only the answer is ever constrained). `output(thinking)` starts the output half.
 
 The output half, `TurnOutput`: the generated text in (`push`), events out: `Reasoning`, `Content`, `CallStart`,
 `CallArguments`, and from `finish(reason)` the rest and a last `Finish` (the finish reason as a client reads it,
@@ -106,8 +107,9 @@ class TurnRequest:
         return [t.openai() for t in self.tools] if self.offers_tools else None
 
     def thinking(self, default: bool | None) -> bool | None:
-        """enable_thinking as rendered: off when constrained, else as asked, else the model's default."""
-        if self.constrained:
+        """enable_thinking as rendered: as asked, else the model's default; a constrained answer thinks only where
+        thinking is asked for (True), and its grammar then starts after the thought (session/thinking.py)."""
+        if self.constrained and self.enable_thinking is not True:
             return False
         return self.enable_thinking if self.enable_thinking is not None else default
 
@@ -116,7 +118,7 @@ class TurnRequest:
         constrained answer's template that leaves the model reasoning anyway is refused (nothing could be
         constrained)."""
         prompt = render_prompt(tokenizer, self.messages, self.thinking(default_thinking), self.rendered_tools)
-        if self.constrained and prompt.thinking:
+        if self.constrained and prompt.thinking and self.enable_thinking is not True:
             raise DeltaserveError("this model's chat template leaves the model reasoning even with thinking off: "
                                   "a response_format or an enforced tool choice cannot constrain its answer")
         return prompt

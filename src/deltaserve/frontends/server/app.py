@@ -39,13 +39,14 @@ from deltaserve.frontends.server.protocol import (APIError, GenerationRequest, L
                                                   parse_completion)
 from deltaserve.frontends.server.tenants import Keys, partition
 from deltaserve.frontends.server.responses import (Items, ResponsesRequest, frame, parse_responses, previous_not_found,
-                                                    reasoning_tokens, response_object, sse, usage)
+                                                    response_object, sse, usage)
 from deltaserve.frontends.server.slots import QueueFull, SlotPool
 from deltaserve.frontends.server.webui import add_webui, has_vision
 from deltaserve.api import ResponseRecord, ResponseStore, new_id
 from deltaserve.api import driver
 from deltaserve.session.turns import ask
 from deltaserve.api import ToolError
+from deltaserve.api import ThinkingDefaults, check_budget, parse_effort_budgets
 
 FINGERPRINT = f"deltaserve-{__version__}"
 RESPONSES_RAM = 64 << 20  # --responses-ram: the stored responses' budget
@@ -159,9 +160,12 @@ class Server:
                  state_disk: int | None = None, hosts: HostPolicy | None = None,
                  request_timeout: float = connections.DEFAULT_REQUEST_TIMEOUT, log_prefills: bool = True,
                  guard_max_age: float = GUARD_MAX_AGE, mtp: int | None = None, api_keys_file: str | None = None,
-                 responses_ram: int = RESPONSES_RAM):
+                 responses_ram: int = RESPONSES_RAM, thinking: ThinkingDefaults | None = None,
+                 loop_guard: bool | None = None):
         self.model = model
         self.limits = limits or Limits()
+        if thinking is not None:  # the budgets of requests that name none, and of the effort levels
+            self.limits.thinking = thinking
         # the keys it accepts, each a tenant where there are several (frontends/server/tenants.py)
         self.keys = keys_of(api_key, api_keys_file)
         self.api_key = api_key if self.keys.required else None  # whether a key is required (the keys are in `keys`)
@@ -190,7 +194,7 @@ class Server:
         self.file_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltaserve-files")
         sessions = model.slots(slots, context=context, device=device, revalidate=revalidate, quiet=quiet,
                                store=self.store, log_prefills=log_prefills and not quiet, guard_max_age=guard_max_age,
-                               mtp=mtp)
+                               mtp=mtp, loop_guard=loop_guard)
         self.pool = SlotPool(sessions, queue)
         self.context = sessions[0].context
         self.limits.vision = model.host.vision is not None  # without an encoder an image part is refused unread
@@ -414,7 +418,8 @@ class Server:
     def usage(self, n_prompt: int, turn) -> dict:
         return {"prompt_tokens": n_prompt, "completion_tokens": turn.generated,
                 "total_tokens": n_prompt + turn.generated,
-                "prompt_tokens_details": {"cached_tokens": turn.reused}}
+                "prompt_tokens_details": {"cached_tokens": turn.reused},
+                "completion_tokens_details": {"reasoning_tokens": turn.reasoning_tokens}}
 
     async def complete(self, endpoint: str, req: GenerationRequest, ids: list[int], thinking: bool, t0: float,
                        request: Request | None = None):
@@ -437,13 +442,16 @@ class Server:
                 obj = "text_completion"
             if turn.context_capped:  # "length" because the context ended the answer, not max_tokens
                 choice["context_capped"] = True
+            if turn.reasoning_ended is not None:  # how the thought ended: model, budget, loop_guard, unclosed
+                choice["reasoning_ended"] = turn.reasoning_ended
             return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model_name,
                                  "choices": [choice], "usage": self.usage(len(ids), turn),
                                  "system_fingerprint": FINGERPRINT})
 
         obj = "chat.completion.chunk" if endpoint == "chat" else "text_completion"
 
-        def chunk(delta: dict | None = None, finish=None, text=None, usage=None, empty=False, capped=False) -> str:
+        def chunk(delta: dict | None = None, finish=None, text=None, usage=None, empty=False, capped=False,
+                  ended=None) -> str:
             if empty:
                 choices = []
             elif endpoint == "chat":
@@ -452,6 +460,8 @@ class Server:
                 choices = [{"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}]
             if capped:
                 choices[0]["context_capped"] = True
+            if ended is not None:
+                choices[0]["reasoning_ended"] = ended
             body = {"id": rid, "object": obj, "created": created, "model": self.model_name,
                     "system_fingerprint": FINGERPRINT, "choices": choices}
             if usage is not None:
@@ -473,7 +483,7 @@ class Server:
                 elif isinstance(e, CallArguments):
                     out.append(chunk({"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]}))
                 elif isinstance(e, Finish):
-                    out.append(chunk({}, finish=e.reason, capped=turn.context_capped))
+                    out.append(chunk({}, finish=e.reason, capped=turn.context_capped, ended=turn.reasoning_ended))
             return out
 
         async def events():
@@ -502,7 +512,8 @@ class Server:
                     for c in deltas([ended or Finish(turn.finish_reason, turn.text, turn.reasoning)], turn):
                         yield c
                 else:
-                    yield chunk(text="", finish=turn.finish_reason, capped=turn.context_capped)
+                    yield chunk(text="", finish=turn.finish_reason, capped=turn.context_capped,
+                                ended=turn.reasoning_ended)
                 if req.include_usage:
                     yield chunk(usage=self.usage(len(ids), turn), empty=True)
                 yield "data: [DONE]\n\n"
@@ -568,7 +579,8 @@ class Server:
                                 top_p=req.top_p, top_k=None, min_p=None, seed=req.seed, stop=[], stream=req.stream,
                                 include_usage=False, repetition_penalty=1.0, presence_penalty=0.0,
                                 frequency_penalty=0.0, user=req.user, turn=turn_req, keep_end=req.store,
-                                cache_salt=req.cache_salt)
+                                cache_salt=req.cache_salt, thinking_budget=req.thinking_budget,
+                                thinking_message=req.thinking_message)
         if request is not None:
             self.place(gen, tenant, request)
         else:
@@ -580,10 +592,11 @@ class Server:
 
         async def finished(turn) -> dict:
             incomplete = "max_output_tokens" if turn.finish_reason == "length" else None
-            used = usage(len(ids), turn.reused, turn.generated,
-                         reasoning_tokens(turn.tokens, thinking, self.model.tokenizer.think_end_id))
+            used = usage(len(ids), turn.reused, turn.generated, turn.reasoning_tokens)
             obj = response_object(rid, created, self.model_name, req, "incomplete" if incomplete else "completed",
                                   items.output, used, incomplete)
+            if turn.reasoning_ended is not None:  # how the thought ended: model, budget, loop_guard, unclosed
+                obj["reasoning_ended"] = turn.reasoning_ended
             if req.store:
                 content, reasoning, calls = items.texts()
                 answer = {"role": "assistant", "content": content}
@@ -879,6 +892,30 @@ def create_app(server: Server, webui: bool = True) -> FastAPI:
 COMPUTE_THREAD_MIN_BYTES = 64 << 20
 
 
+def thinking_defaults(a, think: bool | None) -> tuple[ThinkingDefaults, bool | None]:
+    """--reasoning-budget, --reasoning-budget-message and --reasoning-effort-budgets as the server's thinking
+    defaults, and --think under them (a budget of 0 is thinking off). A request generates at most --max-tokens-limit
+    thinking tokens: a budget given over it is refused here, a default effort level's held to it."""
+    limit = getattr(a, "max_tokens_limit", Limits.max_tokens)
+    budget = check_budget(getattr(a, "reasoning_budget", -1), "--reasoning-budget")
+    given = getattr(a, "reasoning_effort_budgets", None)
+    asked = parse_effort_budgets(given, base={})
+    if budget is not None and budget > limit:
+        raise DeltaserveError(f"--reasoning-budget {budget} is more than --max-tokens-limit {limit}: a request thinks "
+                              f"at most that many tokens")
+    over = {k: v for k, v in asked.items() if v is not None and v > limit}
+    if over:
+        raise DeltaserveError(f"--reasoning-effort-budgets {', '.join(f'{k}={v}' for k, v in over.items())} is more "
+                              f"than --max-tokens-limit {limit}: a request thinks at most that many tokens")
+    efforts = {k: (v if v is None else min(v, limit)) for k, v in parse_effort_budgets(None).items()}
+    efforts.update(asked)
+    if budget == 0 and think is True:
+        raise DeltaserveError("--think on and --reasoning-budget 0 (thinking off) disagree: leave one out")
+    if budget == 0:
+        think = False
+    return ThinkingDefaults(budget, getattr(a, "reasoning_budget_message", "") or "", efforts), think
+
+
 def wants_compute_thread(a) -> bool:
     """--compute-thread: on, off, or auto: whether the engine loop (runtime/engine.py) has a thread of its own, which
     runs every forward (one OpenMP team for the process), or is stepped by the slots' threads in turn. Its own thread
@@ -919,6 +956,7 @@ def main(a) -> int:
         model.engine.step_s = step_ms / 1000
     load_s = model.load_seconds
     think = thinking_flag(a.think)  # None: the model's default (model.thinking_default)
+    thinking, think = thinking_defaults(a, think)
     api_keys = a.api_key if isinstance(a.api_key, list) else ([a.api_key] if a.api_key else [])
     api_keys = api_keys or ([settings.current().api_key] if settings.current().api_key else [])
     server = Server(model, slots=a.slots, queue=a.queue, api_key=api_keys, model_name=a.model_name,
@@ -934,7 +972,8 @@ def main(a) -> int:
                     device=a.device, think_default=think, context=a.ctx, revalidate=a.revalidate,
                     state_ram=a.state_ram, state_dir=a.state_dir, state_disk=a.state_disk, hosts=hosts,
                     request_timeout=request_timeout, log_prefills=getattr(a, "prefill_log", "on") == "on",
-                    guard_max_age=getattr(a, "guard_max_age", GUARD_MAX_AGE), mtp=getattr(a, "mtp", None))
+                    guard_max_age=getattr(a, "guard_max_age", GUARD_MAX_AGE), mtp=getattr(a, "mtp", None),
+                    thinking=thinking, loop_guard=None if getattr(a, "loop_guard", None) is None else a.loop_guard == "on")
     c = model.config
     s0 = server.pool.slots[0].session
     template = "from the model file" if model.tokenizer.chat_template else "built-in ChatML"
@@ -945,6 +984,7 @@ def main(a) -> int:
     default = model.thinking_default
     say(f"chat template {template}; thinking " + (('on' if think else 'off') if think is not None else
         ("the template's default" if default is None else f"{'on' if default else 'off'} (the model's default)")))
+    say(f"{thinking.describe()}; loop guard {'on' if s0.loop_guard else 'off'} (--loop-guard)")
     say(("the engine loop on a thread of its own, every forward on it" if compute else
          "the engine loop stepped by the slots' threads in turn") +
         f" (--compute-thread {a.compute_thread}"

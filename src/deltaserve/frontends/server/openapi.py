@@ -15,6 +15,13 @@ _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                    "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
 
+_EFFORT = {"enum": ["none", "minimal", "low", "medium", "high", "xhigh"]}
+_THINKING = {  # a thinking budget (session/thinking.py): llama.cpp's and vLLM's names, -1 unlimited
+    "reasoning_budget_tokens": {"type": "integer", "minimum": -1},
+    "thinking_token_budget": {"type": "integer", "minimum": -1},
+    "reasoning_budget_message": {"type": "string", "maxLength": 1000},
+}
+
 _SAMPLING = {
     "model": {"type": "string"},
     "max_tokens": {"type": "integer", "minimum": 1},
@@ -34,6 +41,8 @@ _SAMPLING = {
         "type": {"enum": ["text", "json_object", "json_schema"]},
         "json_schema": {"type": "object", "properties": {"name": {"type": "string"}, "schema": {"type": "object"},
                                                          "strict": {"type": "boolean"}}}}},
+    "reasoning_effort": _EFFORT,
+    **_THINKING,
 }
 
 _CONTENT = {"oneOf": [
@@ -109,8 +118,8 @@ RESPONSES = {"type": "object", "required": ["input"], "properties": {
         "parameters": {"type": "object"}}}},
     "tool_choice": {"oneOf": [{"enum": ["auto", "none", "required"]}, {"type": "object"}]},
     "parallel_tool_calls": {"type": "boolean"},
-    "reasoning": {"type": "object", "properties": {"effort": {
-        "enum": ["none", "minimal", "low", "medium", "high", "xhigh"]}}},
+    "reasoning": {"type": "object", "properties": {"effort": _EFFORT}},
+    **_THINKING,
     "text": {"type": "object", "properties": {"format": {"type": "object"}}},
 }}
 

@@ -9,7 +9,7 @@ The per-server limits (`Limits`) travel in the validation context.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, WrapValidator,
@@ -21,6 +21,7 @@ from deltaserve.api import GrammarError, normalize
 from deltaserve.session.turns import TurnRequest, ask
 from deltaserve.api import ToolChoice, ToolError, normalize_tool_choice, normalize_tools
 from deltaserve.api import ImageInputError, ImageLimits, fetch_url, private_fetch_url
+from deltaserve.api import EFFORTS, ThinkingDefaults, rendered_thinking
 
 
 class APIError(Exception):
@@ -54,6 +55,7 @@ class Limits:
     private_image_urls: bool = False          # --allow-private-image-urls: links to loopback/private addresses
     vision: bool = True                       # the model has a vision encoder (else an image part is refused unread)
     context: int | None = None                # the served context (a token-id prompt longer is refused unread)
+    thinking: ThinkingDefaults = field(default_factory=ThinkingDefaults)  # --reasoning-budget and its kin
 
 
 def image_limits(limits: Limits) -> ImageLimits:
@@ -90,6 +92,8 @@ class GenerationRequest:
     cache_salt: str | None = None        # vLLM's: the request's prefix cache apart from other salts (frontends/server/tenants.py)
     partition: str | None = None         # set by the server: whose cache this request may reuse (tenant and salt)
     client: str = ""                     # set by the server: who sent it (its share of the compile queue)
+    thinking_budget: int | None = None   # thinking tokens at most (None: unlimited; session/thinking.py)
+    thinking_message: str | None = None  # the bridge sentence before a closing the turn writes
 
     def sampling(self) -> dict:
         out = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
@@ -97,7 +101,45 @@ class GenerationRequest:
                    presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
         if self.partition is not None:  # a session keeps the partitions' states apart (Session.generate)
             out["partition"] = self.partition
+        if self.thinking_budget is not None:
+            out["thinking_budget"] = self.thinking_budget
+        if self.thinking_message:
+            out["thinking_message"] = self.thinking_message
         return out
+
+
+MAX_BUDGET_MESSAGE = 1000  # characters of a bridge sentence
+
+
+def thinking_of(limits: Limits, effort: str | None, asked: dict, message: str | None,
+                enable_thinking: bool | None) -> tuple[bool | None, int | None, str]:
+    """(enable_thinking, the thinking budget, the bridge sentence) of a request: its token budget (llama.cpp's
+    reasoning_budget_tokens or vLLM's thinking_token_budget; -1 unlimited), else its effort level's, else the
+    server's (--reasoning-budget); an effort other than none asks for thinking, none turns it off (as does a budget
+    of 0); an explicit enable_thinking wins. A budget over the server's max_tokens limit is refused (a request
+    generates at most that many thinking tokens and that many answer tokens)."""
+    given = {k: v for k, v in asked.items() if v is not None}
+    if len(set(given.values())) > 1:
+        said = " and ".join(f"{k} {v}" for k, v in given.items())
+        raise bad(f"{said} disagree: give one thinking budget", next(iter(given)))
+    budget = next(iter(given.values()), None)
+    param = next(iter(given), None)
+    defaults = limits.thinking
+    if budget is not None:
+        budget = None if budget == -1 else budget
+        if effort == "none" and budget:
+            raise bad(f"reasoning_effort 'none' turns thinking off and {param} asks for {budget} thinking tokens",
+                      "reasoning_effort")
+        if budget is not None and budget > limits.max_tokens:
+            raise bad(f"'{param}' must be at most {limits.max_tokens} (this server's max_tokens limit; -1: "
+                      f"unlimited, max_tokens then bounds thought and answer together), got {budget}", param)
+    elif effort is not None:
+        budget = defaults.efforts.get(effort)
+    else:
+        budget = defaults.budget
+    if enable_thinking is None and effort is not None:
+        enable_thinking = effort != "none"
+    return rendered_thinking(enable_thinking, budget), budget, defaults.message if message is None else message
 
 
 # -- custom errors ------------------------------------------------------------------------------------
@@ -276,6 +318,10 @@ class _Request(_Strict):
     top_logprobs: Annotated[int | None, _refused_unless(None)] = None
     logit_bias: Annotated[dict[str, float] | None, _refused_unless(None, {})] = None
     response_format: Annotated[dict | None, WrapValidator(_response_format)] = None
+    reasoning_effort: Literal[EFFORTS] | None = None
+    reasoning_budget_tokens: Annotated[int, Field(ge=-1)] | None = None   # llama.cpp's
+    thinking_token_budget: Annotated[int, Field(ge=-1)] | None = None     # vLLM's
+    reasoning_budget_message: Annotated[str, Field(max_length=MAX_BUDGET_MESSAGE)] | None = None
     user: str | None = None
     seed: Annotated[int, Field(ge=0, lt=SEED_LIMIT)] | None = None
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT)] | None = None
@@ -286,6 +332,7 @@ class _Request(_Strict):
     repetition_penalty: Annotated[float, Field(ge=0.01, le=10.0)] = 1.0
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
+    _server_limits: Limits = PrivateAttr(default_factory=Limits)
 
     @model_validator(mode="before")
     @classmethod
@@ -348,7 +395,6 @@ class ChatCompletionRequest(_Request):
     functions: Annotated[Any, _refused_unless(None, message=LEGACY_FUNCTIONS)] = None
     function_call: Annotated[Any, _refused_unless(None, message=LEGACY_FUNCTIONS)] = None
     _choice: ToolChoice = PrivateAttr(default_factory=lambda: ToolChoice("none"))
-    _server_limits: Limits = PrivateAttr(default_factory=Limits)
 
     @model_validator(mode="after")
     def _tool_choice_fits(self):
@@ -381,7 +427,11 @@ class ChatCompletionRequest(_Request):
             if m.name is not None:
                 entry["name"] = m.name
             messages.append(entry)
-        thinking = self.chat_template_kwargs.enable_thinking if self.chat_template_kwargs else None
+        thinking, budget, bridge = thinking_of(
+            self._server_limits, self.reasoning_effort,
+            {"reasoning_budget_tokens": self.reasoning_budget_tokens, "thinking_token_budget": self.thinking_token_budget},
+            self.reasoning_budget_message,
+            self.chat_template_kwargs.enable_thinking if self.chat_template_kwargs else None)
         try:  # the one turn policy (session.turns): calls' arguments as objects, system messages merged, ...
             turn = ask(messages, tuple(self.tools or ()), self.tool_choice, self.parallel_tool_calls,
                        response_format=self.response_format, enable_thinking=thinking,
@@ -392,7 +442,7 @@ class ChatCompletionRequest(_Request):
             raise bad(str(e)[:300], "messages") from None
         except DeltaserveError as e:
             raise bad(str(e)[:300], "response_format") from None
-        return GenerationRequest(turn=turn, **self._common())
+        return GenerationRequest(turn=turn, thinking_budget=budget, thinking_message=bridge, **self._common())
 
 
 class CompletionRequest(_Request):
@@ -403,7 +453,12 @@ class CompletionRequest(_Request):
     tool_choice: Annotated[str | dict | None, _refused_unless(None, "none", message=NO_TOOLS)] = None
 
     def generation(self) -> GenerationRequest:
-        return GenerationRequest(prompt=self.prompt, **self._common())
+        # a raw prompt that ends inside a thought (markup written whole) is thought under the same budget
+        _, budget, bridge = thinking_of(
+            self._server_limits, self.reasoning_effort,
+            {"reasoning_budget_tokens": self.reasoning_budget_tokens, "thinking_token_budget": self.thinking_token_budget},
+            self.reasoning_budget_message, None)
+        return GenerationRequest(prompt=self.prompt, thinking_budget=budget, thinking_message=bridge, **self._common())
 
 
 # -- validation errors as OpenAI error objects ----------------------------------------------------------
@@ -466,8 +521,7 @@ def _parse(model: type[_Request], body: Any, limits: Limits) -> GenerationReques
     _prompt_fits(body, limits)
     try:
         req = model.model_validate(body, context={"limits": limits})
-        if isinstance(req, ChatCompletionRequest):
-            req._server_limits = limits
+        req._server_limits = limits
         return req.generation()
     except ValidationError as e:
         raise api_error(e) from None

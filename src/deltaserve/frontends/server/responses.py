@@ -6,7 +6,8 @@ written back as its items and typed stream events.
   `function_call`, `function_call_output`, `reasoning`) becomes the messages the template renders (calls folded into
   the assistant message before them, results as tool messages, reasoning onto the answer after it); `instructions`
   and system/developer messages are the system text; function tools, `tool_choice`, `text.format` and
-  `reasoning.effort` (none/minimal: thinking off) go to `turns.ask` as /v1/chat/completions sends them. What this
+  `reasoning.effort` (a thinking budget per level, none: thinking off; or llama.cpp's `reasoning_budget_tokens`)
+  go to `turns.ask` and the turn as /v1/chat/completions sends them. What this
   server cannot do is refused by name: built-in tools, `background`, `include` values, `truncation: auto` (nothing
   is ever dropped silently), images and files (text only).
 - **Out.** `Items` turns the turn pipeline's events (`Reasoning`, `Content`, `CallStart`, `CallArguments`,
@@ -24,17 +25,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from deltaserve.frontends.server.protocol import MAX_CACHE_SALT, SEED_LIMIT, APIError, Limits, bad
+from deltaserve.frontends.server.protocol import (MAX_BUDGET_MESSAGE, MAX_CACHE_SALT, SEED_LIMIT, APIError, Limits, bad,
+                                                  thinking_of)
 from deltaserve.api import GrammarError, normalize
 from deltaserve.api import new_id, valid_id
 from deltaserve.session.turns import CallArguments, CallStart, Content, Finish, Reasoning
 from deltaserve.api import ToolError, normalize_tool_choice, normalize_tools
+from deltaserve.api import EFFORTS
 
 BUILT_IN_TOOLS = ("web_search", "web_search_preview", "file_search", "computer_use_preview", "computer",
                   "code_interpreter", "image_generation", "mcp", "local_shell", "shell", "apply_patch", "custom")
-THINKING_OFF = ("none", "minimal")
 METADATA_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # as OpenAI bounds `metadata`
-EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
 @dataclass
@@ -63,6 +64,8 @@ class ResponsesRequest:
     metadata: dict
     user: str | None
     cache_salt: str | None = None
+    thinking_budget: int | None = None   # thinking tokens at most (None: unlimited; session/thinking.py)
+    thinking_message: str = ""           # the bridge sentence before a closing the turn writes
 
     def system_messages(self) -> list:
         return [{"role": "system", "content": self.system}] if self.system else []
@@ -300,13 +303,21 @@ def parse_responses(body: Any, limits: Limits) -> ResponsesRequest:
         raise bad(str(e)[:400], "tools" if str(e).startswith("tools") else "tool_choice") from None
     fmt, text = _format(body.get("text"))
     reasoning = body.get("reasoning")
-    thinking = None
+    effort = None
     if reasoning is not None:
         _need(isinstance(reasoning, dict), f"'reasoning' must be an object, got {_kind(reasoning)}", "reasoning")
         effort = reasoning.get("effort")
         _need(effort is None or effort in EFFORTS, f"'reasoning.effort' must be one of {', '.join(EFFORTS)}, got "
               f"{str(effort)[:40]!r}", "reasoning.effort")
-        thinking = None if effort is None else effort not in THINKING_OFF
+    asked = {}
+    for key in ("reasoning_budget_tokens", "thinking_token_budget"):  # llama.cpp's, vLLM's
+        if key in body:
+            asked[key] = _number(body, key, -1, 1 << 62, None, integer=True)
+    bridge = body.get("reasoning_budget_message")
+    _need(bridge is None or (isinstance(bridge, str) and len(bridge) <= MAX_BUDGET_MESSAGE),
+          f"'reasoning_budget_message' must be a string of at most {MAX_BUDGET_MESSAGE} characters, got "
+          f"{_kind(bridge)}", "reasoning_budget_message")
+    thinking, budget, bridge = thinking_of(limits, effort, asked, bridge, None)
     most = limits.max_tokens
     max_out = _number(body, "max_output_tokens", 1, most, None, integer=True)
     prev = body.get("previous_response_id")
@@ -343,7 +354,8 @@ def parse_responses(body: Any, limits: Limits) -> ResponsesRequest:
         enable_thinking=thinking, reasoning=reasoning, max_output_tokens=max_out,
         temperature=float(_number(body, "temperature", 0.0, 2.0, 1.0)),
         top_p=_number(body, "top_p", 0.0, 1.0, None, above=True), seed=seed, previous_response_id=prev,
-        store=flags["store"], stream=flags["stream"], metadata=metadata, user=user, cache_salt=salt)
+        store=flags["store"], stream=flags["stream"], metadata=metadata, user=user, cache_salt=salt,
+        thinking_budget=budget, thinking_message=bridge)
 
 
 def frame(system: str | None, rendered_tools: list | None) -> str:
@@ -497,13 +509,4 @@ def usage(input_tokens: int, cached: int, output_tokens: int, reasoning_tokens: 
             "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": input_tokens + output_tokens}
-
-
-def reasoning_tokens(tokens: list[int], thinking: bool, think_end: int | None) -> int:
-    """The answer's tokens before its `</think>` (all of them while it never closed); 0 without reasoning."""
-    if not thinking:
-        return 0
-    if think_end is not None and think_end in tokens:
-        return tokens.index(think_end)
-    return len(tokens)
 
