@@ -98,8 +98,9 @@ def test_the_bridge_sentence_comes_before_the_closing_as_text_never_as_a_templat
     turn = hybrid_model.session(quiet=True).generate(thinking_prompt(hybrid_model), max_tokens=4, thinking_budget=6,
                                                       thinking_message=message)
     inserted = turn.tokens[6:6 + turn.inserted_tokens]
-    assert inserted[-2:] == [tok.think_end_id] + tok.encode("\n\n")
-    assert tok.think_end_id not in inserted[:-2] and tok.im_end_id not in inserted
+    tail = [tok.think_end_id] + tok.encode("\n\n")
+    assert inserted[-len(tail):] == tail
+    assert tok.think_end_id not in inserted[:-len(tail)] and tok.im_end_id not in inserted
     assert message in tok.decode(inserted)
 
 
@@ -113,9 +114,12 @@ def test_with_an_unlimited_budget_a_greedy_turn_is_token_for_token_what_it_was_w
     for model, prompt, n in cases:
         t = model.session(quiet=True, mtp=0).generate(prompt, max_tokens=n)
         assert t.reasoning_ended is not None and t.reasoning_ended != "loop_guard"
-        big = model.session(quiet=True, mtp=0).generate(prompt, max_tokens=n, thinking_budget=10 ** 6)
-        assert big.tokens == t.tokens
+        if t.reasoning_ended == "model" and t.finish_reason == "stop":  # a budget the thought never reaches
+            big = model.session(quiet=True, mtp=0).generate(prompt, max_tokens=n, thinking_budget=10 ** 6)
+            assert big.tokens == t.tokens
         controlled.append(t.tokens)
+    assert {t.reasoning_ended for t in [model.session(quiet=True).generate(p, max_tokens=n) for model, p, n in cases]} \
+        == {"model", "unclosed"}  # the demo closes its thought, the random fixture never does
     monkeypatch.setattr(thinking, "opens_thought", lambda prompt, tokenizer: False)
     for (model, prompt, n), tokens in zip(cases, controlled):
         bare = model.session(quiet=True, mtp=0).generate(prompt, max_tokens=n)
@@ -140,11 +144,13 @@ def test_after_a_forced_close_the_next_turn_prefills_only_its_suffix(hybrid_mode
     prompt = thinking_prompt(hybrid_model)
     s = hybrid_model.session(quiet=True)
     first = s.generate(prompt, max_tokens=6, thinking_budget=10, keep_end=True)
-    assert first.reasoning_ended == "budget"
-    assert s.held == prompt + first.tokens  # what was generated plus what was inserted
+    assert first.reasoning_ended == "budget" and first.finish_reason == "length"
+    # what was generated plus what was inserted, fed (the answer's last token is not: max_tokens ended the turn before
+    # a step needed it, as after any turn cut by max_tokens)
+    assert s.held == prompt + first.tokens[:-1]
     suffix = tok.encode("<|im_end|>\n<|im_start|>user\nAnd then?<|im_end|>\n<|im_start|>assistant\n")
     second = s.generate(prompt + first.tokens + suffix, max_tokens=4)
-    assert second.reused == len(prompt) + len(first.tokens) and second.prefilled == len(suffix)
+    assert second.reused == len(prompt) + len(first.tokens) - 1 and second.prefilled == len(suffix) + 1
 
 
 def test_a_chat_history_sent_again_after_a_forced_close_reuses_as_after_the_models_own_close(hybrid_model, demo):
@@ -185,7 +191,7 @@ def test_a_forced_tool_call_comes_after_a_forced_close(hybrid_model):
         "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}}}]
     turn = hybrid_model.session(quiet=True).chat(
         [{"role": "user", "content": "Weather in Lisbon?"}], tools=tools, enable_thinking=True, thinking_budget=10,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=64)
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=160)
     assert turn.reasoning_ended == "budget" and turn.reasoning_tokens == 10
     assert turn.finish_reason == "tool_calls" and [c.name for c in turn.tool_calls] == ["get_weather"]
     assert isinstance(json.loads(turn.tool_calls[0].arguments)["city"], str)
@@ -214,7 +220,7 @@ def words(tok, n: int, seed: int) -> list[int]:
     pool = _POOLS.get(id(tok))
     if pool is None:
         marks = set(tok.stop_ids) | {tok.think_start_id, tok.think_end_id, tok.im_start_id, tok.im_end_id}
-        pool = _POOLS[id(tok)] = [i for i in range(256, min(tok.vocab_size, 40000)) if i not in marks
+        pool = _POOLS[id(tok)] = [i for i in range(min(tok.vocab_size, 40000)) if i not in marks
                                   and (t := tok.decode([i])).strip() and t.isprintable() and "\ufffd" not in t
                                   and "<" not in t]
     assert len(pool) >= n

@@ -21,6 +21,7 @@ from tests.test_thinking import SCHEMA, scripted, words
 
 THINK = {"chat_template_kwargs": {"enable_thinking": True}}
 ASK = [{"role": "user", "content": "What is 12 + 9?"}]
+MODEL = "model-f32"  # the fixture file's name
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def extra(obj, key):
 
 @pytest.mark.parametrize("budget", [0, 1, 16, 64])
 def test_a_chat_completion_thinks_at_most_its_budget_and_counts_it(client, budget):
-    r = client.chat.completions.create(model="m", messages=ASK, max_tokens=6, temperature=0,
+    r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=6, temperature=0,
                                        extra_body={**THINK, "reasoning_budget_tokens": budget})
     choice, usage = r.choices[0], r.usage
     if budget == 0:  # thinking off: the template's empty thought, nothing counted
@@ -59,8 +60,8 @@ def test_a_chat_completion_thinks_at_most_its_budget_and_counts_it(client, budge
 
 def test_streamed_the_reasoning_comes_as_reasoning_content_deltas_and_the_counts_match(client):
     body = {**THINK, "thinking_token_budget": 16}  # vLLM's name for the same budget
-    whole = client.chat.completions.create(model="m", messages=ASK, max_tokens=6, temperature=0, extra_body=body)
-    stream = client.chat.completions.create(model="m", messages=ASK, max_tokens=6, temperature=0, extra_body=body,
+    whole = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=6, temperature=0, extra_body=body)
+    stream = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=6, temperature=0, extra_body=body,
                                             stream=True, stream_options={"include_usage": True})
     reasoning, content, ended, usage = "", "", None, None
     for chunk in stream:
@@ -78,21 +79,23 @@ def test_streamed_the_reasoning_comes_as_reasoning_content_deltas_and_the_counts
 
 def test_effort_levels_map_to_the_servers_budgets_and_none_turns_thinking_off(client):
     for effort, budget in (("low", 8), ("medium", 16)):  # the server's --reasoning-effort-budgets; its --think is off
-        r = client.chat.completions.create(model="m", messages=ASK, max_tokens=4, temperature=0,
+        r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, temperature=0,
                                            reasoning_effort=effort)
         assert r.usage.completion_tokens_details.reasoning_tokens == budget
         assert extra(r.choices[0], "reasoning_ended") == "budget"
-    r = client.chat.completions.create(model="m", messages=ASK, max_tokens=4, temperature=0, reasoning_effort="none",
-                                       extra_body=THINK)
-    assert extra(r.choices[0].message, "reasoning_content") is not None  # an explicit enable_thinking wins
-    r = client.chat.completions.create(model="m", messages=ASK, max_tokens=4, temperature=0, reasoning_effort="none")
-    assert extra(r.choices[0].message, "reasoning_content") is None
-    assert r.usage.completion_tokens_details.reasoning_tokens == 0
+    for body in ({}, THINK):  # none is thinking off, whatever else asks for it
+        r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, temperature=0,
+                                           reasoning_effort="none", extra_body=body)
+        assert extra(r.choices[0].message, "reasoning_content") is None
+        assert r.usage.completion_tokens_details.reasoning_tokens == 0
+    r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, temperature=0, reasoning_effort="low",
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert extra(r.choices[0].message, "reasoning_content") is None  # and so is an explicit enable_thinking false
 
 
 def test_a_json_schema_answer_after_a_forced_close_validates(client):
     r = client.chat.completions.create(
-        model="m", messages=ASK, max_tokens=48, temperature=0, reasoning_effort="low",
+        model=MODEL, messages=ASK, max_tokens=48, temperature=0, reasoning_effort="low",
         response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA, "strict": True}})
     assert extra(r.choices[0], "reasoning_ended") == "budget"
     assert r.usage.completion_tokens_details.reasoning_tokens == 8
@@ -100,15 +103,17 @@ def test_a_json_schema_answer_after_a_forced_close_validates(client):
 
 
 def test_responses_count_reasoning_tokens_stream_reasoning_and_reuse_the_state_after_a_forced_close(client):
-    first = client.responses.create(model="m", input="What is 12 + 9?", reasoning={"effort": "medium"},
+    first = client.responses.create(model=MODEL, input="What is 12 + 9?", reasoning={"effort": "medium"},
                                     max_output_tokens=6, temperature=0)
     assert first.usage.output_tokens_details.reasoning_tokens == 16 and extra(first, "reasoning_ended") == "budget"
     assert [item.type for item in first.output][:1] == ["reasoning"]
-    follow = client.responses.create(model="m", input="And 3 + 4?", previous_response_id=first.id,
+    follow = client.responses.create(model=MODEL, input="And 3 + 4?", previous_response_id=first.id,
                                      reasoning={"effort": "low"}, max_output_tokens=6, temperature=0)
-    # the state after the forced close is what the follow-up extends: only its new input is prefilled
-    assert follow.usage.input_tokens_details.cached_tokens == first.usage.input_tokens + first.usage.output_tokens
-    events = list(client.responses.create(model="m", input="What is 12 + 9?", reasoning={"effort": "low"},
+    # the state after the forced close is what the follow-up extends: only its new input is prefilled (and the first
+    # answer's last token, never fed where max_output_tokens ended it, as after any answer cut so)
+    cut = int(first.status == "incomplete")
+    assert follow.usage.input_tokens_details.cached_tokens == first.usage.input_tokens + first.usage.output_tokens - cut
+    events = list(client.responses.create(model=MODEL, input="What is 12 + 9?", reasoning={"effort": "low"},
                                           max_output_tokens=6, temperature=0, stream=True))
     kinds = [e.type for e in events]
     assert "response.reasoning_text.delta" in kinds and kinds[-1] == "response.incomplete"
@@ -146,7 +151,7 @@ def test_the_loop_guard_closes_a_repeating_thought_says_so_and_logs_it_with_the_
     server = Server(hybrid_model, slots=2)
     with TestClient(create_app(server), base_url="http://127.0.0.1") as http:
         client = openai.OpenAI(base_url="http://127.0.0.1/v1", api_key="unused", http_client=http, max_retries=0)
-        r = client.chat.completions.create(model="m", messages=ASK, max_tokens=120, extra_body=THINK)
+        r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=120, extra_body=THINK)
     assert extra(r.choices[0], "reasoning_ended") == "loop_guard"
     assert r.usage.completion_tokens_details.reasoning_tokens == 7 + 3 * 30
     err = capfd.readouterr().err

@@ -12,7 +12,8 @@ hold exactly what was generated plus what was inserted. The answer then runs und
 - **Budget** (`thinking_budget`): None is unlimited (`max_tokens` then bounds thought and answer together, as before);
   N >= 0 thinking tokens at most, and the answer has `max_tokens` of its own after the closing, so a turn generates
   at most N + the closing + `max_tokens` tokens (and never past the context). When the budget is spent the next token
-  is still sampled: if it is `</think>` the model closed the thought itself. 0 closes the thought at once (a chat turn
+  is still sampled: if it is `</think>` the model closed the thought itself (anything else, an end of turn too, gives
+  way to the closing). 0 closes the thought at once (a chat turn
   renders thinking off instead: `rendered_thinking`, the template's own empty block).
 - **Effort levels** (OpenAI's `reasoning_effort`, Responses' `reasoning.effort`): `EFFORT_BUDGETS`, configurable
   (`parse_effort_budgets`).
@@ -209,11 +210,11 @@ class Thought:
             if self.grammar:  # the template's blank line, then the grammar's answer (as after a forced close)
                 self.pending = self.tok.encode(CLOSING.split("</think>", 1)[1])
             return token
-        if token in self.stop_ids:
-            return token
-        if self.budget is not None and self.written >= self.budget:
+        if self.budget is not None and self.written >= self.budget:  # a stop token too: the answer is still due
             self._close("budget")
             return self.step(token)
+        if token in self.stop_ids:
+            return token
         self.written += 1
         self.newline = self.tok.decode([token]).endswith("\n")
         if self.guard is not None and self.guard.push(token):

@@ -115,8 +115,8 @@ def thinking_of(limits: Limits, effort: str | None, asked: dict, message: str | 
                 enable_thinking: bool | None) -> tuple[bool | None, int | None, str]:
     """(enable_thinking, the thinking budget, the bridge sentence) of a request: its token budget (llama.cpp's
     reasoning_budget_tokens or vLLM's thinking_token_budget; -1 unlimited), else its effort level's, else the
-    server's (--reasoning-budget); an effort other than none asks for thinking, none turns it off (as does a budget
-    of 0); an explicit enable_thinking wins. A budget over the server's max_tokens limit is refused (a request
+    server's (--reasoning-budget). Thinking is off where anything says so (enable_thinking false, effort none, a
+    budget of 0), on where an effort level or enable_thinking true asks for it. A budget over the server's max_tokens limit is refused (a request
     generates at most that many thinking tokens and that many answer tokens)."""
     given = {k: v for k, v in asked.items() if v is not None}
     if len(set(given.values())) > 1:
