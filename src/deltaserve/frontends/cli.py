@@ -17,7 +17,8 @@ from deltaserve.api import __version__
 from deltaserve.api import plural
 from deltaserve.errors import DeltaserveError
 from deltaserve.session.turns import ask
-from deltaserve.frontends.common import load_model, loop_guard, resolve_model, sampling_kwargs, thinking, thinking_kwargs
+from deltaserve.frontends.common import (load_model, loop_guard, resolve_model, sampling_kwargs, thinking,
+                                         thinking_kwargs, thought_words)
 from deltaserve.frontends import models
 from deltaserve.api import settings
 
@@ -223,17 +224,10 @@ def cmd_run(a) -> int:
     return 0
 
 
-ENDED = {"model": "closed by the model", "budget": "closed by the budget", "loop_guard": "closed by the loop guard",
-         "unclosed": "never closed"}
-
-
 def thought_said(turn) -> str:
     """The stats line's thinking and answer tokens, apart, where the prompt opened a thought."""
-    if turn.reasoning_ended is None:
-        return ""
-    inserted = f", {turn.inserted_tokens} inserted" if turn.inserted_tokens else ""
-    return (f": thinking {turn.reasoning_tokens} ({ENDED.get(turn.reasoning_ended, turn.reasoning_ended)}"
-            f"{inserted}), answer {turn.answer_tokens}")
+    words = thought_words(turn)
+    return f": {words}" if words else ""
 
 
 def mtp_arg(a) -> int | None:

@@ -46,6 +46,19 @@ def thinking_kwargs(a) -> dict:
     return dict(thinking_budget=think_budget(a), thinking_message=getattr(a, "think_budget_message", None))
 
 
+ENDED = {"model": "closed by the model", "budget": "closed by the budget", "loop_guard": "closed by the loop guard",
+         "unclosed": "never closed"}
+
+
+def thought_words(turn) -> str:
+    """A stats line's thinking and answer tokens, apart ("" where the prompt opened no thought)."""
+    if turn.reasoning_ended is None:
+        return ""
+    inserted = f", {turn.inserted_tokens} inserted" if turn.inserted_tokens else ""
+    return (f"thinking {turn.reasoning_tokens} ({ENDED.get(turn.reasoning_ended, turn.reasoning_ended)}{inserted}), "
+            f"answer {turn.answer_tokens}")
+
+
 def loop_guard(a) -> bool | None:
     """--loop-guard on|off (None: DELTASERVE_LOOP_GUARD, on)."""
     value = getattr(a, "loop_guard", None)

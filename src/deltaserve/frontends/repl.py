@@ -28,7 +28,7 @@ from pathlib import Path
 from deltaserve.api import MAX_AGE as GUARD_MAX_AGE
 from deltaserve.api import cache_root, data_root
 from deltaserve.errors import DeltaserveError
-from deltaserve.frontends.common import load_model, loop_guard, sampling_kwargs, thinking_kwargs
+from deltaserve.frontends.common import load_model, loop_guard, sampling_kwargs, thinking_kwargs, thought_words
 from deltaserve.api import plural
 from deltaserve.api import files
 from deltaserve.api import StateFileError, read_header
@@ -258,8 +258,7 @@ class ChatREPL:
         self.out.write(f"[reused {turn.reused} | prefilled {turn.prefilled}{replay} | TTFT {turn.timings.ttft_s * 1000:.0f} ms | "
                        f"{turn.decode_tok_s:.1f} tok/s | {plural(turn.generated, 'token')}, {turn.finish_reason}{capped}"
                        + (f", MTP {turn.accepted}/{turn.drafted} drafts accepted" if turn.drafted else "")
-                       + (f" | thinking {turn.reasoning_tokens} ({turn.reasoning_ended.replace('_', ' ')}), answer "
-                          f"{turn.answer_tokens}" if turn.reasoning_ended is not None else "")
+                       + (f", {thought_words(turn)}" if thought_words(turn) else "")
                        + f" | {turn.start}]\n")
         self.out.flush()
         if self.resumed is not None and not self.turns_since_resume:

@@ -101,9 +101,10 @@ class ThinkingDefaults:
     def describe(self) -> str:
         levels = ", ".join(f"{k} {'unlimited' if v is None else v}" for k, v in self.efforts.items())
         said = "unlimited" if self.budget is None else ("off" if self.budget == 0 else f"{self.budget} tokens")
-        bridge = f", then {self.message!r}" if self.message else ""
+        bridge = f"{self.message!r} and " if self.message else ""
         return (f"thinking budget {said} (--reasoning-budget; a request's reasoning_budget_tokens or "
-                f"reasoning_effort wins: {levels}); a closed thought ends{bridge} with </think>")
+                f"reasoning_effort wins: {levels}); a thought the budget or the loop guard closes ends with {bridge}"
+                f"</think>")
 
 
 def opens_thought(prompt: Sequence[int], tokenizer) -> bool:
