@@ -156,3 +156,27 @@ def test_the_loop_guard_closes_a_repeating_thought_says_so_and_logs_it_with_the_
     assert r.usage.completion_tokens_details.reasoning_tokens == 7 + 3 * 30
     err = capfd.readouterr().err
     assert "[deltaserve] [slot 0] loop guard: the thought repeated a unit of 30 tokens 3 times in a row" in err, err
+
+
+def test_budgets_0_1_16_64_on_the_demo_model_through_chat_and_responses():
+    """The embedded demo model (which thinks one newline, then closes) on the server's app in this process: each
+    budget bounds the thought on chat completions and Responses, and the answer comes."""
+    from fastapi.testclient import TestClient
+
+    import deltaserve
+    from deltaserve.frontends.server.app import Server, create_app
+
+    demo = deltaserve.load()
+    with TestClient(create_app(Server(demo, slots=1, quiet=True)), base_url="http://127.0.0.1") as http:
+        client = openai.OpenAI(base_url="http://127.0.0.1/v1", api_key="unused", http_client=http, max_retries=0)
+        for budget in (0, 1, 16, 64):
+            body = {**THINK, "reasoning_budget_tokens": budget}
+            r = client.chat.completions.create(model=demo.path.name, messages=ASK, max_tokens=24, temperature=0,
+                                               extra_body=body)
+            thought = r.usage.completion_tokens_details.reasoning_tokens
+            assert "21" in r.choices[0].message.content and thought <= budget
+            assert extra(r.choices[0], "reasoning_ended") == (None if budget == 0 else "model")
+            resp = client.responses.create(model=demo.path.name, input="What is 12 + 9?", max_output_tokens=24,
+                                           temperature=0, reasoning={"effort": "low"},
+                                           extra_body={"reasoning_budget_tokens": budget})
+            assert "21" in resp.output_text and resp.usage.output_tokens_details.reasoning_tokens <= budget
