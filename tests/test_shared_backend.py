@@ -22,13 +22,13 @@ def test_two_slots_planning_differently_prefill_each_by_its_own_plan(hybrid_mode
     frugal = hybrid_model.session(backend=backend, plan_memory=tight, quiet=True)
     roomy = hybrid_model.session(backend=backend, quiet=True)
     spans = []
-    real = backend.forward._run
+    real = backend.forward._run_steps  # every forward of a span, the engine loop's layer by layer included
 
-    def spy(state, ids, chunked, all_logits):
+    def spy(state, ids, chunked, all_logits, *args, **kwargs):
         spans.append((id(state), int(ids.numel())))
-        return real(state, ids, chunked, all_logits)
+        return real(state, ids, chunked, all_logits, *args, **kwargs)
 
-    monkeypatch.setattr(backend.forward, "_run", spy)
+    monkeypatch.setattr(backend.forward, "_run_steps", spy)
     frugal.generate(list(range(3, 303)), max_tokens=1)   # plans first: the smallest plan
     roomy.generate(list(range(5, 305)), max_tokens=1)    # plans second: the largest
     spans.clear()
