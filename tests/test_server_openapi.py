@@ -118,3 +118,23 @@ def test_requests_drawn_from_the_openapi_document_never_get_a_5xx_and_the_server
         r = httpx.get(server.url + path.format(quote(body, safe="")), timeout=60)
     check(r, (path, body))
     assert httpx.get(server.url + "/health", timeout=30).status_code == 200  # no stall
+
+
+OTHER = {"/v1/messages": "MessagesRequest", "/v1/messages/count_tokens": "MessagesRequest",
+         "/tokenize": "TokenizeRequest", "/detokenize": "DetokenizeRequest"}
+other_posts = st.one_of(*[st.tuples(st.just(path), from_schema(SCHEMAS[name]).map(shrink))
+                          for path, name in OTHER.items()])
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=other_posts)
+def test_anthropic_and_tokenizer_requests_drawn_from_the_document_never_get_a_5xx(server, case):
+    """Issue 56's routes: a refusal in the route's own shape (Anthropic's on /v1/messages), never a 5xx."""
+    path, body = case
+    r = post(server.url + path, body)
+    assert r.status_code < 500, (r.status_code, r.text[:400], path, body)
+    if r.status_code >= 400 and path.startswith("/v1/messages"):
+        assert r.json()["type"] == "error" and r.json()["error"]["message"], r.text
+    elif r.status_code >= 400:
+        assert r.json()["error"]["message"], r.text
+    assert httpx.get(server.url + "/health", timeout=30).status_code == 200

@@ -381,20 +381,25 @@ def test_a_schema_over_the_size_bound_is_refused_before_it_is_compiled():
         grammar.normalize(wide_format(12000, "large"))
 
 
-@pytest.mark.parametrize("schema,named", [
-    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "'uniqueItems' at schema"),
-    ({"type": "object", "properties": {"a": {"type": "array", "contains": {"const": 1}}}}, "'contains' at schema"),
-    ({"type": "object", "required": ["a"]}, "'required' on an object without 'properties'"),
-    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^a+$", "maxLength": 3}}},
-     "'pattern' with 'maxLength'"),
+@pytest.mark.parametrize("schema,named,bad", [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems", [1, 1]),
+    ({"type": "object", "properties": {"a": {"type": "array", "contains": {"const": 1}}}}, "contains", {"a": [2]}),
+    ({"type": "object", "required": ["a"]}, "required", {}),
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^a+$", "maxLength": 3}}}, "maxLength",
+     {"a": "aaaa"}),
 ])
-def test_a_schema_keyword_the_grammar_does_not_enforce_is_refused_by_name(schema, named):
-    """Issue 32, item 6: answers to these schemas did not validate, though structured outputs promise they do."""
-    with pytest.raises(grammar.GrammarError, match=named):
-        grammar.normalize({"type": "json_schema", "json_schema": {"schema": schema}})
+def test_a_schema_keyword_the_grammar_does_not_enforce_is_left_to_the_check_of_the_answer(schema, named, bad):
+    """Issue 56, item 6 (issue 32 refused them): the grammar gets the schema without the keyword (so what it does
+    enforce compiles and closes), and the finished answer is checked with the whole schema, naming the keyword."""
+    fmt = grammar.normalize({"type": "json_schema", "json_schema": {"schema": schema}})
+    assert fmt["schema"] == schema  # accepted as sent
+    assert grammar.unenforced_keyword(grammar.enforceable(schema)) is None
+    assert named not in json.dumps(grammar.enforceable(schema))
+    said = grammar.violation(bad, schema, "response_format")
+    assert said is not None and f"'{named}'" in said and said.startswith("response_format: ")
     # a property merely named like a keyword is a name, not the keyword
     ok = {"type": "object", "properties": {"uniqueItems": {"type": "boolean"}, "contains": {"type": "string"}}}
-    assert grammar.normalize({"type": "json_schema", "json_schema": {"schema": ok}})["schema"] == ok
+    assert grammar.enforceable(ok) == ok
 
 
 def test_a_schema_that_needs_a_control_character_is_refused_naming_response_format(hybrid_model):

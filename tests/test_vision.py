@@ -665,6 +665,29 @@ def test_an_image_url_part_is_answered_and_a_follow_up_prefills_only_its_new_tex
     assert r2.usage.input_tokens_details.cached_tokens == held
 
 
+def test_an_anthropic_image_message_is_answered_through_the_sdk(vision_server):
+    """Anthropic's Messages API, an image block with a base64 source (tests/test_anthropic.py has the rest)."""
+    import base64
+
+    import anthropic
+
+    before = vision_server.stderr.count("prefill with images")
+    client = anthropic.Anthropic(base_url=vision_server.url, api_key="unused", max_retries=0, timeout=120)
+    data = base64.b64encode(encoded(_picture(56, 28, 6), "PNG")).decode()
+    m = client.messages.create(model="hf", max_tokens=4, extra_body={"temperature": 0}, thinking={"type": "disabled"},
+                               messages=[
+        {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                   "data": data}},
+                                     {"type": "text", "text": "Describe it."}]}])
+    assert m.stop_reason in ("end_turn", "max_tokens") and m.usage.output_tokens >= 1
+    assert vision_server.stderr.count("prefill with images") == before + 1  # the image was encoded and fed
+    counted = client.messages.count_tokens(model="hf", thinking={"type": "disabled"}, messages=[{"role": "user",
+                                                                                                "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}},
+        {"type": "text", "text": "Describe it."}]}])
+    assert counted.input_tokens == m.usage.input_tokens + m.usage.cache_read_input_tokens
+
+
 def _truncated_png() -> str:
     import base64
 

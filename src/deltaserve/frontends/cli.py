@@ -461,7 +461,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--responses-ram", type=size_arg, default=64 << 20, metavar="SIZE",
                    help="RAM for stored responses (/v1/responses store), the oldest of a tenant's leaving first when "
                         "its equal share is full (default 64M)")
-    s.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask for")
+    s.add_argument("--max-tokens-limit", type=positive_int, default=None, metavar="N",
+                   help="the most tokens one answer may take (default: the context): a request's max_tokens (or "
+                        "max_output_tokens) above it is clamped to it and the answer says so (max_tokens_clamped, "
+                        "the x-deltaserve-max-tokens header); an answer the context cuts says context_capped")
     s.add_argument("--max-body", type=int, default=4 << 20, help="largest request body in bytes")
     s.add_argument("--max-messages", type=int, default=512, help="most messages in one request")
     s.add_argument("--max-image-pixels", type=positive_int, default=16_777_216, metavar="N",
@@ -491,6 +494,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Host names to answer to besides loopback ones, comma-separated ('*.example.com' for the "
                         "names under one, '*' for any; default: on a loopback bind only localhost, 127.0.0.1 and "
                         "[::1], which keeps web pages on other sites out; on any other bind any name)")
+    s.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
+                   help="let web pages on ORIGIN (e.g. https://app.example.com; '*' for any) call the API from a "
+                        "browser (CORS); give it once per origin (default: none, a page on another origin is refused "
+                        "by the browser)")
     s.add_argument("--request-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="seconds a request's head, and then its body, have to arrive whole (default 30): a "
                         "client that stalls is answered 408 and its connection closed")

@@ -67,7 +67,7 @@ from deltaserve.session.turns import thinking_flag
 
 # what `deltaserve serve` would take by default, for a config file that leaves options out
 DEFAULTS = dict(model=None, replicas=2, slots=2, queue=16, threads=None, ctx=None, device="cpu", think="auto",
-                api_key=None, model_name=None, allowed_hosts=None, host="127.0.0.1", max_tokens_limit=4096,
+                api_key=None, model_name=None, allowed_hosts=None, host="127.0.0.1", max_tokens_limit=None,
                 max_body=4 << 20, max_messages=512, max_image_pixels=16_777_216, allow_image_urls=False,
                 compile_timeout=10.0, state_ram=None, state_dir=None, state_disk=None, compute_thread="auto", revalidate=False,
                 request_timeout=30.0, mtp=None, draft=None, mmproj=None, step_ms=None, reasoning_budget=-1,
@@ -530,7 +530,7 @@ class Router:
         try:
             data = json.loads(body)
             limits = Limits(max_body=int(self.opts["max_body"]), max_messages=int(self.opts["max_messages"]),
-                            max_tokens=int(self.opts["max_tokens_limit"]))
+                            max_tokens=self.opts["max_tokens_limit"])
             req = parse_chat(data, limits) if path == "/v1/chat/completions" else parse_completion(data, limits)
             # rendered by the turn driver's input half, as the replica renders it (session/driver.py)
             return driver.prepare(self.tokenizer, 1 << 62, request=req.turn, raw=req.prompt,

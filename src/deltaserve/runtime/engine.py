@@ -44,6 +44,8 @@ from typing import Any, Callable, Generator
 
 GRANULE = 64       # the delta rule's chunk and the attention's query block: a prompt is cut at multiples of it
 CHUNK = 512        # prompt tokens a forward call takes (the prefill runs at about full speed from 128-256 up)
+ROW_LOGITS = 64    # tokens a prefill call takes when every row's logits are asked for (`Prefill.rows`): 64 rows of a
+                   # 248K vocabulary are 64 MB of f32, handed over and reduced before the next chunk
 DEFAULT_STEP_S = 0.2   # a step's time while sequences decode: their rows, then a prompt's layers (the token gap)
 
 
@@ -70,13 +72,17 @@ class Rows:
 class Prefill:
     """A span fed through the batched path; resumed with a `PrefillDone`. `fit()` (may be None) says, before each
     chunk, the most tokens one forward call may take in the memory free now (0: none batched: the chunk's tokens go
-    one at a time through the recurrent path). `images`: the span's images (fed whole, never cut)."""
+    one at a time through the recurrent path). `images`: the span's images (fed whole, never cut). `rows` (may be
+    None): every row's logits are asked for (a prompt's own log-probabilities): called with each chunk's logits
+    [n, vocab] and the position of its first row, before the next chunk runs (chunks of at most ROW_LOGITS tokens,
+    each run whole rather than a layer at a time, so that the rows are never held for a whole prompt)."""
 
     backend: Any
     state: Any
     tokens: list[int]
     images: Any = None
     fit: Callable[[], int] | None = None
+    rows: Callable[[Any, int], None] | None = None
     fed: int = 0
     seconds: float = 0.0
     calls: int = 0
@@ -394,7 +400,7 @@ class EngineLoop:
             if w.images is not None:
                 n = left  # an image's rows are fed with the span they are in
             else:
-                n = min(left, self.chunk)
+                n = min(left, self.chunk if w.rows is None else ROW_LOGITS)
                 if left - n < GRANULE:
                     n = left  # a tail shorter than a granule goes with this chunk (as it does alone)
                 if w.fit is not None and w.fit() <= 0:
@@ -403,6 +409,8 @@ class EngineLoop:
             try:
                 if w.images is not None:
                     w.running = _whole(w.backend.prefill, w.state, w.tokens[w.fed:w.fed + n], False, w.images)
+                elif w.rows is not None:
+                    w.running = _whole(_with_rows, w, w.tokens[w.fed:w.fed + n])
                 else:
                     w.running = w.backend.prefill_steps(w.state, w.tokens[w.fed:w.fed + n])
             except BaseException as e:  # noqa: BLE001
@@ -449,7 +457,10 @@ class EngineLoop:
     def _one_token(self, seq: Sequence, w: Prefill) -> None:
         t0 = time.perf_counter()
         try:
+            at = w.state.length
             outs, _ = w.backend.run_rows([(w.state, [w.tokens[w.fed]], None)])
+            if w.rows is not None:
+                w.rows(outs[0], at)
         except BaseException as e:  # noqa: BLE001
             self._advance(seq, None, e)
             return
@@ -467,6 +478,14 @@ def _whole(fn, *args):
     yield  # unreachable: makes this a generator
 
 
+def _with_rows(w: Prefill, tokens: list[int]):
+    """A chunk of a Prefill that asks for every row's logits: its rows handed to `w.rows`, the last one returned."""
+    at = w.state.length
+    rows = w.backend.prefill(w.state, tokens, True)
+    w.rows(rows, at)
+    return rows[-1]
+
+
 def _run_alone(gen: Generator):
     """A sequence run to its end on this thread with no other sequence (work done as it asks)."""
     value, error = None, None
@@ -481,8 +500,12 @@ def _run_alone(gen: Generator):
                 value = work.backend.run_rows([(work.state, work.tokens, work.snaps)])[0][0]
             elif isinstance(work, Prefill):
                 t0 = time.perf_counter()
-                logits = work.backend.prefill(work.state, work.tokens, images=work.images) \
-                    if work.images is not None else work.backend.prefill(work.state, work.tokens)
+                if work.rows is not None and work.images is None:
+                    for i in range(0, len(work.tokens), ROW_LOGITS):
+                        logits = _with_rows(work, work.tokens[i:i + ROW_LOGITS])
+                else:
+                    logits = work.backend.prefill(work.state, work.tokens, images=work.images) \
+                        if work.images is not None else work.backend.prefill(work.state, work.tokens)
                 value = PrefillDone(logits, time.perf_counter() - t0, 1)
             elif isinstance(work, Blocking):
                 value = work.fn(*work.args)

@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 
 from deltaserve.errors import ContextError, DeltaserveError
 from deltaserve.session.grammar import CompiledFormat
+from deltaserve.session.logprobs import MAX_TOP, Recorder  # noqa: F401 - MAX_TOP: the frontends' bound
 from deltaserve.session.turns import Content, Event, Finish, TurnRequest
 from deltaserve.text.chat_template import RenderedPrompt
 
@@ -36,6 +37,24 @@ class PreparedTurn:
     @property
     def images(self) -> list:
         return self.request.images if self.request is not None else []
+
+
+@dataclass
+class Logprobs:
+    """The log-probabilities of the token whose text the events after it carry (session/logprobs.py), handed out
+    before them; a token whose text is held back (a tail that may begin a stop string or a call) comes out with a
+    later token's events. `prompt`: the prompt's own (echo), handed out once, before the first token's."""
+
+    entries: list
+    prompt: bool = False
+
+
+@dataclass
+class Choice:
+    """An event of choice `index`, in a turn of several choices (`run(..., n=...)`)."""
+
+    index: int
+    event: Any
 
 
 class RawOutput:
@@ -100,30 +119,67 @@ def prepare(tokenizer, context: int, *, request: TurnRequest | None = None, raw:
 
 def run(session, turn: PreparedTurn, max_tokens: int = 256, on_event: Callable[[Event], Any] | None = None,
         cancel: threading.Event | None = None, stop=None, partition: str | None = None,
-        thinking_budget: int | None = None, thinking_message: str | None = None, **sampling):
+        thinking_budget: int | None = None, thinking_message: str | None = None, logprobs: int | None = None,
+        echo: bool = False, n: int = 1, **sampling):
     """Drive a prepared turn on `session` to its end, handing each event to `on_event` as it comes (on the engine
     loop's thread: a sink that must not block); `on_event` returning False cancels the turn as `cancel` does. Returns
     the session's Turn with the output half's reasoning, answer text, calls and finish reason. A prompt that opens a
     thought thinks `thinking_budget` tokens at most (None: unlimited), then the closing, `thinking_message` first
-    (session/thinking.py); its Turn says `reasoning_tokens` and `reasoning_ended`."""
-    output = turn.request.output(turn.thinking) if turn.request is not None else RawOutput()
+    (session/thinking.py); its Turn says `reasoning_tokens` and `reasoning_ended`.
 
-    def hand_out(events) -> bool | None:
+    `logprobs` (0 to 20; None: none): each generated token's log-probability and that many of its row's most likely
+    tokens' (session/logprobs.py), handed out as a `Logprobs` event before the token's text events and kept in the
+    Turn's `logprobs`; `echo`: the prompt's tokens' too (`turn.logprobs.prompt`).
+
+    `n` > 1: as many choices, the prompt prefilled once and its state forked (session/forks.py); each event is then
+    handed out as `Choice(index, event)`, and the Turn's `forks` are choices 1 to n - 1, each with its own output
+    half's fields."""
+    def output_half():
+        return turn.request.output(turn.thinking) if turn.request is not None else RawOutput()
+
+    outputs = [output_half() for _ in range(n)]
+    recorders = [Recorder(logprobs, echo and i == 0) if logprobs is not None else None for i in range(n)]
+
+    def hand_out(events, index: int = 0) -> bool | None:
         go = None
         for e in events:
-            if on_event is not None and on_event(e) is False:
+            if on_event is not None and on_event(Choice(index, e) if n > 1 else e) is False:
                 go = False
         return go
 
-    result = session.generate(turn.ids, max_tokens=max_tokens, stop=stop,
-                              on_token=lambda tid, piece: hand_out(output.push(piece)),
+    def sink(index: int):
+        output, recorder = outputs[index], recorders[index]
+
+        def on_token(tid, piece):
+            if recorder is not None and recorder.echo and not sent_prompt:
+                sent_prompt.append(True)
+                hand_out([Logprobs(list(recorder.prompt), prompt=True)], index)
+            if recorder is not None and tid is not None and recorder.entries:
+                hand_out([Logprobs([recorder.entries[-1]])], index)
+            return hand_out(output.push(piece), index)
+        return on_token
+
+    sent_prompt: list = []
+    forks = None
+    if n > 1:
+        from deltaserve.session.forks import Forks
+
+        forks = Forks([sink(i) for i in range(1, n)], recorders[1:], cancel)
+    result = session.generate(turn.ids, max_tokens=max_tokens, stop=stop, on_token=sink(0),
                               response_format=turn.grammar, keep_end=turn.keep_end, images=turn.images,
                               cancel=cancel, partition=partition, thinking_budget=thinking_budget,
-                              thinking_message=thinking_message, **sampling)
-    events = output.finish(result.finish_reason)
-    if result.finish_reason != "cancelled":
-        hand_out(events)  # what was held back (a tail that might have begun </think> or <tool_call>), and Finish
-    done: Finish = events[-1]
-    result.reasoning, result.text, result.tool_calls = done.reasoning, done.content or "", done.tool_calls
-    result.finish_reason = done.reason
+                              thinking_message=thinking_message, logprobs=recorders[0], forks=forks, **sampling)
+    if recorders[0] is not None and recorders[0].echo and not sent_prompt:  # an answer of no token: the prompt's
+        hand_out([Logprobs(list(recorders[0].prompt), prompt=True)])
+    for index, one in enumerate([result] + list(result.forks)):
+        events = outputs[index].finish(one.finish_reason)
+        if one.finish_reason != "cancelled":
+            hand_out(events, index)  # what was held back (a tail that might have begun </think> or <tool_call>), and Finish
+        done: Finish = events[-1]
+        one.reasoning, one.text, one.tool_calls = done.reasoning, done.content or "", done.tool_calls
+        one.finish_reason = done.reason
+        one.logprobs = recorders[index]
+        if one.logprobs is not None:
+            one.logprobs.settle(len(one.tokens))
+        one.schema_error = done.error
     return result

@@ -140,6 +140,51 @@ def unenforced_keyword(schema: Any) -> str | None:
     return None
 
 
+UNENFORCED = ("uniqueItems", "contains", "minContains", "maxContains")
+
+
+def enforceable(schema: Any) -> Any:
+    """`schema` as the grammar is given it: the keywords it does not enforce (`unenforced_keyword`) left out, so that
+    what it does enforce compiles and closes (a `pattern` keeps its automaton, its length bound goes; `required`
+    without `properties` goes). What was left out is checked on the finished answer (`violation`). A copy: the
+    schema itself is what the answer is checked with."""
+    if isinstance(schema, list):
+        return [enforceable(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k in UNENFORCED and (k != "uniqueItems" or v is True):
+            continue
+        if k in ("maxLength", "minLength") and "pattern" in schema:
+            continue
+        if k == "required" and not isinstance(schema.get("properties"), dict):
+            continue
+        if k in _SUBSCHEMA_MAPS and isinstance(v, dict):
+            out[k] = {name: enforceable(sub) for name, sub in v.items()}
+        elif k in _SUBSCHEMAS and isinstance(v, (dict, list)):
+            out[k] = enforceable(v)
+        else:
+            out[k] = v
+    return out
+
+
+def violation(value: Any, schema: Any, where: str) -> str | None:
+    """Why `value` (a finished answer's JSON) breaks `schema` (None: it does not), for a schema whose keywords the
+    grammar could not all enforce; `where` names what was checked ("response_format", "tools[get_weather]")."""
+    import jsonschema
+
+    try:
+        error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(value))
+    except jsonschema.exceptions.SchemaError as e:
+        return f"{where}: the schema itself is not valid ({e.message})"[:400]
+    if error is None:
+        return None
+    at = "".join(f"[{p!r}]" for p in error.absolute_path) or "the answer"
+    return (f"{where}: {at} breaks the schema's '{error.validator}' ({error.message}); the grammar cannot enforce "
+            f"'{error.validator}', so it is checked on the finished answer")[:400]
+
+
 def normalize(response_format: Any) -> dict | None:
     """The format as {"type": "json_object"} or {"type": "json_schema", "schema": {...}}; None for text / absent.
     A malformed one raises GrammarError."""
@@ -175,10 +220,6 @@ def normalize(response_format: Any) -> dict | None:
         if size > MAX_SCHEMA_BYTES:
             raise GrammarError(f"response_format: the JSON schema is {size} bytes as compact JSON, over the limit of "
                                f"{MAX_SCHEMA_BYTES}: refused before it is compiled")
-        unenforced = unenforced_keyword(schema)
-        if unenforced is not None:
-            raise GrammarError(f"response_format: {unenforced} is not enforced by the grammar engine, so an answer "
-                               f"could fail it: remove it (or validate that part of the answer yourself)")
         depth = nesting_depth(schema)
         if depth > MAX_DEPTH:  # xgrammar's compile of a schema 900 deep took a minute: refused before it starts
             raise GrammarError(f"response_format: the JSON schema nests objects and arrays more than {MAX_DEPTH} "
@@ -337,7 +378,7 @@ class GrammarEngine:
                                  "response_format: the JSON schema", here_always=True)
             description = "json_object"
         else:
-            compiled = self._compile(json.dumps(fmt["schema"]), strict=True)
+            compiled = self._compile(json.dumps(enforceable(fmt["schema"])), strict=True)
             description = "json_schema"
         out = CompiledFormat(self, compiled, description)
         return self._remember(key, out)
@@ -350,7 +391,9 @@ class GrammarEngine:
         tools = normalize_tools(tools)
         if choice.name is not None:
             tools = tuple(t for t in tools if t.name == choice.name)
-        offered = [_bounded_text(t.openai()) for t in tools]
+        offered = [_bounded_text({"type": "function", "function": {**t.openai()["function"],
+                                                                    "parameters": enforceable(t.parameters)}})
+                   for t in tools]
         xgr_choice = ({"type": "function", "function": {"name": choice.name}} if choice.name is not None
                       else choice.mode)
         answer = normalize(answer) if choice.mode == "auto" and choice.name is None else None
@@ -373,14 +416,16 @@ class GrammarEngine:
                 # calls and nothing else: xgrammar's own "required" tag lets text run between calls (random
                 # weights wandered there until max_tokens), so the calls are its tags, one newline apart
                 tags = [TagFormat(begin=f"<tool_call>\n<function={t.name}>\n",
-                                  content=JSONSchemaFormat(json_schema=_bounded_text(t.parameters), style="qwen_xml",
+                                  content=JSONSchemaFormat(json_schema=_bounded_text(enforceable(t.parameters)),
+                                                           style="qwen_xml",
                                                            max_whitespace_cnt=1),
                                   end="\n</function>\n</tool_call>") for t in tools]
                 fmt = tags[0] if choice.name is not None else TagsWithSeparatorFormat(
                     tags=tags, separator="\n", at_least_one=True, stop_after_first=not choice.parallel)
                 if answer is not None:  # a call (or several), or the answer as JSON of the format
                     schema = {"type": "object"} if answer["type"] == "json_object" else answer["schema"]
-                    fmt = OrFormat(elements=[fmt, JSONSchemaFormat(json_schema=_bounded_text(schema), style="json",
+                    fmt = OrFormat(elements=[fmt, JSONSchemaFormat(json_schema=_bounded_text(enforceable(schema)),
+                                                                   style="json",
                                                                    max_whitespace_cnt=1)])
                 tag = StructuralTag(format=fmt)
             else:  # auto, one call at most: text, then a call or not, then the end

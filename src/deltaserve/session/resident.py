@@ -26,6 +26,7 @@ from deltaserve.engine.state import Checkpoint, DecodeState
 from deltaserve.engine.weights import trim_heap
 from deltaserve.errors import BackendError, CapacityError, DeltaserveError
 from deltaserve.session.drafting import DEFAULT_DRAFTS, DraftPolicy
+from deltaserve.session.forks import fork_turn
 from deltaserve.session.driver import PreparedTurn, check_prompt
 from deltaserve.session.driver import run as run_prepared
 from deltaserve.session.grammar import CompiledFormat, GrammarError, compile_format
@@ -82,6 +83,9 @@ class Turn:
     reasoning_ended: str | None = None
     inserted_tokens: int = 0
     closing_tokens: int = 0
+    logprobs: Any = None          # session/logprobs.Recorder: the tokens' log-probabilities, where they were asked for
+    forks: list = field(default_factory=list)  # the other choices of a turn of n > 1 (session/forks.py), each a Turn
+    schema_error: str | None = None  # finish_reason "schema_violation": what the answer breaks of its schema (turns.py)
 
     @property
     def acceptance(self) -> float:
@@ -178,6 +182,8 @@ class Session:
         self.batched_prefills = 0
         self.image_prefills = 0  # prefills that encoded and fed images
         self._images: dict[int, object] = {}  # a turn's images, by their first placeholder id
+        self._recorder = None  # a turn's log-probabilities (session/logprobs.Recorder), when asked for
+        self._forks = None  # a turn's other choices (session/forks.Forks), when n > 1 were asked for
         self.prefill_lines: deque[str] = deque(maxlen=16)  # the last batched prefills, one stats line each
         self.turns = 0
         if self.per_token:
@@ -579,9 +585,10 @@ class Session:
             if self.log_prefills:
                 self._print(f"[deltaserve] {self.prefill_lines[-1]}")
             return done.logits
+        rows = self._recorder.on_rows if self._recorder is not None and self._recorder.echo else None  # logprobs
         if len(tokens) > 1 and not self.per_token and (not self._one_token or self._batched_fits_again()):
             state, start = self.state, self.state.length
-            done = yield Prefill(self.backend, state, tokens, fit=self._chunk_fit)
+            done = yield Prefill(self.backend, state, tokens, fit=self._chunk_fit, rows=rows)
             ms = done.seconds * 1000
             self.batched_prefills += 1
             chunks = f"{done.calls} chunks, " if done.calls > 1 else ""
@@ -594,6 +601,8 @@ class Session:
         logits = None
         for t in tokens:
             logits = (yield Rows(self.backend, self.state, [t]))[-1]
+            if rows is not None:  # log-probabilities: this row scores the prompt's next token
+                rows(logits[None], self.state.length - 1)
         return logits
 
     def _chunk_fit(self) -> int:
@@ -628,7 +637,8 @@ class Session:
                  seed: int | None = None, stop: Sequence[str | int] | None = None,
                  on_token: OnToken | None = None, response_format=None, keep_end: bool = False,
                  images: Sequence = (), cancel: threading.Event | None = None, partition: str | None = None,
-                 thinking_budget: int | None = None, thinking_message: str | None = None) -> Turn:
+                 thinking_budget: int | None = None, thinking_message: str | None = None, logprobs=None,
+                 forks=None) -> Turn:
         """One turn from raw prompt ids. `response_format` (OpenAI's: {"type": "json_object"} or {"type":
         "json_schema", "json_schema": {"schema": {...}}}, or a `grammar.CompiledFormat`) constrains every generated
         token from the first one to the grammar (deltaserve.session.grammar); the turn ends ("stop") when it is complete.
@@ -648,19 +658,35 @@ class Session:
         A prompt that leaves the model inside a thought (session/thinking.py): `thinking_budget` thinking tokens at
         most (None: unlimited; 0: the thought closed at once), after which the turn writes the closing
         (`thinking_message`, a bridge sentence, then `</think>` and a blank line) and the answer runs under its own
-        `max_tokens`; the loop guard (`loop_guard`) closes a thought that repeats itself the same way."""
+        `max_tokens`; the loop guard (`loop_guard`) closes a thought that repeats itself the same way.
+
+        `logprobs` (session/logprobs.Recorder): each generated token's log-probability (and its top tokens') is
+        recorded there; with its `echo`, the prompt's too, from the prefill's rows (the whole prompt is prefilled:
+        rows a state already holds have no logits to give). `forks` (session/forks.Forks): n - 1 more choices, forks
+        of the state after the prompt decoded beside this one (the Turn's `forks`)."""
         params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
                                 frequency_penalty, seed)
         grammar = self.compile_format(response_format)
         with self._lock:
             self._images = {im.ids(self.host.config.vocab_size, 1)[0]: im for im in images}
+            self._recorder, self._forks = logprobs, forks
             try:
                 self._enter_partition(partition)
                 turn = self._turn(list(int(t) for t in prompt_ids), max_tokens, params, stop, on_token, grammar,
                                   keep_end, (thinking_budget, thinking_message))
-                return self.backend.engine.drive(turn, cancel, self.label)
+                try:
+                    done = self.backend.engine.drive(turn, cancel, self.label)
+                except BaseException:
+                    if forks is not None:
+                        forks.abandon()
+                    raise
+                if forks is not None:  # n > 1: the other choices, as their sequences end (session/forks.py)
+                    done.forks = [fork_turn(done, r, forks.limited, Turn) for r in forks.wait()]
+                return done
             finally:
+                self._forks = None
                 self._images = {}
+                self._recorder = None
 
     def compile_format(self, response_format) -> CompiledFormat | None:
         """`response_format` compiled for this model's tokenizer (cached per schema); None for text / absent. A
@@ -779,6 +805,11 @@ class Session:
             if rejection is not None:
                 self._move_to_cpu(rejection)
         start_kind, start = yield from self._decide_start(prompt)
+        if self._recorder is not None and self._recorder.echo:  # log-probabilities of the prompt: all of it prefilled
+            self._recorder.start_prompt(prompt)
+            if start > 0:
+                self._reset_in_place()
+                start_kind, start = "reset", 0
 
         prefill_t0 = time.perf_counter()
         try:
@@ -796,6 +827,10 @@ class Session:
                                f"its weights are likely corrupt ({self.host.path.name})")
         if start == 0:
             start_kind = "reset"
+        if self._forks is not None and len(self._forks):  # n > 1: the state after the prompt forked (session/forks.py)
+            self._forks.start(self, prompt, logits, budget, limited, params, stop_ids, stop_texts, t0, grammar,
+                              lambda child: thinking.start(child, prompt, max_tokens, *think, stop_ids,
+                                                           grammar is not None))
 
         try:
             tokens, text, finish, ttft, decode_s = yield from self._decode(prompt, logits, budget, params, stop_ids,
@@ -884,6 +919,8 @@ class Session:
                 token = sampler(logits, seen, generated)
                 if thought is not None:  # [thinking] the closing in its place (budget spent, a loop, being written)
                     token = thought.step(token)
+                if self._recorder is not None:  # log-probabilities (session/logprobs.py): the row the sampler saw
+                    self._recorder.add(logits, token)
                 if not generated:
                     ttft = time.perf_counter() - t0
                     decode_t0 = time.perf_counter()

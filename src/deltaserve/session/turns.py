@@ -23,7 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from deltaserve.errors import DeltaserveError
-from deltaserve.session.grammar import CompiledFormat, compile_format, compile_tools, normalize
+import json
+
+from deltaserve.session.grammar import (CompiledFormat, compile_format, compile_tools, normalize, unenforced_keyword,
+                                        violation)
 from deltaserve.text.chat_template import RenderedPrompt, render_prompt
 from deltaserve.text.stream import ReasoningSplitter
 from deltaserve.text.toolcalls import (CallArguments, CallStart, Content, Tool, ToolCall, ToolCallParser, ToolChoice,
@@ -53,6 +56,7 @@ class Finish:
     content: str | None            # the answer's text (None: calls and nothing else)
     reasoning: str | None          # what the model reasoned first (None: the prompt opened no reasoning)
     tool_calls: list[ToolCall] = field(default_factory=list)
+    error: str | None = None       # reason "schema_violation": what of the schema the answer breaks
 
 
 Event = Reasoning | Content | CallStart | CallArguments | Finish
@@ -166,8 +170,15 @@ class TurnRequest:
         return compile_tools(tokenizer, self.tools, self.choice, vocab_size, stop_ids)
 
     def output(self, thinking: bool) -> "TurnOutput":
-        """The output half for a prompt that does (`thinking` True) or does not leave the model reasoning."""
-        return TurnOutput(thinking, self.tools if self.offers_tools else (), self.choice.parallel)
+        """The output half for a prompt that does (`thinking` True) or does not leave the model reasoning. Schemas
+        with keywords the grammar cannot enforce (grammar.unenforced_keyword: `uniqueItems`, `contains`, a
+        `pattern`'s length bound, ...) are checked on the finished answer, the format's and the tools' alike."""
+        fmt = self.response_format
+        answer = fmt["schema"] if isinstance(fmt, dict) and fmt.get("type") == "json_schema" and \
+            unenforced_keyword(fmt["schema"]) is not None else None
+        tools = self.tools if self.offers_tools else ()
+        checked = {t.name: t.parameters for t in tools if unenforced_keyword(t.parameters) is not None}
+        return TurnOutput(thinking, tools, self.choice.parallel, answer, checked)
 
 
 def ask(messages: Iterable[Any], tools: Any = None, tool_choice: Any = None, parallel_tool_calls: bool | None = True,
@@ -192,8 +203,11 @@ def ask(messages: Iterable[Any], tools: Any = None, tool_choice: Any = None, par
 class TurnOutput:
     """Generated text in, events out (see the module's notes)."""
 
-    def __init__(self, thinking: bool, tools: tuple[Tool, ...] = (), parallel: bool = True):
+    def __init__(self, thinking: bool, tools: tuple[Tool, ...] = (), parallel: bool = True, answer_schema=None,
+                 checked_tools: dict | None = None):
         self.thinking = thinking
+        self._answer_schema = answer_schema   # a json_schema checked on the finished answer (see TurnRequest.output)
+        self._checked_tools = checked_tools or {}
         self._splitter = ReasoningSplitter(thinking)
         self._parser = ToolCallParser(tools, parallel) if tools else None
         self._reasoning: list[str] = []
@@ -227,8 +241,27 @@ class TurnOutput:
         if calls and reason == "stop":
             reason = "tool_calls"
         reasoning = "".join(self._reasoning).strip() if self.thinking else None
-        out.append(Finish(reason, content, reasoning, calls))
+        error = self._violation(content, calls) if reason in ("stop", "tool_calls") else None
+        out.append(Finish("schema_violation" if error else reason, content, reasoning, calls, error))
         return out
+
+    def _violation(self, content: str | None, calls: list[ToolCall]) -> str | None:
+        """What a finished answer breaks of the schemas the grammar could not all enforce (None: nothing)."""
+        if self._answer_schema is not None and content and not calls:
+            try:
+                value = json.loads(content)
+            except ValueError:
+                return "response_format: the answer is not JSON"
+            found = violation(value, self._answer_schema, "response_format")
+            if found:
+                return found
+        for call in calls:
+            schema = self._checked_tools.get(call.name)
+            if schema is not None:
+                found = violation(call.args, schema, f"tools[{call.name}]")
+                if found:
+                    return found
+        return None
 
     def whole(self, text: str, reason: str) -> Finish:
         """A whole answer at once: the `Finish` its stream would end with."""

@@ -32,9 +32,13 @@ from deltaserve.errors import ContextError, DeltaserveError
 from deltaserve.api import GrammarError, compile_format, compile_process
 from deltaserve.api import check_prompt
 from deltaserve.session.turns import CallArguments, CallStart, Content, Finish, Reasoning, stop_ids, thinking_flag
-from deltaserve.frontends.server import connections, openapi, streams
+from deltaserve.frontends.server import anthropic, connections, ollama, openapi, streams, tokens
+from starlette.middleware.cors import CORSMiddleware
+from deltaserve.frontends.server.logprobs import CompletionLogprobs, chat_logprobs, joined
+from deltaserve.session.driver import Choice, Logprobs
 from deltaserve.frontends.server.compiles import CompileQueue
 from deltaserve.frontends.server.metrics import Metrics
+from deltaserve.frontends.server.protocol import clamp_headers, parse_json  # noqa: F401 - parse_json: app's name too
 from deltaserve.frontends.server.protocol import (APIError, GenerationRequest, Limits, bad, image_limits, parse_chat,
                                                   parse_completion)
 from deltaserve.frontends.server.tenants import Keys, partition
@@ -50,15 +54,6 @@ from deltaserve.api import ThinkingDefaults, check_budget, parse_effort_budgets
 
 FINGERPRINT = f"deltaserve-{__version__}"
 RESPONSES_RAM = 64 << 20  # --responses-ram: the stored responses' budget
-
-
-def parse_json(body: bytes):
-    try:
-        return json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise bad(f"the request body is not valid JSON: {e}"[:300]) from None
-    except RecursionError:
-        raise bad("the request body nests its JSON too deeply") from None
 
 
 def parse_body(parse, body: bytes, limits: Limits):
@@ -129,6 +124,17 @@ class HostPolicy:
                         "invalid_request_error", None, "host_not_allowed")
 
 
+def completion_entries(turn) -> list:
+    """A completion's tokens' log-probabilities, the stop token that ended it last (OpenAI's completions list it)."""
+    rec = turn.logprobs
+    return list(rec.entries) + ([rec.stop] if rec.stop is not None else [])
+
+
+def shaped(path: str, e: APIError) -> JSONResponse | None:
+    """An error in the shape its route's API writes errors (Anthropic's, Ollama's), or None: OpenAI's."""
+    return anthropic.error_response(path, e) or ollama.error_response(path, e)
+
+
 class ClientGone(Exception):
     """The client closed its connection while its request waited (in the queue, or for a whole answer)."""
 
@@ -161,8 +167,9 @@ class Server:
                  request_timeout: float = connections.DEFAULT_REQUEST_TIMEOUT, log_prefills: bool = True,
                  guard_max_age: float = GUARD_MAX_AGE, mtp: int | None = None, api_keys_file: str | None = None,
                  responses_ram: int = RESPONSES_RAM, thinking: ThinkingDefaults | None = None,
-                 loop_guard: bool | None = None):
+                 loop_guard: bool | None = None, cors_origins: list[str] | None = None):
         self.model = model
+        self.cors_origins = list(cors_origins or [])  # --cors-origin: the origins whose pages may call the API
         self.limits = limits or Limits()
         if thinking is not None:  # the budgets of requests that name none, and of the effort levels
             self.limits.thinking = thinking
@@ -199,6 +206,7 @@ class Server:
         self.context = sessions[0].context
         self.limits.vision = model.host.vision is not None  # without an encoder an image part is refused unread
         self.limits.context = self.context
+        self.limits.max_n = sessions[0].backend.max_rows  # n > 1: the choices' rows in one decode forward
         self.executor = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="deltaserve-slot",
                                            initializer=model.worker_initializer())
         # templates and tokenizers run here, not on the event loop (one large request must not stall the others)
@@ -227,7 +235,10 @@ class Server:
             return True, None
         header = request.headers.get("authorization")
         if header is None:
-            return None, None
+            api_key = request.headers.get("x-api-key")  # Anthropic's header (its SDK sends the key there)
+            if api_key is None:
+                return None, None
+            header = f"Bearer {api_key}"
         scheme, _, token = header.strip().partition(" ")
         # starlette decodes a header as latin-1: encoding it back gives the bytes the client sent
         key = self.keys.match(token.strip().encode("latin-1", "replace"))
@@ -242,7 +253,7 @@ class Server:
         """The request's tenant (None: a single-tenant server), or a 401."""
         ok, tenant = self.identify(request)
         if ok is not True:
-            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')",
                            "invalid_request_error", None, "invalid_api_key")
         return tenant
 
@@ -335,9 +346,15 @@ class Server:
             raise bad(str(e), param) from None
 
     def budget(self, req: GenerationRequest) -> int:
-        """The tokens a request asks for (or the server's limit): the session ends the answer where the context does
-        and says so (context_capped), which it could not if the budget were cut to the context here."""
-        return req.max_tokens or self.limits.max_tokens
+        """The tokens a request may generate: what it asks for, clamped to the limit (--max-tokens-limit, default
+        the context; a clamp is said in the answer: `max_tokens_clamped` and the x-deltaserve-max-tokens header), or
+        the limit when it asks for none. The session ends the answer where the context does and says so
+        (context_capped), which it could not if the budget were cut to the context here."""
+        limit = self.limits.max_tokens or self.context
+        if req.max_tokens is not None and req.max_tokens > limit:
+            req.clamped = {"requested": req.max_tokens, "limit": limit}
+            return limit
+        return req.max_tokens or limit
 
     # -- one generation ----------------------------------------------------------------------------
     async def generate(self, endpoint: str, req: GenerationRequest, ids: list[int], thinking: bool, t0: float,
@@ -378,7 +395,7 @@ class Server:
 
         def work():
             return driver.run(slot.session, prepared, max_tokens, on_event=on_event, cancel=cancel, stop=req.stop,
-                              **req.sampling())
+                              logprobs=req.logprobs, echo=req.echo, n=req.n, **req.sampling())
 
         fut = loop.run_in_executor(self.executor, work)
 
@@ -387,7 +404,7 @@ class Server:
             events.put_nowait(None)
             if not f.cancelled() and f.exception() is None:
                 turn = f.result()
-                self.metrics.tokens(len(ids), turn.reused, turn.generated)
+                self.metrics.tokens(len(ids), turn.reused, turn.generated + sum(t.generated for t in turn.forks))
                 self.metrics.observe("ttft", first.get("t", time.perf_counter()) - t0)
             self.metrics.observe("duration", time.perf_counter() - t0)
 
@@ -416,91 +433,156 @@ class Server:
             raise self.turn_error(e) from None
 
     def usage(self, n_prompt: int, turn) -> dict:
-        return {"prompt_tokens": n_prompt, "completion_tokens": turn.generated,
-                "total_tokens": n_prompt + turn.generated,
+        """The prompt counted once, every choice's tokens (n > 1: the forks')."""
+        generated = turn.generated + sum(t.generated for t in turn.forks)
+        return {"prompt_tokens": n_prompt, "completion_tokens": generated,
+                "total_tokens": n_prompt + generated,
                 "prompt_tokens_details": {"cached_tokens": turn.reused},
-                "completion_tokens_details": {"reasoning_tokens": turn.reasoning_tokens}}
+                "completion_tokens_details": {"reasoning_tokens": turn.reasoning_tokens +
+                                              sum(t.reasoning_tokens for t in turn.forks)}}
 
     async def complete(self, endpoint: str, req: GenerationRequest, ids: list[int], thinking: bool, t0: float,
                        request: Request | None = None):
         fut, queue, cancel = await self.generate(endpoint, req, ids, thinking, t0, request)
         rid = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
+        tok = self.model.tokenizer
+        echo = endpoint != "chat" and req.echo
+        prompt_text = (req.prompt if isinstance(req.prompt, str) else tok.decode(ids)) if echo else ""
+        headers = clamp_headers(req)
+        extra = {"max_tokens_clamped": req.clamped} if req.clamped else {}
+
+        def prompt_logprobs(turn, wire: CompletionLogprobs) -> dict | None:
+            if not echo or req.logprobs is None or turn.logprobs is None:
+                return None
+            return wire.prompt(ids, turn.logprobs.prompt)
+
         if not req.stream:
             turn = await self.whole_turn(fut, cancel, request)
-            if endpoint == "chat":  # the turn driver's output half (session/driver.py) set the answer's parts
-                content = turn.text if turn.text or not turn.tool_calls else None
-                message = {"role": "assistant", "content": content, "refusal": None}
-                if turn.tool_calls:
-                    message["tool_calls"] = [c.openai() for c in turn.tool_calls]
-                if turn.reasoning is not None:
-                    message["reasoning_content"] = turn.reasoning
-                choice = {"index": 0, "message": message, "finish_reason": turn.finish_reason, "logprobs": None}
-                obj = "chat.completion"
-            else:
-                choice = {"index": 0, "text": turn.text, "finish_reason": turn.finish_reason, "logprobs": None}
-                obj = "text_completion"
-            if turn.context_capped:  # "length" because the context ended the answer, not max_tokens
-                choice["context_capped"] = True
-            if turn.reasoning_ended is not None:  # how the thought ended: model, budget, loop_guard, unclosed
-                choice["reasoning_ended"] = turn.reasoning_ended
+            choices = []
+            for index, one in enumerate([turn] + list(turn.forks)):
+                if endpoint == "chat":  # the turn driver's output half (session/driver.py) set the answer's parts
+                    content = one.text if one.text or not one.tool_calls else None
+                    message = {"role": "assistant", "content": content, "refusal": None}
+                    if one.tool_calls:
+                        message["tool_calls"] = [c.openai() for c in one.tool_calls]
+                    if one.reasoning is not None:
+                        message["reasoning_content"] = one.reasoning
+                    lp = chat_logprobs(one.logprobs.entries, tok) if req.logprobs is not None else None
+                    choice = {"index": index, "message": message, "finish_reason": one.finish_reason, "logprobs": lp}
+                else:
+                    lp = None
+                    if req.logprobs is not None:
+                        wire = CompletionLogprobs(tok)
+                        lp = joined(prompt_logprobs(turn, wire), wire.take(completion_entries(one)))
+                    choice = {"index": index, "text": prompt_text + one.text, "finish_reason": one.finish_reason,
+                              "logprobs": lp}
+                if one.context_capped:  # "length" because the context ended the answer, not max_tokens
+                    choice["context_capped"] = True
+                if one.reasoning_ended is not None:  # how the thought ended: model, budget, loop_guard, unclosed
+                    choice["reasoning_ended"] = one.reasoning_ended
+                if one.schema_error:  # "schema_violation": a keyword the grammar could not enforce, checked after
+                    choice["schema_error"] = one.schema_error
+                choices.append(choice)
+            obj = "chat.completion" if endpoint == "chat" else "text_completion"
             return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                                 "choices": [choice], "usage": self.usage(len(ids), turn),
-                                 "system_fingerprint": FINGERPRINT})
+                                 "choices": choices, "usage": self.usage(len(ids), turn), **extra,
+                                 "system_fingerprint": FINGERPRINT}, headers=headers)
 
         obj = "chat.completion.chunk" if endpoint == "chat" else "text_completion"
+        pending: dict[int, list] = {}  # each choice's log-probabilities not yet sent (their tokens' text held back)
+        wires = {}  # each choice's completions form (its text offsets)
 
         def chunk(delta: dict | None = None, finish=None, text=None, usage=None, empty=False, capped=False,
-                  ended=None) -> str:
+                  index: int = 0, logprobs=None, error=None, ended=None) -> str:
             if empty:
                 choices = []
             elif endpoint == "chat":
-                choices = [{"index": 0, "delta": delta or {}, "finish_reason": finish, "logprobs": None}]
+                choices = [{"index": index, "delta": delta or {}, "finish_reason": finish, "logprobs": logprobs}]
             else:
-                choices = [{"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}]
+                choices = [{"index": index, "text": text or "", "finish_reason": finish, "logprobs": logprobs}]
             if capped:
                 choices[0]["context_capped"] = True
             if ended is not None:
                 choices[0]["reasoning_ended"] = ended
+            if error:
+                choices[0]["schema_error"] = error
             body = {"id": rid, "object": obj, "created": created, "model": self.model_name,
                     "system_fingerprint": FINGERPRINT, "choices": choices}
             if usage is not None:
                 body["usage"] = usage
+                body.update(extra)
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
-        def deltas(events, turn=None) -> list[str]:
+        def taken(index: int):
+            """The log-probabilities waiting for choice `index`'s next chunk, in its API's form (None: not asked)."""
+            if req.logprobs is None:
+                return None
+            entries, pending[index] = pending.get(index, []), []
+            if endpoint == "chat":
+                return chat_logprobs(entries, tok)
+            return wires.setdefault(index, CompletionLogprobs(tok, len(prompt_text))).take(entries)
+
+        def deltas(events, turn=None, index: int = 0) -> list[str]:
             """The turn pipeline's events as OpenAI's deltas: a call's name in its first delta, its arguments in
             the next; the finish in the last."""
             out = []
             for e in events:
                 if isinstance(e, Reasoning):
-                    out.append(chunk({"reasoning_content": e.text}))
+                    out.append(chunk({"reasoning_content": e.text}, index=index, logprobs=taken(index)))
                 elif isinstance(e, Content):
-                    out.append(chunk({"content": e.text}))
+                    out.append(chunk({"content": e.text}, index=index, logprobs=taken(index)))
                 elif isinstance(e, CallStart):
                     out.append(chunk({"tool_calls": [{"index": e.index, "id": e.id, "type": "function",
-                                                      "function": {"name": e.name, "arguments": ""}}]}))
+                                                      "function": {"name": e.name, "arguments": ""}}]}, index=index,
+                                     logprobs=taken(index)))
                 elif isinstance(e, CallArguments):
-                    out.append(chunk({"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]}))
+                    out.append(chunk({"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]},
+                                     index=index, logprobs=taken(index)))
                 elif isinstance(e, Finish):
-                    out.append(chunk({}, finish=e.reason, capped=turn.context_capped, ended=turn.reasoning_ended))
+                    left = taken(index) if pending.get(index) else None
+                    out.append(chunk({}, finish=e.reason, capped=turn.context_capped, index=index, logprobs=left,
+                                     error=e.error, ended=turn.reasoning_ended))
             return out
 
+        echoed: dict[int, list | None] = {}  # the choices whose prompt was sent (echo), and its log-probabilities
+
+        def echo_chunk(index: int, entries=None) -> str:
+            """The prompt, first in each choice (echo), with its log-probabilities where they were asked for."""
+            if entries is None and echoed:
+                entries = next(iter(echoed.values()))  # the first choice's: the prompt is the same
+            echoed[index] = entries
+            lp = None
+            if req.logprobs is not None:
+                lp = wires.setdefault(index, CompletionLogprobs(tok)).prompt(ids, entries or [None] * len(ids))
+            return chunk(text=prompt_text, index=index, logprobs=lp)
+
         async def events():
-            ended: Finish | None = None
+            ended: dict[int, Finish] = {}
             try:
                 if endpoint == "chat":
-                    yield chunk({"role": "assistant", "content": "", "refusal": None})
+                    for index in range(req.n):
+                        yield chunk({"role": "assistant", "content": "", "refusal": None}, index=index)
                 while True:
                     e = await queue.get()
                     if e is None:
                         break
-                    if isinstance(e, Finish):
-                        ended = e  # framed once the turn's counts are known
+                    index = 0
+                    if isinstance(e, Choice):
+                        index, e = e.index, e.event
+                    if isinstance(e, Logprobs) and e.prompt:
+                        if echo:
+                            yield echo_chunk(index, e.entries)
+                    elif isinstance(e, Logprobs):
+                        pending.setdefault(index, []).extend(e.entries)
+                    elif isinstance(e, Finish):
+                        ended[index] = e  # framed once the turn's counts are known
                     elif endpoint != "chat":
-                        yield chunk(text=e.text)
+                        if echo and index not in echoed:
+                            yield echo_chunk(index)
+                        yield chunk(text=e.text, index=index, logprobs=taken(index))
                     else:
-                        for c in deltas([e]):
+                        for c in deltas([e], index=index):
                             yield c
                 try:
                     turn = await fut
@@ -508,12 +590,19 @@ class Server:
                     yield f"data: {json.dumps(self.turn_error(e).body())}\n\n"
                     yield "data: [DONE]\n\n"
                     return
-                if endpoint == "chat":
-                    for c in deltas([ended or Finish(turn.finish_reason, turn.text, turn.reasoning)], turn):
-                        yield c
-                else:
-                    yield chunk(text="", finish=turn.finish_reason, capped=turn.context_capped,
-                                ended=turn.reasoning_ended)
+                for index, one in enumerate([turn] + list(turn.forks)):
+                    if endpoint == "chat":
+                        for c in deltas([ended.get(index) or Finish(one.finish_reason, one.text, one.reasoning)], one,
+                                        index):
+                            yield c
+                    else:
+                        if echo and index not in echoed:
+                            yield echo_chunk(index)
+                        if one.logprobs is not None and one.logprobs.stop is not None:
+                            pending.setdefault(index, []).append(one.logprobs.stop)  # the stop token, as OpenAI lists it
+                        left = taken(index) if pending.get(index) else None
+                        yield chunk(text="", finish=one.finish_reason, capped=one.context_capped, index=index,
+                                    logprobs=left, ended=one.reasoning_ended)
                 if req.include_usage:
                     yield chunk(usage=self.usage(len(ids), turn), empty=True)
                 yield "data: [DONE]\n\n"
@@ -522,7 +611,7 @@ class Server:
                     cancel.set()  # the client went away: stop the generation, keep the slot's state valid
 
         return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
 
     # -- the Responses API (frontends/server/responses.py) -------------------------------------------------
     def responses_prompt(self, req: ResponsesRequest, tenant: str | None = None):
@@ -580,18 +669,21 @@ class Server:
                                 include_usage=False, repetition_penalty=1.0, presence_penalty=0.0,
                                 frequency_penalty=0.0, user=req.user, turn=turn_req, keep_end=req.store,
                                 cache_salt=req.cache_salt, thinking_budget=req.thinking_budget,
-                                thinking_message=req.thinking_message)
+                                thinking_message=req.thinking_message, logprobs=req.logprobs)
         if request is not None:
             self.place(gen, tenant, request)
         else:
             gen.partition = partition(tenant, req.cache_salt)
         loop = asyncio.get_running_loop()
         fut, queue, cancel = await self.generate("chat", gen, ids, thinking, t0, request)
-        items = Items(rid)
-        headers = {"x-deltaserve-response-id": rid, "x-deltaserve-rendered": how}
+        items = Items(rid, tokenizer=self.model.tokenizer if req.logprobs is not None else None)
+        headers = {"x-deltaserve-response-id": rid, "x-deltaserve-rendered": how, **clamp_headers(gen)}
 
         async def finished(turn) -> dict:
-            incomplete = "max_output_tokens" if turn.finish_reason == "length" else None
+            # the cause of a cut, as chat completions say it (context_capped): the context, or max_output_tokens
+            incomplete = None if turn.finish_reason not in ("length", "schema_violation") else \
+                "schema_violation" if turn.schema_error else \
+                "context_capped" if turn.context_capped else "max_output_tokens"
             used = usage(len(ids), turn.reused, turn.generated, turn.reasoning_tokens)
             obj = response_object(rid, created, self.model_name, req, "incomplete" if incomplete else "completed",
                                   items.output, used, incomplete)
@@ -705,7 +797,8 @@ class HostsAndCounts:
     never arrives: `request.is_disconnected()` stayed False and an abandoned request ran to its full budget.)"""
 
     ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health", "/metrics",
-              "/openapi.json")
+              "/openapi.json", "/v1/messages", "/v1/messages/count_tokens", "/tokenize", "/detokenize",
+              "/tokenizer_info", "/api/chat", "/api/generate", "/api/tags", "/api/show")
 
     def __init__(self, app, server: "Server"):
         self.app, self.server = app, server
@@ -719,7 +812,8 @@ class HostsAndCounts:
         if not server.hosts.allows(host):  # before anything else: a rebound page learns nothing, not even a 404
             e = server.hosts.refusal(host)
             server.metrics.request(endpoint, e.status)
-            return await JSONResponse(e.body(), status_code=e.status)(scope, receive, send)
+            answer = shaped(scope["path"], e) or JSONResponse(e.body(), status_code=e.status)
+            return await answer(scope, receive, send)
         status = []
 
         async def counted(message):
@@ -745,20 +839,32 @@ def create_app(server: Server, webui: bool = True) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        return shaped(request.url.path, e) or \
+            JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
         kind = {404: ("not_found_error", "no such route: " + request.url.path),
                 405: ("invalid_request_error", f"method {request.method} is not allowed on {request.url.path}")}
         type_, message = kind.get(e.status_code, ("invalid_request_error", str(e.detail)))
-        return JSONResponse(APIError(e.status_code, message, type_).body(), status_code=e.status_code,
-                            headers=getattr(e, "headers", None))
+        err = APIError(e.status_code, message, type_, headers=getattr(e, "headers", None))
+        return shaped(request.url.path, err) or \
+            JSONResponse(err.body(), status_code=e.status_code, headers=getattr(e, "headers", None))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, e: Exception):
-        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}", "server_error").body(), status_code=500)
+        err = APIError(500, f"internal error: {type(e).__name__}", "server_error")
+        return shaped(request.url.path, err) or JSONResponse(err.body(), status_code=500)
 
+    anthropic.add_routes(app, server, until_gone, ClientGone)  # POST /v1/messages (frontends/server/anthropic.py)
+    ollama.add_routes(app, server, until_gone, ClientGone)  # /api/chat, /api/generate, ... (frontends/server/ollama.py)
+    tokens.add_routes(app, server)  # /tokenize, /detokenize, /tokenizer_info (frontends/server/tokens.py)
+    if server.cors_origins:  # serve --cors-origin: pages on the origins named may call the API from a browser
+        app.add_middleware(CORSMiddleware, allow_origins=server.cors_origins, allow_methods=["GET", "POST", "DELETE"],
+                           allow_headers=["authorization", "content-type", "x-api-key", "anthropic-version",
+                                          "anthropic-beta"],
+                           expose_headers=["x-deltaserve-response-id", "x-deltaserve-max-tokens", "request-id"],
+                           max_age=600)
     app.add_middleware(HostsAndCounts, server=server)
 
     async def run(request: Request, endpoint: str):
@@ -847,7 +953,7 @@ def create_app(server: Server, webui: bool = True) -> FastAPI:
 
     def model_card(name: str) -> dict:
         return {"id": name, "object": "model", "created": int(server.started), "owned_by": "deltaserve",
-                "context_length": server.context, "vision": vision}
+                "context_length": server.context, "max_model_len": server.context, "vision": vision}
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -973,7 +1079,8 @@ def main(a) -> int:
                     state_ram=a.state_ram, state_dir=a.state_dir, state_disk=a.state_disk, hosts=hosts,
                     request_timeout=request_timeout, log_prefills=getattr(a, "prefill_log", "on") == "on",
                     guard_max_age=getattr(a, "guard_max_age", GUARD_MAX_AGE), mtp=getattr(a, "mtp", None),
-                    thinking=thinking, loop_guard=None if getattr(a, "loop_guard", None) is None else a.loop_guard == "on")
+                    thinking=thinking, loop_guard=None if getattr(a, "loop_guard", None) is None else a.loop_guard == "on",
+                    cors_origins=getattr(a, "cors_origin", None))
     c = model.config
     s0 = server.pool.slots[0].session
     template = "from the model file" if model.tokenizer.chat_template else "built-in ChatML"
@@ -992,7 +1099,9 @@ def main(a) -> int:
         f"{model.engine.step_s * 1000:g} ms while sequences decode: their rows, then a prompt chunk (--step-ms)")
     say(server.store.describe().removeprefix("[deltaserve] "))
     keys = server.keys
-    say(f"{a.slots} slots, queue {a.queue}, max_tokens <= {a.max_tokens_limit}, body <= {a.max_body} bytes, " +
+    limit = a.max_tokens_limit or server.context
+    say(f"{a.slots} slots, queue {a.queue}, max_tokens clamped to {limit} ("
+        f"{'--max-tokens-limit' if a.max_tokens_limit else 'the context'}), body <= {a.max_body} bytes, " +
         (f"{keys.tenants} API keys, each a tenant of its own (its cached prefixes and stored responses apart)"
          if keys.tenants > 1 else "API key required" if keys.required else "no API key") +
         f"; stored responses within {server.responses.budget >> 20} MiB (--responses-ram)")
@@ -1007,7 +1116,9 @@ def main(a) -> int:
     if max_connections and room and max_connections > room:
         say(f"warning: --max-connections {max_connections} is more than the open-file limit leaves room for "
             f"(about {room}): the first time the process runs out of descriptors it keeps under what it held then")
-    say(f"answers to {hosts.describe()}; POST bodies must be 'Content-Type: application/json'")
+    say(f"answers to {hosts.describe()}; POST bodies must be 'Content-Type: application/json'; " +
+        (f"CORS for {', '.join(server.cors_origins)} (--cors-origin)" if server.cors_origins else
+         "no CORS (--cors-origin allows a web page's origin)"))
     say(f"listening on http://{a.host}:{sock.getsockname()[1]}/v1" +
         (f"; the chat page at http://{a.host}:{sock.getsockname()[1]}/ (--no-webui: none)"
          if getattr(a, "webui", True) else ""))

@@ -75,7 +75,9 @@ CHAT = {"type": "object", "required": ["messages"], "properties": {
     **_SAMPLING,
     "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
     "max_completion_tokens": {"type": "integer", "minimum": 1},
-    "n": {"const": 1},
+    "n": {"type": "integer", "minimum": 1, "maximum": 8},
+    "logprobs": {"type": "boolean"},
+    "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
     "tools": {"type": "array", "items": _TOOL},
     "tool_choice": {"oneOf": [{"enum": ["auto", "none", "required"]}, {"type": "object"}]},
@@ -87,6 +89,9 @@ COMPLETION = {"type": "object", "required": ["prompt"], "properties": {
     **_SAMPLING,
     "prompt": {"oneOf": [{"type": "string", "minLength": 1},
                          {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}]},
+    "n": {"type": "integer", "minimum": 1, "maximum": 8},
+    "logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+    "echo": {"type": "boolean"},
 }}
 
 _INPUT_ITEM = {"type": "object", "properties": {
@@ -121,7 +126,46 @@ RESPONSES = {"type": "object", "required": ["input"], "properties": {
     "reasoning": {"type": "object", "properties": {"effort": _EFFORT}},
     **_THINKING,
     "text": {"type": "object", "properties": {"format": {"type": "object"}}},
+    "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+    "include": {"type": "array", "items": {"const": "message.output_text.logprobs"}},
 }}
+
+_BLOCK = {"type": "object", "required": ["type"], "properties": {
+    "type": {"enum": ["text", "image", "tool_use", "tool_result", "thinking"]}, "text": {"type": "string"},
+    "source": {"type": "object", "properties": {"type": {"enum": ["base64", "url"]}, "media_type": {"type": "string"},
+                                                "data": {"type": "string"}, "url": {"type": "string"}}},
+    "id": {"type": "string"}, "name": {"type": "string"}, "input": {"type": "object"},
+    "tool_use_id": {"type": "string"}, "content": {"type": "string"}, "thinking": {"type": "string"}}}
+
+MESSAGES = {"type": "object", "required": ["messages", "max_tokens"], "properties": {
+    "model": {"type": "string"},
+    "max_tokens": {"type": "integer", "minimum": 1},
+    "messages": {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["role", "content"],
+                                                           "properties": {
+        "role": {"enum": ["user", "assistant"]},
+        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": _BLOCK}]}}}},
+    "system": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object", "properties": {
+        "type": {"const": "text"}, "text": {"type": "string"}}}}]},
+    "stop_sequences": {"type": "array", "maxItems": 16, "items": {"type": "string", "minLength": 1}},
+    "temperature": {"type": "number", "minimum": 0, "maximum": 1},
+    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"type": "integer", "minimum": 0},
+    "stream": {"type": "boolean"},
+    "metadata": {"type": "object", "properties": {"user_id": {"type": "string"}}},
+    "tools": {"type": "array", "items": {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}, "description": {"type": "string"},
+        "input_schema": {"type": "object"}}}},
+    "tool_choice": {"type": "object", "properties": {"type": {"enum": ["auto", "any", "tool", "none"]},
+                                                     "name": {"type": "string"},
+                                                     "disable_parallel_tool_use": {"type": "boolean"}}},
+    "thinking": {"type": "object", "properties": {"type": {"enum": ["enabled", "disabled", "adaptive"]},
+                                                  "budget_tokens": {"type": "integer", "minimum": 0}}},
+}}
+
+TOKENIZE = {"type": "object", "required": ["content"], "properties": {
+    "content": {"type": "string"}, "add_special": {"type": "boolean"}, "with_pieces": {"type": "boolean"}}}
+DETOKENIZE = {"type": "object", "required": ["tokens"], "properties": {
+    "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}}}
 
 
 def _answers(ok: str, *errors: int) -> dict:
@@ -153,12 +197,19 @@ def document(model_name: str = "deltaserve") -> dict:
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
             "schemas": {"Error": _ERROR, "ChatCompletionRequest": CHAT, "CompletionRequest": COMPLETION,
-                        "ResponsesRequest": RESPONSES},
+                        "ResponsesRequest": RESPONSES, "MessagesRequest": MESSAGES, "TokenizeRequest": TOKENIZE,
+                        "DetokenizeRequest": DETOKENIZE},
         },
         "paths": {
             "/v1/chat/completions": _post("a chat turn", "ChatCompletionRequest"),
             "/v1/completions": _post("a completion of raw text or token ids", "CompletionRequest"),
             "/v1/responses": _post("a Responses API turn", "ResponsesRequest"),
+            "/v1/messages": _post("an Anthropic Messages API turn (errors in Anthropic's shape)", "MessagesRequest"),
+            "/v1/messages/count_tokens": _post("the prompt's tokens of a Messages request", "MessagesRequest"),
+            "/tokenize": _post("text as token ids (llama-server's, vLLM's)", "TokenizeRequest"),
+            "/detokenize": _post("token ids as text", "DetokenizeRequest"),
+            "/tokenizer_info": {"get": {"summary": "the special tokens, the chat template, the context",
+                                        "responses": _answers("the tokenizer's facts", 401)}},
             "/v1/responses/{rid}": {
                 "get": {"summary": "a stored response", "parameters": [_RID],
                         "responses": _answers("the response object", 401, 404)},

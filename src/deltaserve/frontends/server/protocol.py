@@ -9,6 +9,7 @@ The per-server limits (`Limits`) travel in the validation context.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -18,6 +19,7 @@ from pydantic_core import PydanticCustomError
 
 from deltaserve.errors import DeltaserveError
 from deltaserve.api import GrammarError, normalize
+from deltaserve.session.driver import MAX_TOP
 from deltaserve.session.turns import TurnRequest, ask
 from deltaserve.api import ToolChoice, ToolError, normalize_tool_choice, normalize_tools
 from deltaserve.api import ImageInputError, ImageLimits, fetch_url, private_fetch_url
@@ -41,9 +43,26 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> APIE
     return APIError(400, message, "invalid_request_error", param, code)
 
 
+def parse_json(body: bytes):
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad(f"the request body is not valid JSON: {e}"[:300]) from None
+    except RecursionError:
+        raise bad("the request body nests its JSON too deeply") from None
+
+
+def clamp_headers(req) -> dict:
+    """A max_tokens clamped to the server's limit, said in a header on every API (the body says it too)."""
+    if not getattr(req, "clamped", None):
+        return {}
+    c = req.clamped
+    return {"x-deltaserve-max-tokens": f"{c['limit']} (clamped from {c['requested']}: --max-tokens-limit)"}
+
+
 @dataclass
 class Limits:
-    max_tokens: int = 4096
+    max_tokens: int | None = None  # --max-tokens-limit: a request's max_tokens above it is clamped to it (None: the context)
     max_messages: int = 512
     max_body: int = 4 << 20
     max_stop: int = 4
@@ -56,6 +75,7 @@ class Limits:
     vision: bool = True                       # the model has a vision encoder (else an image part is refused unread)
     context: int | None = None                # the served context (a token-id prompt longer is refused unread)
     thinking: ThinkingDefaults = field(default_factory=ThinkingDefaults)  # --reasoning-budget and its kin
+    max_n: int = 8                            # the most choices a request may ask for (`n`): one decode forward's rows
 
 
 def image_limits(limits: Limits) -> ImageLimits:
@@ -94,6 +114,10 @@ class GenerationRequest:
     client: str = ""                     # set by the server: who sent it (its share of the compile queue)
     thinking_budget: int | None = None   # thinking tokens at most (None: unlimited; session/thinking.py)
     thinking_message: str | None = None  # the bridge sentence before a closing the turn writes
+    logprobs: int | None = None          # each token's log-probability and this many top ones' (None: not asked)
+    echo: bool = False                   # /v1/completions: the prompt's text and log-probabilities first
+    n: int = 1                           # choices: the prompt prefilled once, its state forked n ways
+    clamped: dict | None = None          # set by the server: max_tokens above its limit ({"requested", "limit"})
 
     def sampling(self) -> dict:
         out = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
@@ -207,8 +231,11 @@ def _text_parts(v, handler):
 
 
 def _prompt(v, handler):
-    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], str):
-        v = v[0]  # a batch of one prompt
+    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+        v = v[0]  # a batch of one prompt (text, or token ids: lm-evaluation-harness sends [[ids]])
+    if isinstance(v, list) and len(v) > 1 and all(isinstance(x, (str, list)) for x in v):
+        raise _problem(f"holds a batch of {len(v)} prompts: this server answers one prompt a request (send each "
+                       "in a request of its own; they run side by side on the slots)")
     if isinstance(v, str) and not v:
         raise _problem("must not be empty")
     try:
@@ -313,9 +340,6 @@ class _Request(_Strict):
     stream_options: StreamOptions | None = None
     best_of: Annotated[int | None, _refused_unless(None, 1, message="'best_of' is not served: one completion per "
                                                     "request (leave it out or send 1)")] = None
-    logprobs: Annotated[bool | None, _refused_unless(None, False)] = None
-    echo: Annotated[bool | None, _refused_unless(None, False)] = None
-    top_logprobs: Annotated[int | None, _refused_unless(None)] = None
     logit_bias: Annotated[dict[str, float] | None, _refused_unless(None, {})] = None
     response_format: Annotated[dict | None, WrapValidator(_response_format)] = None
     reasoning_effort: Literal[EFFORTS] | None = None
@@ -343,17 +367,11 @@ class _Request(_Strict):
 
     @field_validator("n")
     @classmethod
-    def _one_choice(cls, v):
-        if v != 1:
-            raise _problem(f"must be 1 (one choice per request), got {v}")
-        return v
-
-    @field_validator("max_tokens", "max_completion_tokens")
-    @classmethod
-    def _within_limit(cls, v, info: ValidationInfo):
-        limit = _limits(info).max_tokens
-        if v is not None and v > limit:
-            raise _problem(f"must be at most {limit} (this server's limit), got {v}")
+    def _choices(cls, v, info: ValidationInfo):
+        most = _limits(info).max_n
+        if not 1 <= v <= most:
+            raise _problem(f"must be 1 to {most} (the choices are forks of one prefilled state, decoded together: "
+                           f"one decode forward takes {most} rows), got {v}")
         return v
 
     @field_validator("stop")
@@ -382,7 +400,8 @@ class _Request(_Strict):
             user=self.user, temperature=float(self.temperature), top_p=self.top_p, top_k=top_k, min_p=self.min_p,
             response_format=self.response_format, cache_salt=self.cache_salt,
             seed=self.seed, repetition_penalty=float(self.repetition_penalty),
-            presence_penalty=float(self.presence_penalty), frequency_penalty=float(self.frequency_penalty))
+            presence_penalty=float(self.presence_penalty), frequency_penalty=float(self.frequency_penalty),
+            n=self.n)
 
 
 class ChatCompletionRequest(_Request):
@@ -394,7 +413,17 @@ class ChatCompletionRequest(_Request):
     parallel_tool_calls: bool | None = None
     functions: Annotated[Any, _refused_unless(None, message=LEGACY_FUNCTIONS)] = None
     function_call: Annotated[Any, _refused_unless(None, message=LEGACY_FUNCTIONS)] = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP)] | None = None
+    echo: Annotated[bool | None, _refused_unless(None, False, message="'echo' is served on /v1/completions (the "
+                                                 "prompt's log-probabilities), not on /v1/chat/completions")] = None
     _choice: ToolChoice = PrivateAttr(default_factory=lambda: ToolChoice("none"))
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise _problem("'top_logprobs' needs 'logprobs' to be true", whole=True, param="top_logprobs")
+        return self
 
     @model_validator(mode="after")
     def _tool_choice_fits(self):
@@ -442,13 +471,16 @@ class ChatCompletionRequest(_Request):
             raise bad(str(e)[:300], "messages") from None
         except DeltaserveError as e:
             raise bad(str(e)[:300], "response_format") from None
-        return GenerationRequest(turn=turn, thinking_budget=budget, thinking_message=bridge, **self._common())
+        return GenerationRequest(turn=turn, thinking_budget=budget, thinking_message=bridge,
+                                 logprobs=(self.top_logprobs or 0) if self.logprobs else None, **self._common())
 
 
 class CompletionRequest(_Request):
     """POST /v1/completions."""
     prompt: Annotated[str | Annotated[list[int], Field(min_length=1)], WrapValidator(_prompt)]
     suffix: Annotated[str | None, _refused_unless(None)] = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP)] | None = None
+    echo: bool = False
     tools: Annotated[list | None, _refused_unless(None, [], message=NO_TOOLS)] = None
     tool_choice: Annotated[str | dict | None, _refused_unless(None, "none", message=NO_TOOLS)] = None
 
@@ -458,7 +490,8 @@ class CompletionRequest(_Request):
             self._server_limits, self.reasoning_effort,
             {"reasoning_budget_tokens": self.reasoning_budget_tokens, "thinking_token_budget": self.thinking_token_budget},
             self.reasoning_budget_message, None)
-        return GenerationRequest(prompt=self.prompt, thinking_budget=budget, thinking_message=bridge, **self._common())
+        return GenerationRequest(prompt=self.prompt, thinking_budget=budget, thinking_message=bridge,
+                                 logprobs=self.logprobs, echo=self.echo, **self._common())
 
 
 # -- validation errors as OpenAI error objects ----------------------------------------------------------

@@ -29,6 +29,8 @@ from deltaserve.frontends.server.protocol import (MAX_BUDGET_MESSAGE, MAX_CACHE_
                                                   thinking_of)
 from deltaserve.api import GrammarError, normalize
 from deltaserve.api import new_id, valid_id
+from deltaserve.frontends.server.logprobs import chat_entries
+from deltaserve.session.driver import MAX_TOP, Logprobs
 from deltaserve.session.turns import CallArguments, CallStart, Content, Finish, Reasoning
 from deltaserve.api import ToolError, normalize_tool_choice, normalize_tools
 from deltaserve.api import EFFORTS
@@ -36,6 +38,7 @@ from deltaserve.api import EFFORTS
 BUILT_IN_TOOLS = ("web_search", "web_search_preview", "file_search", "computer_use_preview", "computer",
                   "code_interpreter", "image_generation", "mcp", "local_shell", "shell", "apply_patch", "custom")
 METADATA_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # as OpenAI bounds `metadata`
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
 @dataclass
@@ -66,6 +69,7 @@ class ResponsesRequest:
     cache_salt: str | None = None
     thinking_budget: int | None = None   # thinking tokens at most (None: unlimited; session/thinking.py)
     thinking_message: str = ""           # the bridge sentence before a closing the turn writes
+    logprobs: int | None = None       # top_logprobs, or 0 for include's message.output_text.logprobs; None: not asked
 
     def system_messages(self) -> list:
         return [{"role": "system", "content": self.system}] if self.system else []
@@ -268,10 +272,10 @@ def parse_responses(body: Any, limits: Limits) -> ResponsesRequest:
                   "background", "unsupported_parameter")
     include = body.get("include", [])
     _need(isinstance(include, list), f"'include' must be an array, got {_kind(include)}", "include")
-    if include:
-        raise bad(f"'include' asks for {', '.join(str(x)[:60] for x in include)}: this server fills none of the "
-                  "include values (no encrypted reasoning, no logprobs, no tool sources)", "include",
-                  "unsupported_parameter")
+    unknown = [x for x in include if x != LOGPROBS_INCLUDE]
+    if unknown:
+        raise bad(f"'include' asks for {', '.join(str(x)[:60] for x in unknown)}: this server fills only "
+                  f"{LOGPROBS_INCLUDE!r} (no encrypted reasoning, no tool sources)", "include", "unsupported_parameter")
     if body.get("truncation", "disabled") != "disabled":
         raise bad("'truncation' must be 'disabled': a conversation longer than the context is refused whole, "
                   "never cut", "truncation", "unsupported_parameter")
@@ -279,8 +283,8 @@ def parse_responses(body: Any, limits: Limits) -> ResponsesRequest:
                       ("prompt", "prompt templates are not served: send instructions and input")):
         if key in body:
             raise bad(f"'{key}' is not supported: {what}", key, "unsupported_parameter")
-    if body.get("top_logprobs", 0) != 0:
-        raise bad("'top_logprobs' is not served (no logprobs on this server)", "top_logprobs", "unsupported_parameter")
+    top = _number(body, "top_logprobs", 0, MAX_TOP, None, integer=True)
+    logprobs = top if top is not None else (0 if LOGPROBS_INCLUDE in include else None)
     _need("input" in body, "'input' is required", "input")
     model = body.get("model")
     _need(model is None or isinstance(model, str), f"'model' must be a string, got {_kind(model)}", "model")
@@ -318,8 +322,7 @@ def parse_responses(body: Any, limits: Limits) -> ResponsesRequest:
           f"'reasoning_budget_message' must be a string of at most {MAX_BUDGET_MESSAGE} characters, got "
           f"{_kind(bridge)}", "reasoning_budget_message")
     thinking, budget, bridge = thinking_of(limits, effort, asked, bridge, None)
-    most = limits.max_tokens
-    max_out = _number(body, "max_output_tokens", 1, most, None, integer=True)
+    max_out = _number(body, "max_output_tokens", 1, 1 << 62, None, integer=True)  # clamped to the limit when served
     prev = body.get("previous_response_id")
     _need(prev is None or isinstance(prev, str), f"'previous_response_id' must be a string, got {_kind(prev)}",
           "previous_response_id")
@@ -355,7 +358,7 @@ def parse_responses(body: Any, limits: Limits) -> ResponsesRequest:
         temperature=float(_number(body, "temperature", 0.0, 2.0, 1.0)),
         top_p=_number(body, "top_p", 0.0, 1.0, None, above=True), seed=seed, previous_response_id=prev,
         store=flags["store"], stream=flags["stream"], metadata=metadata, user=user, cache_salt=salt,
-        thinking_budget=budget, thinking_message=bridge)
+        thinking_budget=budget, thinking_message=bridge, logprobs=logprobs)
 
 
 def frame(system: str | None, rendered_tools: list | None) -> str:
@@ -383,6 +386,8 @@ class Items:
     _open: dict | None = None
     _calls: dict = field(default_factory=dict)   # call index -> its output position
     seq: int = 0
+    tokenizer: Any = None                        # with it, the text's log-probabilities (include / top_logprobs)
+    _pending: list = field(default_factory=list)  # log-probabilities of tokens whose text has not come yet
 
     def emit(self, kind: str, **data) -> None:
         self.events.append({"type": kind, "sequence_number": self.seq, **data})
@@ -401,7 +406,7 @@ class Items:
         elif item["type"] == "message":
             part = item["content"][0]
             self.emit("response.output_text.done", item_id=item["id"], output_index=at, content_index=0,
-                      text=part["text"], logprobs=[])
+                      text=part["text"], logprobs=part["logprobs"])
             self.emit("response.content_part.done", item_id=item["id"], output_index=at, content_index=0, part=part)
         elif item["type"] == "function_call":
             self.emit("response.function_call_arguments.done", item_id=item["id"], output_index=at,
@@ -428,6 +433,11 @@ class Items:
 
     def push(self, events) -> None:
         for e in events:
+            if isinstance(e, Logprobs):
+                if not e.prompt:
+                    self._pending += e.entries
+                continue
+            taken, self._pending = self._pending, []  # the tokens whose text this event carries
             if isinstance(e, Reasoning):
                 if self._open is None or self._open["type"] != "reasoning":
                     self._begin({"type": "reasoning", "id": new_id("rs"), "summary": [],
@@ -440,8 +450,10 @@ class Items:
                     self._begin({"type": "message", "id": new_id("msg"), "status": "in_progress", "role": "assistant",
                                  "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]})
                 self._open["content"][0]["text"] += e.text
+                lp = chat_entries(taken, self.tokenizer) if self.tokenizer is not None else []
+                self._open["content"][0]["logprobs"] += lp
                 self.emit("response.output_text.delta", item_id=self._open["id"], output_index=len(self.output) - 1,
-                          content_index=0, delta=e.text, logprobs=[])
+                          content_index=0, delta=e.text, logprobs=lp)
             elif isinstance(e, CallStart):
                 self._calls[e.index] = self._begin({"type": "function_call", "id": new_id("fc"), "call_id": e.id,
                                                     "name": e.name, "arguments": "", "status": "in_progress"})
@@ -468,6 +480,10 @@ class Items:
                     self.emit("response.function_call_arguments.delta", item_id=item["id"],
                               output_index=self.output.index(item), delta=rest)
                 item["arguments"] = call.arguments
+        if self._pending and self._open is not None and self._open["type"] == "message" and self.tokenizer is not None:
+            # tokens whose text never came (a stop string's, a token of no text): the message's, as chat lists them
+            self._open["content"][0]["logprobs"] += chat_entries(self._pending, self.tokenizer)
+        self._pending = []
         # calls the parser dropped (cut by the budget) are not answers
         kept = {c.id for c in done.tool_calls}
         self._close()
@@ -500,6 +516,7 @@ def response_object(rid: str, created: int, model: str, req: ResponsesRequest, s
         "store": req.store, "temperature": req.temperature, "text": req.text,
         "tool_choice": req.body.get("tool_choice", "auto"), "tools": req.tools or [], "top_p": req.top_p,
         "truncation": "disabled", "usage": usage, "user": req.user, "metadata": req.metadata,
+        "top_logprobs": req.logprobs,
         "background": False,
     }
 

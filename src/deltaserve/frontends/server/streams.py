@@ -16,7 +16,7 @@ from typing import Callable
 from fastapi.responses import JSONResponse, StreamingResponse
 
 OPENING_DELTA = {"role": "assistant", "content": "", "refusal": None}
-OPENING_EVENTS = ("response.created", "response.in_progress")
+OPENING_EVENTS = ("response.created", "response.in_progress", "message_start", "ping")  # Responses', Anthropic's
 
 
 def _events(chunk) -> list[dict]:
@@ -62,8 +62,11 @@ def error_response(chunk) -> JSONResponse:
             err = e["error"]
             break
         if e.get("type") == "error":
-            err = {"message": e.get("message"), "type": "invalid_request_error", "param": e.get("param"),
-                   "code": e.get("code")}
+            inner = e.get("error") if isinstance(e.get("error"), dict) else e  # Anthropic's nests it
+            err = {"message": inner.get("message"), "type": "invalid_request_error", "param": inner.get("param"),
+                   "code": inner.get("code")}
+            if inner.get("type") in ("api_error", "overloaded_error"):
+                err["type"] = "server_error"
             if e.get("code") == "server_error":
                 err["type"] = "server_error"
             break
