@@ -4,7 +4,8 @@ What the Anthropic SDK, Claude Code and the tools built on them send, read into 
 makes (`turns.ask`): `system` (a string or text blocks), `messages` whose content is a string or blocks (`text`,
 `image` with a base64 or URL source, `tool_use` in an assistant message, `tool_result` in a user one, `thinking`
 handed back), `tools` (`name`, `description`, `input_schema`) and `tool_choice` (`auto`, `any`, `tool`, `none`,
-`disable_parallel_tool_use`), `thinking` (`enabled` with `budget_tokens`, `disabled`, `adaptive`), `stop_sequences`,
+`disable_parallel_tool_use`), `thinking` (`enabled` with `budget_tokens`: the thinking budget of every route, the
+server's --reasoning-budget where none is given; `disabled`, `adaptive`), `stop_sequences`,
 `max_tokens` (required, as Anthropic requires it; clamped to the server's limit as on every route), `temperature`,
 `top_p`, `top_k`, `metadata.user_id`, `stream`. The turn runs on the same slots, state store and engine loop as a
 chat completion: a follow-up whose conversation a slot or the store holds prefills only its new messages
@@ -36,7 +37,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from deltaserve.errors import DeltaserveError
 from deltaserve.frontends.server import streams
 from deltaserve.frontends.server.protocol import (APIError, GenerationRequest, Limits, bad, clamp_headers,
-                                                  image_limits, parse_json)
+                                                  image_limits, parse_json, thinking_of)
 from deltaserve.session.turns import CallArguments, CallStart, Content, Finish, Reasoning, ask
 from deltaserve.api import GrammarError, ImageInputError, ToolError, normalize
 
@@ -239,8 +240,8 @@ def tool_choice_of(value: Any, tools: list | None) -> tuple[Any, bool]:
     raise bad(f"tool_choice.type: must be auto, any, tool or none, got {str(kind)[:40]!r}", "tool_choice.type")
 
 
-def thinking_of(value: Any) -> tuple[bool | None, int | None]:
-    """(enable_thinking, the thinking budget in tokens: None unlimited)."""
+def thinking_asked(value: Any) -> tuple[bool | None, int | None]:
+    """(enable_thinking, the thinking budget in tokens asked for: None, the server's)."""
     if value is None:
         return None, None
     _need(isinstance(value, dict), f"thinking: must be an object, got {_kind(value)}", "thinking")
@@ -294,7 +295,9 @@ def parse_messages(body: Any, limits: Limits, count_only: bool = False) -> Parse
             messages = [{"role": "system", "content": text}] + messages
     tools = tools_of(body.get("tools"))
     choice, parallel = tool_choice_of(body.get("tool_choice"), tools)
-    thinking, budget = thinking_of(body.get("thinking"))
+    asked, budget = thinking_asked(body.get("thinking"))
+    # the budget as the thinking budget of every route (session/thinking.py): asked, else the server's
+    thinking, budget, bridge = thinking_of(limits, None, {"budget_tokens": budget}, None, asked)
     stops = body.get("stop_sequences", [])
     _need(isinstance(stops, list) and all(isinstance(s, str) and s for s in stops),
           "stop_sequences: must be an array of non-empty strings", "stop_sequences")
@@ -321,7 +324,8 @@ def parse_messages(body: Any, limits: Limits, count_only: bool = False) -> Parse
         model=model, max_tokens=max_tokens, temperature=float(_number(body, "temperature", 0.0, 1.0) or 0.0)
         if "temperature" in body else 1.0, top_p=_number(body, "top_p", 0.0, 1.0, above=True),
         top_k=top_k or None, min_p=None, seed=None, stop=list(stops), stream=stream, include_usage=False,
-        repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, user=user, turn=turn)
+        repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, user=user, turn=turn,
+        thinking_budget=budget, thinking_message=bridge)
     return Parsed(gen, list(stops), budget)
 
 

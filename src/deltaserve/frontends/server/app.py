@@ -1002,18 +1002,18 @@ def thinking_defaults(a, think: bool | None) -> tuple[ThinkingDefaults, bool | N
     """--reasoning-budget, --reasoning-budget-message and --reasoning-effort-budgets as the server's thinking
     defaults, and --think under them (a budget of 0 is thinking off). A request generates at most --max-tokens-limit
     thinking tokens: a budget given over it is refused here, a default effort level's held to it."""
-    limit = getattr(a, "max_tokens_limit", Limits.max_tokens)
+    limit = getattr(a, "max_tokens_limit", None)  # None: the context (not known yet: bounded per request)
     budget = check_budget(getattr(a, "reasoning_budget", -1), "--reasoning-budget")
     given = getattr(a, "reasoning_effort_budgets", None)
     asked = parse_effort_budgets(given, base={})
-    if budget is not None and budget > limit:
+    if budget is not None and limit is not None and budget > limit:
         raise DeltaserveError(f"--reasoning-budget {budget} is more than --max-tokens-limit {limit}: a request thinks "
                               f"at most that many tokens")
-    over = {k: v for k, v in asked.items() if v is not None and v > limit}
+    over = {k: v for k, v in asked.items() if v is not None and limit is not None and v > limit}
     if over:
         raise DeltaserveError(f"--reasoning-effort-budgets {', '.join(f'{k}={v}' for k, v in over.items())} is more "
                               f"than --max-tokens-limit {limit}: a request thinks at most that many tokens")
-    efforts = {k: (v if v is None else min(v, limit)) for k, v in parse_effort_budgets(None).items()}
+    efforts = {k: (v if v is None or limit is None else min(v, limit)) for k, v in parse_effort_budgets(None).items()}
     efforts.update(asked)
     if budget == 0 and think is True:
         raise DeltaserveError("--think on and --reasoning-budget 0 (thinking off) disagree: leave one out")

@@ -3,7 +3,7 @@ pipeline, for the desktop and web front ends that speak it (and the `ollama` Pyt
 
 `/api/chat` takes `messages` (`content`, `images` as base64, an assistant's `tool_calls` with arguments as objects,
 its `thinking`; `tool` messages), `tools` (OpenAI's form, as Ollama takes them), `format` (`"json"` or a JSON schema,
-on the grammar), `think` (a boolean; a level turns thinking on), `options` (`num_predict` as max_tokens, clamped as on
+on the grammar), `think` (a boolean; a level, low/medium/high, is that effort level's thinking budget), `options` (`num_predict` as max_tokens, clamped as on
 every route; `temperature`, `top_p`, `top_k`, `min_p`, `seed`, `stop`, `repeat_penalty`, `presence_penalty`,
 `frequency_penalty`; `num_ctx` and the load-time options are the server's, not a request's), `stream` (true by
 default, as Ollama does: one JSON object a line), `logprobs` / `top_logprobs`. `/api/generate` renders its `prompt`
@@ -29,7 +29,7 @@ from deltaserve.api import __version__
 from deltaserve.errors import DeltaserveError
 from deltaserve.frontends.server.logprobs import token_text
 from deltaserve.frontends.server.protocol import (APIError, GenerationRequest, Limits, bad, clamp_headers,
-                                                  image_limits, parse_json)
+                                                  image_limits, parse_json, thinking_of)
 from deltaserve.session.driver import MAX_TOP, Logprobs
 from deltaserve.session.turns import CallArguments, CallStart, Content, Finish, Reasoning, ask
 from deltaserve.api import GrammarError, ImageInputError, ToolError, normalize
@@ -122,13 +122,14 @@ def format_of(value):
         raise bad(str(e).replace("response_format", "format")[:400], "format") from None
 
 
-def think_of(value) -> bool | None:
+def think_of(value) -> tuple[bool | None, str | None]:
+    """(enable_thinking, an effort level: its thinking budget, session/thinking.py)."""
     if value is None:
-        return None
+        return None, None
     if isinstance(value, bool):
-        return value
+        return value, None
     _need(value in ("low", "medium", "high"), f"think: must be a boolean or low, medium, high, got {value!r}", "think")
-    return True
+    return True, value
 
 
 def sampling_of(options) -> dict:
@@ -175,7 +176,8 @@ def parse(body, limits: Limits, chat: bool) -> Parsed:
           "top_logprobs")
     logprobs = (top or 0) if body.get("logprobs") is True or top else None
     fmt = format_of(body.get("format"))
-    thinking = think_of(body.get("think"))
+    asked, effort = think_of(body.get("think"))
+    thinking, budget, bridge = thinking_of(limits, effort, {}, None, asked)
     prompt = None
     try:
         if chat:
@@ -212,7 +214,8 @@ def parse(body, limits: Limits, chat: bool) -> Parsed:
                             repetition_penalty=sampling.get("repetition_penalty", 1.0),
                             presence_penalty=sampling.get("presence_penalty", 0.0),
                             frequency_penalty=sampling.get("frequency_penalty", 0.0), user=None, turn=turn,
-                            prompt=prompt, response_format=fmt if prompt is not None else None, logprobs=logprobs)
+                            prompt=prompt, response_format=fmt if prompt is not None else None, logprobs=logprobs,
+                            thinking_budget=budget, thinking_message=bridge)
     return Parsed(gen, chat)
 
 

@@ -154,8 +154,9 @@ def thinking_of(limits: Limits, effort: str | None, asked: dict, message: str | 
         if effort == "none" and budget:
             raise bad(f"reasoning_effort 'none' turns thinking off and {param} asks for {budget} thinking tokens",
                       "reasoning_effort")
-        if budget is not None and budget > limits.max_tokens:
-            raise bad(f"'{param}' must be at most {limits.max_tokens} (this server's max_tokens limit; -1: "
+        most = limits.max_tokens or limits.context  # the max_tokens limit (default: the context)
+        if budget is not None and most is not None and budget > most:
+            raise bad(f"'{param}' must be at most {most} (this server's max_tokens limit; -1: "
                       f"unlimited, max_tokens then bounds thought and answer together), got {budget}", param)
     elif effort is not None:
         budget = defaults.efforts.get(effort)
