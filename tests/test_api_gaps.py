@@ -124,6 +124,8 @@ def test_an_anthropic_thinking_block_comes_before_the_text_streamed_and_whole(sm
     with c.messages.stream(**kw) as s:
         deltas = [e.thinking for e in s if e.type == "thinking"]
         final = s.get_final_message()
+    none = c.messages.create(**{**kw, "thinking": {"type": "enabled", "budget_tokens": 0}})
+    assert "thinking" not in [b.type for b in none.content]  # a budget of 0 is thinking off, as on every route
     # (the whole block's text is the thought stripped, as chat's reasoning_content is)
     assert "".join(deltas).strip() == final.content[0].thinking.strip() == whole.content[0].thinking
 
