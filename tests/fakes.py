@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from deltaserve.session import resident as session_mod
+from deltaserve.session import decoding as decode_mod
 from deltaserve.engine.state import DecodeState
 
 
@@ -22,7 +22,7 @@ def count_state_allocations(monkeypatch) -> list:
 def record_prompt_logits(monkeypatch) -> list:
     """A list that gains, per turn from now on, the logits its first token was sampled from (the prompt's last)."""
     seen: list = []
-    real = session_mod.Sampler
+    real = decode_mod.Sampler  # the decode loop's (session/decoding.py)
 
     class Recording(real):
         def __call__(self, logits, prompt, generated):
@@ -30,5 +30,5 @@ def record_prompt_logits(monkeypatch) -> list:
                 seen.append(logits.detach().float().clone())
             return super().__call__(logits, prompt, generated)
 
-    monkeypatch.setattr(session_mod, "Sampler", Recording)
+    monkeypatch.setattr(decode_mod, "Sampler", Recording)
     return seen

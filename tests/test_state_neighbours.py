@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from deltaserve.errors import DeltaserveError
-from deltaserve.session import files, statefile
+from deltaserve.session import files
 from deltaserve.session.responses import ResponseRecord, ResponseStore, new_id
 from deltaserve.session.store import StateFileError, StateStore, file_name, read_header, read_state
 from tests.server_proc import ServerProcess

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import deltaserve
-from deltaserve.session import resident, thinking
+from deltaserve.session import decoding, thinking
 from deltaserve.session.thinking import MIN_SPAN, REPEATS, LoopGuard
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -232,7 +232,7 @@ def test_the_loop_guard_closes_a_thought_repeating_a_unit_within_two_periods_and
         hybrid_model, monkeypatch, capfd, period):
     tok = hybrid_model.tokenizer
     lead, unit = words(tok, 30, 1)[:10], words(tok, period, 2)
-    monkeypatch.setattr(resident, "Sampler", scripted(lead + unit * 40))
+    monkeypatch.setattr(decoding, "Sampler", scripted(lead + unit * 40))
     slot = hybrid_model.slots(2)[1]  # a server's slot, named "slot 1" in its lines
     turn = slot.generate(thinking_prompt(hybrid_model), max_tokens=10 + 3 * period + 20, thinking_budget=None)
     assert turn.reasoning_ended == "loop_guard"
@@ -251,11 +251,11 @@ def test_the_loop_guard_leaves_a_thought_that_does_not_repeat_and_can_be_turned_
     tok = hybrid_model.tokenizer
     prompt = thinking_prompt(hybrid_model)
     distinct = words(tok, 200, 3)
-    monkeypatch.setattr(resident, "Sampler", scripted(distinct))
+    monkeypatch.setattr(decoding, "Sampler", scripted(distinct))
     turn = hybrid_model.session(quiet=True).generate(prompt, max_tokens=150)
     assert turn.reasoning_ended == "unclosed" and turn.reasoning_tokens == 150 and turn.tokens == distinct[:150]
     unit = words(tok, 30, 4)
-    monkeypatch.setattr(resident, "Sampler", scripted(unit * 10))
+    monkeypatch.setattr(decoding, "Sampler", scripted(unit * 10))
     off = hybrid_model.session(quiet=True, loop_guard=False).generate(prompt, max_tokens=150)
     assert off.reasoning_ended == "unclosed" and off.tokens == (unit * 10)[:150]
     monkeypatch.setenv("DELTASERVE_LOOP_GUARD", "off")

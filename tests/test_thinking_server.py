@@ -15,7 +15,7 @@ import jsonschema
 import openai
 import pytest
 
-from deltaserve.session import resident
+from deltaserve.session import decoding
 from tests.server_proc import ServerProcess
 from tests.test_thinking import SCHEMA, scripted, words
 
@@ -147,7 +147,7 @@ def test_the_loop_guard_closes_a_repeating_thought_says_so_and_logs_it_with_the_
 
     tok = hybrid_model.tokenizer
     unit = words(tok, 30, 5)
-    monkeypatch.setattr(resident, "Sampler", scripted(words(tok, 7, 6) + unit * 20))
+    monkeypatch.setattr(decoding, "Sampler", scripted(words(tok, 7, 6) + unit * 20))
     server = Server(hybrid_model, slots=2)
     with TestClient(create_app(server), base_url="http://127.0.0.1") as http:
         client = openai.OpenAI(base_url="http://127.0.0.1/v1", api_key="unused", http_client=http, max_retries=0)

@@ -28,12 +28,10 @@ from deltaserve.text.chat_template import RenderedPrompt
 # lets them import only this layer, the turn modules and the errors) ----------------------------------------
 from deltaserve import settings  # noqa: F401
 from deltaserve.cachedir import cache_root, data_root  # noqa: F401
-from deltaserve.engine.host import load_host  # noqa: F401
 from deltaserve.formats.convert import convert  # noqa: F401
 from deltaserve.formats.source import open_model  # noqa: F401
 from deltaserve.kernels.cpu import available_cores, plural, SPLIT_MIN_BYTES  # noqa: F401
 from deltaserve.runtime import capacity  # noqa: F401
-from deltaserve.runtime.capacity import cpu_memory  # noqa: F401
 from deltaserve.session import driver, files  # noqa: F401
 from deltaserve.session.grammar import compile_format, compile_process, GrammarError, isolated, normalize, NotCached  # noqa: F401
 from deltaserve.session.driver import check_prompt  # noqa: F401

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from tools.bench.models import model_file
-from tools.bench.peers import (_cpu_name, _free_port, deltaserve_pp_tg, in_fresh_process, llama_server_binary,
+from tools.bench.peers import (_cpu_name, _free_port, in_fresh_process, llama_server_binary,
                                serving, use_best_llama)
 
 FILES = ("q8_0", "Q4_K_M")

@@ -7,7 +7,6 @@ failure of its own as `AcceleratorFailure`, which the session answers by moving 
 from __future__ import annotations
 
 import weakref
-from contextlib import contextmanager
 
 import torch
 

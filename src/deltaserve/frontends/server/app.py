@@ -1099,8 +1099,8 @@ def main(a) -> int:
         f"{model.engine.step_s * 1000:g} ms while sequences decode: their rows, then a prompt chunk (--step-ms)")
     say(server.store.describe().removeprefix("[deltaserve] "))
     keys = server.keys
-    limit = a.max_tokens_limit or server.context
-    say(f"{a.slots} slots, queue {a.queue}, max_tokens clamped to {limit} ("
+    tokens_limit = a.max_tokens_limit or server.context
+    say(f"{a.slots} slots, queue {a.queue}, max_tokens clamped to {tokens_limit} ("
         f"{'--max-tokens-limit' if a.max_tokens_limit else 'the context'}), body <= {a.max_body} bytes, " +
         (f"{keys.tenants} API keys, each a tenant of its own (its cached prefixes and stored responses apart)"
          if keys.tenants > 1 else "API key required" if keys.required else "no API key") +

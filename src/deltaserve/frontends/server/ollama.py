@@ -28,8 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from deltaserve.api import __version__
 from deltaserve.errors import DeltaserveError
 from deltaserve.frontends.server.logprobs import token_text
-from deltaserve.frontends.server.protocol import (APIError, GenerationRequest, Limits, bad, clamp_headers,
-                                                  image_limits, parse_json, thinking_of)
+from deltaserve.frontends.server.protocol import (APIError, GenerationRequest, Limits, bad, image_limits, parse_json, thinking_of)
 from deltaserve.session.driver import MAX_TOP, Logprobs
 from deltaserve.session.turns import CallArguments, CallStart, Content, Finish, Reasoning, ask
 from deltaserve.api import GrammarError, ImageInputError, ToolError, normalize
