@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 import subprocess
 import sys
 
@@ -82,9 +83,11 @@ def test_several_prompts_as_raw_text_are_refused_in_one_line():
 
 
 def test_every_verb_has_help():
-    for verb in ("run", "chat", "serve", "convert", "inspect", "bench"):
-        proc = run_cli(verb, "--help")
-        assert proc.returncode == 0 and "usage: deltaserve " + verb in proc.stdout
+    verbs = ("run", "chat", "serve", "convert", "inspect", "bench")
+    with ThreadPoolExecutor(len(verbs)) as pool:  # six processes at once: each is mostly the interpreter's start
+        procs = list(pool.map(lambda verb: run_cli(verb, "--help"), verbs))
+    for verb, proc in zip(verbs, procs):
+        assert proc.returncode == 0 and "usage: deltaserve " + verb in proc.stdout, (verb, proc.stderr[-500:])
 
 
 def test_inspect_prints_the_config_and_every_tensor_type(hybrid_gguf):
