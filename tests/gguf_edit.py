@@ -43,12 +43,21 @@ def rewrite(src: Path, dst: Path, arch: str | None = None, drop: str | None = No
             data = data[: reshape[1]]
         if fill and t.name == fill[0]:
             data = np.full_like(data, fill[1])
-        if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-            w.add_tensor(t.name, data)
-        else:
-            w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=t.tensor_type)
+        add_tensor(w, t.name, data, t.tensor_type)
+    finish(w)
+    return dst
+
+
+def add_tensor(w: gguf.GGUFWriter, name: str, data: np.ndarray, tensor_type) -> None:
+    """A tensor as the reader gave it: f32 and f16 as values, every other type as its raw blocks."""
+    if tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+        w.add_tensor(name, data)
+    else:
+        w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=tensor_type)
+
+
+def finish(w: gguf.GGUFWriter) -> None:
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return dst

@@ -34,6 +34,8 @@ def split_gguf(src: Path, out_dir: Path, stem: str, tensors_per_part: int) -> li
     import numpy as np
     from gguf import GGUFReader, GGUFValueType
 
+    from tests.gguf_edit import add_tensor, finish
+
     r = GGUFReader(src)
     w = gguf.GGUFWriter(str(out_dir / f"{stem}.gguf"), r.fields["general.architecture"].contents(),
                         split_max_tensors=tensors_per_part)
@@ -43,15 +45,8 @@ def split_gguf(src: Path, out_dir: Path, stem: str, tensors_per_part: int) -> li
         kind = f.types[0]
         w.add_key_value(name, f.contents(), kind, **({"sub_type": f.types[-1]} if kind == GGUFValueType.ARRAY else {}))
     for t in r.tensors:
-        data = np.array(t.data)
-        if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-            w.add_tensor(t.name, data)
-        else:
-            w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        add_tensor(w, t.name, np.array(t.data), t.tensor_type)
+    finish(w)
     return sorted(out_dir.glob(f"{stem}-*-of-*.gguf"))
 
 
