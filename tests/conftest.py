@@ -45,14 +45,14 @@ def _settings_as_the_environment_says():
 @pytest.fixture
 def batch_invariant(monkeypatch):
     """DELTASERVE_BATCH_INVARIANT=on for the test: every decode row on the same kernels whatever the rows beside it
-    (the native library's threshold set again from the settings before and after)."""
-    from deltaserve.kernels import native
+    (the native library's threshold set again from the route table before and after)."""
+    from deltaserve.kernels import routes
 
     monkeypatch.setenv("DELTASERVE_BATCH_INVARIANT", "on")
-    native.apply_decode_gemm()
+    routes.apply()
     yield
     monkeypatch.undo()
-    native.apply_decode_gemm()
+    routes.apply()
 
 
 @pytest.fixture(scope="session")

@@ -312,11 +312,12 @@ def test_with_batch_invariance_a_row_gets_the_same_bits_alone_or_among_others(ba
 
 def test_by_default_four_rows_take_the_block_gemm_and_agree_with_one_row_to_rounding():
     import deltaserve
-    from deltaserve.kernels import native
+    from deltaserve.kernels import routes
     from tests.fixtures import models as fx
 
-    if native.decode_gemm_rows() > 4:
-        pytest.skip(f"this build takes the GEMM from {native.decode_gemm_rows()} rows")
+    if routes.decode_gemm_rows() > 4:
+        pytest.skip(f"this build takes the GEMM from {routes.decode_gemm_rows()} rows")
+    assert routes.decode_step("Q8_0", 4).family == "gemm" and routes.decode_step("Q8_0", 1).family == "blocks"
     alone, together = _rows_alone_and_together(deltaserve.load(fx.gguf_path("hybrid", "q8_0")))
     assert not all(torch.equal(a, b) for a, b in zip(alone, together))  # another kernel than the lone row's
     for a, b in zip(alone, together):

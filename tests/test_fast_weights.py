@@ -1,5 +1,5 @@
 """The int8-table weight path (weights="tables": int8 tables for quantized files, bf16 for 16-bit ones; the default
-where native.c's AVX512 kernels run) stays within documented bounds. The file's-own-blocks path (weights="blocks",
+where tables_avx512.c's kernels run) stays within documented bounds. The file's-own-blocks path (weights="blocks",
 the default elsewhere) has tests/test_file_blocks.py.
 
 Bounds (documented in README "Accuracy"): on the fixtures, the mean absolute logit difference between the fast
@@ -21,8 +21,9 @@ import deltaserve
 from deltaserve.engine.forward import Forward
 from deltaserve.demo import DEMO_FILE
 from deltaserve.kernels import linear as linear_mod
+from deltaserve.kernels import routes
 from deltaserve.kernels import native
-from deltaserve.kernels.linear import DenseLinear, Int8Linear, int8_gemm_exact
+from deltaserve.kernels.linear import DenseLinear, Int8Linear
 from tests import llama_oracle as oracle
 from tests.fixtures import models as fx
 
@@ -84,9 +85,11 @@ def test_many_row_int8_products_treat_each_row_on_its_own_and_stay_near_the_floa
     lin = Int8Linear.from_float(w)
     x = torch.randn(14, 256, generator=g)
     x[3] *= 40.0  # one loud row must not coarsen the others' quantization
-    # int8 x int8 where torch's int8 GEMM is exact; else (an AVX2 CPU) the weight-only kernel, bf16 activations
-    assert lin.path(14) == lin.path(10) == ("int8" if int8_gemm_exact() else "weight-only")
-    y = lin(x)
+    # both row counts on one many-row route (int8 x int8 where torch's int8 GEMM is exact, else the weight-only kernel)
+    assert routes.table(14, 256) == routes.table(10, 256) and routes.table(14, 256).family != "tables"
+    with routes.recording() as ran:
+        y = lin(x)
+    assert ran == [routes.table(14, 256)]
     want = x @ lin.dense().t()
     rel = ((y - want).norm(dim=1) / want.norm(dim=1)).max().item()
     assert rel < 0.02
@@ -126,7 +129,7 @@ def test_on_a_trained_model_the_int8_prefill_stays_within_1_5x_llama_cpps_own_q8
     text = "".join(f"<|im_start|>user\n{u}<|im_end|>\n<|im_start|>assistant\n" + (f"{a}<|im_end|>\n" if a else "")
                    for u, a in turns)
     ids = ref.tokenizer.encode(text)
-    assert len(ids) > 2 * linear_mod.DECODE_ROWS
+    assert len(ids) > 2 * routes.WEIGHT_ONLY_ROWS
     want = ref.logits(ids)
     theirs = torch.from_numpy(oracle.logits(q8, ids, n_ctx=256, n_batch=256))  # llama.cpp, in a child process
     ours = fast.logits(ids)
@@ -150,7 +153,7 @@ def test_on_a_trained_model_the_decode_steps_stay_within_1_5x_llama_cpps_own_q8_
 
 
 def test_the_native_kernel_matches_the_float_product_for_every_row_count_and_odd_sizes():
-    if not native.has("ds_linear_i8"):  # native.c's (AVX512-VNNI) only
+    if not native.has("ds_linear_i8"):  # tables_avx512.c (AVX512-VNNI) only
         pytest.skip(f"the native kernel does not run here: {native.status()[1]}")
     g = torch.Generator().manual_seed(11)
     for n, k in ((37, 96), (64, 160), (1031, 1024)):  # rows not a multiple of 4; inner sizes with a half chunk
@@ -177,7 +180,7 @@ def test_the_native_kernel_matches_the_float_product_for_every_row_count_and_odd
 
 
 def test_the_native_row_quantization_and_product_epilogue_are_bit_for_bit_torchs():
-    if not native.has("ds_quantize_rows"):  # native.c's (AVX512-VNNI) only
+    if not native.has("ds_quantize_rows"):  # tables_avx512.c (AVX512-VNNI) only
         pytest.skip(f"the native kernel does not run here: {native.status()[1]}")
     g = torch.Generator().manual_seed(8)
     for m, k in ((512, 1024), (7, 100), (3, 17)):  # row lengths with and without a partial vector
@@ -207,7 +210,7 @@ def random_blocks(kind: str, rows: int, cols: int, seed: int) -> torch.Tensor:
 
 
 def test_the_native_kernel_reads_q4_k_and_q6_k_blocks_as_the_file_defines_them():
-    if not native.has("ds_linear_kq"):  # native.c's (AVX512-VNNI) only
+    if not native.has("ds_linear_kq"):  # tables_avx512.c (AVX512-VNNI) only
         pytest.skip(f"the native kernel does not run here: {native.status()[1]}")
     from gguf import GGMLQuantizationType
 
@@ -237,17 +240,18 @@ def test_the_native_kernel_reads_q4_k_and_q6_k_blocks_as_the_file_defines_them()
 
 @pytest.mark.parametrize("weights", ["tables", "blocks"])
 def test_a_q4_k_m_file_decodes_from_its_own_blocks_within_1_5x_llama_cpps_own_error(weights):
-    if weights == "tables" and not native.status()[0]:  # int8 tables decode from the blocks on native.c's kernels
-        pytest.skip(f"native.c's kernels do not run here: {native.status()[1]}")
+    if weights == "tables" and not native.status()[0]:  # int8 tables decode from the blocks on tables_avx512.c
+        pytest.skip(f"tables_avx512.c's kernels do not run here: {native.status()[1]}")
     path = demo_by_llama_cpp("Q4_K_M", "q4_k_m")
     ref = deltaserve.load(DEMO_FILE, weights="exact", cache=False)
     fast = deltaserve.load(path, weights=weights, cache=False)
     w = fast.host.weights
     assert w.lm_head.block_kind == "Q6_K" and w.layers[0].gate_up.fused.block_kind == "Q4_K"
-    if weights == "tables":
-        assert w.lm_head.path(1) == "native"
-    else:
-        assert w.lm_head.path(1) == ("blocks" if native.portable()[0] else "chunks")
+    with routes.recording() as ran:
+        w.lm_head(torch.randn(1, w.lm_head.in_features))
+    want = routes.table(1, w.lm_head.in_features) if weights == "tables" else routes.blocks("Q6_K", 1)
+    assert ran == [want] and want.family == ("tables" if weights == "tables" else
+                                            "blocks" if native.portable()[0] else "chunks")
     ids = ref.tokenizer.encode("<|im_start|>user\nMy locker code is 4821. Reverse these words: red fox blue"
                                "<|im_end|>\n<|im_start|>assistant\nblue fox red<|im_end|>\n")
     want = ref.logits(ids)
@@ -302,14 +306,16 @@ def test_without_the_native_kernel_the_backend_says_why_and_decodes_on_torch(mon
     try:
         ok, why = native.status()
         if "lacks" not in why:
-            assert not ok and why.startswith("false failed on native.c"), why
+            assert not ok and why.startswith("false failed on "), why
         lin = Int8Linear.from_float(torch.randn(8, 64))
-        assert lin.path(1) == "weight-only"
+        with routes.recording() as ran:
+            lin(torch.randn(1, 64))
+        assert ran == [routes.table(1, 64)] and ran[0].family == "weight-only"
         m = model("hybrid", "q8_0", "tables")
         assert "torch's weight-only kernel (native kernel not used: " in m.session().notices[-1]
         blocks = model("hybrid", "q8_0", "blocks")
         assert "dequantized in chunks for torch's f32 GEMM (native kernel not used: " in blocks.session().notices[-1]
-        assert blocks.host.weights.lm_head.path(1) == "chunks"
+        assert routes.blocks("Q8_0", 1).family == "chunks"
         monkeypatch.setenv("DELTASERVE_NATIVE", "off")
         native.reset()
         assert native.status() == (False, "turned off by DELTASERVE_NATIVE")
@@ -320,18 +326,35 @@ def test_without_the_native_kernel_the_backend_says_why_and_decodes_on_torch(mon
         assert "on the native kernel (AVX512-VNNI" in model("hybrid", "q8_0", "tables").session().notices[-1]
 
 
-def test_each_product_size_takes_its_documented_path_on_the_cpu_and_an_accelerator_keeps_bf16_gemms(monkeypatch):
-    lin = Int8Linear.from_float(torch.randn(64, 32))
-    if native.status()[0]:
-        assert [lin.path(r) for r in (1, 8, 9, 512)] == ["native", "native", "int8", "int8"]
-        assert Int8Linear.from_float(torch.randn(64, 48)).path(1) == "weight-only"  # inner size not a multiple of 32
-    monkeypatch.setattr(native, "takes", lambda k: False)  # where the native kernel does not run
-    assert [lin.path(r) for r in (1, 4, 5, 64, 512)] == ["weight-only", "weight-only", "int8", "int8", "int8"] \
-        if int8_gemm_exact() else ["weight-only"] * 4 + ["bf16"]  # no exact int8 GEMM (an AVX2 CPU): bf16
-    lin.int8_activations = False  # the down projection
-    assert [lin.path(r) for r in (1, 8, 64, 65, 512)] == ["weight-only"] * 3 + ["bf16", "bf16"]
-    device = Int8Linear(lin.q.to("meta"), lin.scale.to("meta"))  # stands for a CUDA copy: not the CPU
-    assert [device.path(r) for r in (1, 16, 17, 512)] == ["weight-only", "weight-only", "bf16", "bf16"]
+def test_the_route_table_gives_an_int8_table_its_kernel_by_rows_and_its_products_take_the_route_it_gives():
+    """The table: the int8 tables' kernel up to TABLE_ROWS rows (where it runs and the inner size is a multiple of
+    32), then int8 x int8 (where torch's int8 GEMM is exact) after WEIGHT_ONLY_ROWS rows of the weight-only kernel,
+    or the weight-only kernel up to BF16_GEMM_ROWS and a bf16 GEMM; on an accelerator, weight-only and bf16. Each
+    product runs the route the table gives, and its result is the float product's within int8's rounding."""
+    w = torch.randn(64, 32)
+    lin = Int8Linear.from_float(w)
+    n = routes.TABLE_ROWS
+    if routes.capabilities().tables:
+        assert [routes.table(r, 32).family for r in (1, n, n + 1, 512)] == ["tables", "tables", "int8", "int8"] \
+            if routes.capabilities().int8_exact else ["tables", "tables", "weight-only", "bf16"]
+        assert routes.table(1, 48).family == "weight-only"  # inner size not a multiple of 32
+    for tables in (True, False):
+        with routes.override(tables=tables and routes.capabilities().tables):
+            for r in (1, routes.WEIGHT_ONLY_ROWS, routes.WEIGHT_ONLY_ROWS + 1, routes.BF16_GEMM_ROWS + 1):
+                x = torch.randn(r, 32)
+                with routes.recording() as ran:
+                    y = lin(x)
+                assert ran == [routes.table(r, 32)], r
+                want = x @ lin.dense().t()
+                assert ((y - want).norm() / want.norm()).item() < 0.02, (r, ran)
+    with routes.override(tables=False, int8_exact=True):
+        assert [routes.table(r, 32).family for r in (1, 4, 5, 512)] == ["weight-only"] * 2 + ["int8"] * 2
+        assert [routes.table(r, 32, int8_activations=False).family for r in (1, 64, 65)] == \
+            ["weight-only"] * 2 + ["bf16"]  # the down projection: bf16 activations
+    with routes.override(tables=False, int8_exact=False):
+        assert [routes.table(r, 32).family for r in (4, 64, 65)] == ["weight-only"] * 2 + ["bf16"]
+    assert [routes.table(r, 32, device="cuda").family for r in (1, 16, 17)] == ["weight-only"] * 2 + ["bf16"]
+    assert Int8Linear(lin.q.to("meta"), lin.scale.to("meta")).path(17) == "bf16"  # a copy off the CPU
 
 
 def int8_everywhere(m):
@@ -412,7 +435,7 @@ class TorchProducts:
         out = []
         for c, x in enumerate(self.calls[after + 1:], start=after + 1):
             blocks = x[row].view(-1, 32)
-            u = (blocks * (127.0 / blocks.abs().amax(-1, keepdim=True))).view(-1)  # as native.c quantizes
+            u = (blocks * (127.0 / blocks.abs().amax(-1, keepdim=True))).view(-1)  # as tables_avx512.c quantizes
             r = torch.round(u)
             near = (0.5 - (u - r).abs()) <= NEAR_TIE * (127 + u.abs())
             out += [(c, k, 1 if u[k] > r[k] else -1) for k in near.nonzero().flatten().tolist()]
@@ -488,7 +511,7 @@ def step_on_both_routes(f, products, states, tokens, monkeypatch):
 
 @pytest.mark.parametrize("source", ["hf", "gguf"])  # value heads grouped (HF) and tiled (GGUF) over key heads
 def test_the_one_call_native_decode_follows_the_torch_decode_on_either_head_order(source, monkeypatch):
-    if not native.status()[0]:  # int8 tables: native.c's; test_native_avx2.py compares the AVX2 one on blocks
+    if not native.status()[0]:  # int8 tables: tables_avx512.c's; test_native_avx2.py compares the AVX2 one on blocks
         pytest.skip(f"the native kernel does not run here: {native.status()[1]}")
     m = deltaserve.load(fx.hf_dir("hybrid") if source == "hf" else fx.gguf_path("hybrid", "f32"), cache=False)
     weights = int8_everywhere(m)
@@ -557,7 +580,7 @@ def test_the_native_token_decode_says_why_it_is_not_used_and_leaves_other_states
 
 
 def test_the_native_delta_rule_over_a_span_follows_the_chunked_and_the_stepwise_torch_versions():
-    if not native.has("ds_delta_rule"):  # native.c's (AVX512) or native_avx2.c's
+    if not native.has("ds_delta_rule"):  # deltanet_avx512.c's or deltanet_avx2.c's
         pytest.skip(f"the native delta rule does not run here: {native.status()[1]}")
     from deltaserve.engine import layers
 

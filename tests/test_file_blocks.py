@@ -1,4 +1,4 @@
-"""A GGUF model held as its file's own blocks (weights="blocks", the default where native.c's AVX512 kernels do not
+"""A GGUF model held as its file's own blocks (weights="blocks", the default where tables_avx512.c's kernels do not
 run): nothing converted at load, every product on the file's values, as close to f32 as llama.cpp on the same file.
 
 Oracles: gguf.quants (dequantization bit for bit), llama.cpp on the same files (logits, in a child process), and
@@ -19,6 +19,7 @@ import deltaserve
 from deltaserve.demo import DEMO_FILE
 from deltaserve.engine.forward import Forward
 from deltaserve.kernels import linear as L
+from deltaserve.kernels import routes
 from deltaserve.kernels import native
 from tests import llama_oracle as oracle
 from tests.fixtures import models as fx
@@ -83,7 +84,7 @@ Q8_K_TYPES = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_S", "IQ3_XX
 
 
 def gemm_activations(x: torch.Tensor, kind: str) -> torch.Tensor:
-    """x as blocks.c's GEMM rounds it for a weight of `kind`: as llama.cpp does for that type."""
+    """x as the blocks' GEMM rounds it for a weight of `kind`: as llama.cpp does for that type."""
     return quantized_activations(x, "Q8_K" if kind in Q8_K_TYPES else "Q8_0")
 
 
@@ -103,7 +104,7 @@ def test_every_block_type_dequantizes_bit_for_bit_as_gguf_does(kind):
 @pytest.mark.parametrize("shape", ["long", "short", "wide"])
 def test_a_product_on_the_blocks_is_the_arithmetic_llama_cpp_does_and_each_row_is_its_own(kind, shape):
     # rows not a multiple of anything; three K-quant blocks a row, or one; the blocks of 32 in runs of 8 and a rest;
-    # "wide": rows of 4096, where Q8_0 takes 16 rows at a time (blocks.c's tile16_q8_0, the last tile overlapping)
+    # "wide": rows of 4096, where Q8_0 takes 16 rows at a time (tiles_avx512.c's tile16_q8_0, the last tile overlapping)
     rows, cols = {"long": (67, 768), "wide": (37, 4096)}.get(shape, (13, 416 if kind in ("Q8_0", "Q4_0") else 256))
     raw = torch.from_numpy(random_blocks(kind, rows, cols, seed=3 + len(kind) + (shape == "short")))
     lin = L.BlockLinear([(kind, raw)], cols)
@@ -112,13 +113,15 @@ def test_a_product_on_the_blocks_is_the_arithmetic_llama_cpp_does_and_each_row_i
     for m in (1, 2, 3, 8, 16):  # the decode's one and two rows a tile, more rows two at a time or four
         x = torch.randn(m, cols, generator=g)
         x[0, 7] = 25.0  # an outlier coarsens its own block only
-        y = lin(x)
-        assert lin.path(m) == ("blocks" if native.portable()[0] else "chunks")
-        claimed = quantized_activations(x, kind) @ w.t() if lin.path(m) == "blocks" else x.double() @ w.t()
+        with routes.recording() as ran:
+            y = lin(x)
+        route = routes.blocks(kind, m)
+        assert ran == [route] and route.family == ("blocks" if native.portable()[0] else "chunks")
+        claimed = quantized_activations(x, kind) @ w.t() if route.family == "blocks" else x.double() @ w.t()
         assert ((y - claimed).norm(dim=1) / claimed.norm(dim=1)).max().item() < 1e-5, (kind, m)
         exact = x.double() @ w.t()  # (one K-quant block a row: the outlier coarsens all of it)
         assert ((y - exact).norm(dim=1) / exact.norm(dim=1)).max().item() < (0.03 if shape == "long" else 0.1), (kind, m)
-        if lin.path(1) == "blocks":  # torch's GEMM may take another kernel for one row; blocks.c never does
+        if route.family == "blocks":  # torch's GEMM may take another kernel for one row; the products never do
             for i in range(m):
                 assert torch.equal(lin(x[i:i + 1])[0], y[i]), (kind, m, i)
 
@@ -128,17 +131,15 @@ def test_many_rows_multiply_exact_chunks_of_the_weight_with_f32_activations(monk
     rows, cols = 300, 512
     raw = torch.from_numpy(random_blocks("Q8_0", rows, cols, seed=1))
     lin = L.BlockLinear([("Q8_0", raw)], cols)
-    x = torch.randn(L.BLOCK_GEMV_ROWS + 1, cols)
-    assert lin.path(x.shape[0]) == "chunks"
+    x = torch.randn(routes.GEMV_ROWS + 1, cols)
+    assert routes.blocks("Q8_0", x.shape[0]) == routes.chunks(torch.float32)
     want = x.double() @ lin.dense().double().t()
-    y = lin(x)
+    with routes.recording() as ran:
+        y = lin(x)
+    assert ran == [routes.chunks(torch.float32)]
     assert ((y - want).norm(dim=1) / want.norm(dim=1)).max().item() < 1e-6  # no activation rounding at all
-    small = L.CHUNK_ELEMENTS
-    try:
-        L.CHUNK_ELEMENTS = 7 * cols  # chunks of 7 rows: the last one partial
+    with routes.override(chunk_elements=7 * cols):  # chunks of 7 rows: the last one partial
         assert torch.allclose(lin(x), y, rtol=1e-5, atol=1e-4)
-    finally:
-        L.CHUNK_ELEMENTS = small
 
 
 def test_with_bf16_chunks_many_rows_are_a_bf16_gemm_of_the_exact_weight(monkeypatch):
@@ -161,14 +162,9 @@ def test_with_bf16_chunks_many_rows_are_a_bf16_gemm_of_the_exact_weight(monkeypa
 
 
 def test_bf16_chunks_hold_four_times_an_f32_chunk_in_pieces_of_about_equal_size(monkeypatch):
-    """oneDNN's bf16 GEMM of a prefill by a chunk of 512 weight rows ran at half the rate of 1024 or more: the bf16
-    chunks are BF16_CHUNK_FACTOR x CHUNK_ELEMENTS, split evenly (no thin last piece), and the product dequantizes each
-    such chunk once."""
+    """oneDNN's bf16 GEMM wants wide chunks: the bf16 chunks are BF16_CHUNK_FACTOR x the f32 chunk's elements, split
+    evenly (no thin last piece), and the product dequantizes each such chunk once."""
     monkeypatch.setenv("DELTASERVE_PREFILL", "bf16")
-    monkeypatch.setattr(L, "CHUNK_ELEMENTS", 64 * 256)  # f32 chunks of 64 rows of 256
-    assert L.chunk_rows(1000, 256, torch.float32) == 64
-    assert L.chunk_rows(200, 256, torch.bfloat16) == 200  # 4 x 64 rows hold it whole
-    assert L.chunk_rows(300, 256, torch.bfloat16) == 160  # two pieces of 150 rows, rounded up to 16: 160 + 140
     rows, cols = 300, 256
     raw = torch.from_numpy(random_blocks("Q8_0", rows, cols, seed=6))
     lin = L.BlockLinear([("Q8_0", raw)], cols)
@@ -181,7 +177,11 @@ def test_bf16_chunks_hold_four_times_an_f32_chunk_in_pieces_of_about_equal_size(
 
     monkeypatch.setattr(L.native, "dequant_bf16", counted)
     x = torch.randn(40, cols, generator=torch.Generator().manual_seed(7))
-    y = lin(x)
+    with routes.override(chunk_elements=64 * 256):  # f32 chunks of 64 rows of 256
+        assert L.chunk_rows(1000, 256, torch.float32) == 64
+        assert L.chunk_rows(200, 256, torch.bfloat16) == 200  # 4 x 64 rows hold it whole
+        assert L.chunk_rows(300, 256, torch.bfloat16) == 160  # two pieces of 150 rows, rounded up to 16: 160 + 140
+        y = lin(x)
     if native.has("ds_dequant_bf16"):
         assert calls == [160, 140]
     want = x.bfloat16().double() @ lin.dense().bfloat16().double().t()
@@ -191,63 +191,64 @@ def test_bf16_chunks_hold_four_times_an_f32_chunk_in_pieces_of_about_equal_size(
 def test_the_prefill_chunks_are_bf16_exactly_where_torch_runs_bf16_gemms_on_amx_tiles(monkeypatch):
     monkeypatch.delenv("DELTASERVE_PREFILL", raising=False)
     monkeypatch.delenv("DELTASERVE_AMX", raising=False)
-    monkeypatch.setattr(L, "_AMX", [])
     amx = "amx_bf16" in native.cpu_flags() and torch._C._cpu._init_amx()
-    vnni = native.status()[0]  # native.c's AVX512-VNNI kernels: torch's int8 GEMM is fast there
+    vnni = native.status()[0]  # tables_avx512.c's AVX512-VNNI kernels: torch's int8 GEMM is fast there
+    assert routes.capabilities().amx == bool(amx)
     for kind in ("Q8_0", "Q4_K", "Q6_K", "F16"):
         int8 = vnni and kind in ("Q4_K", "Q6_K")
-        assert L.chunk_dtype(kind) == (torch.bfloat16 if amx else torch.int8 if int8 else torch.float32), kind
+        assert routes.chunk_dtype(kind) == (torch.bfloat16 if amx else torch.int8 if int8 else torch.float32), kind
     monkeypatch.setenv("DELTASERVE_PREFILL", "f32")
-    assert L.chunk_dtype("Q4_K") == torch.float32
+    assert routes.chunk_dtype("Q4_K") == torch.float32
 
 
 def test_without_amx_every_quantized_type_takes_the_gemm_on_its_own_values_and_a_q8_0_down_projection_f32(monkeypatch):
     """A Zen 4/5's route (AVX512-VNNI, no AMX), taken here with DELTASERVE_AMX=off: in one stack of projections the
-    Q4_K, Q8_0, Q2_K, IQ4_XS and Q6_K parts multiply the file's exact values on blocks.c's GEMM, with the activations
+    Q4_K, Q8_0, Q2_K, IQ4_XS and Q6_K parts multiply the file's exact values on the blocks' GEMM, with the activations
     int8 as llama.cpp rounds them for each type (Q8_0's blocks of 32 or Q8_K's of 256, and nothing else); a Q8_0 down
     projection exact f32 chunks, a K-quant or IQ4_XS one the GEMM."""
     if not native.status()[0] or not native.has("ds_gemm_blocks"):
         pytest.skip(f"no AVX512-VNNI kernels here ({native.status()[1]}): neither the GEMM nor int8 chunks run")
     monkeypatch.delenv("DELTASERVE_PREFILL", raising=False)
     monkeypatch.setenv("DELTASERVE_AMX", "off")
-    monkeypatch.setattr(L, "_AMX", [])
-    assert not L.amx_bf16() and L.int8_chunks_fast()
+    assert not routes.capabilities().amx and routes.int8_chunks_fast()
     cols = 512
     parts = [(kind, torch.from_numpy(random_blocks(kind, rows, cols, seed=40 + rows)))
              for kind, rows in (("Q4_K", 96), ("Q8_0", 64), ("Q2_K", 40), ("IQ4_XS", 48), ("Q6_K", 80))]
     lin = L.BlockLinear(parts, cols)
-    x = torch.randn(L.block_rows() + 20, cols, generator=torch.Generator().manual_seed(5))
-    assert lin.path(x.shape[0]) == "chunks"
-    got, off = lin(x), 0
+    x = torch.randn(routes.block_rows() + 20, cols, generator=torch.Generator().manual_seed(5))
+    with routes.recording() as ran:
+        got, off = lin(x), 0
+    assert ran == [routes.blocks(kind, x.shape[0]) for kind, _ in parts] and {r.family for r in ran} == {"gemm"}
     for kind, raw in parts:
         w = L.BlockLinear([(kind, raw)], cols).dense()
         want = gemm_activations(x, kind) @ w.double().t()
         part = got[:, off:off + raw.shape[0]].double()
         assert ((part - want).norm(dim=1) / want.norm(dim=1)).max().item() < 1e-6, kind
         off += raw.shape[0]
-    assert all(L.block_gemm(k) for k in L.GEMM_KINDS) and not L.block_gemm("F16")
-    assert set(L.GEMM_A256) == Q8_K_TYPES
+    assert all(routes.block_gemm(k) for k in routes.GEMM_KINDS) and not routes.block_gemm("F16")
+    assert set(routes.A256) == Q8_K_TYPES
     for kind, raw in parts[:2] + parts[3:4]:
         down = L.BlockLinear([(kind, raw)], cols)
         down.int8_activations = False  # the MLP's down projection (outliers in its inputs)
         want = (x.double() if kind == "Q8_0" else gemm_activations(x, kind)) @ down.dense().double().t()
         assert ((down(x).double() - want).norm(dim=1) / want.norm(dim=1)).max().item() < 1e-6, kind
-    line = L.blocks_route()
+    line = routes.describe_blocks()
     assert "the blocks of every quantized type on the native kernel's GEMM" in line
     assert "16-bit ones' exact f32 chunks" in line and "requantized" not in line
 
 
 def test_a_prefill_takes_the_block_gemm_where_it_beats_torchs_f32_gemm_on_exact_chunks():
-    """blocks.c's GEMM takes every quantized type on both builds. On AVX512-VNNI the prefill's products take it for
+    """The blocks' GEMM takes every quantized type on both builds. On AVX512-VNNI the prefill's products take it for
     all of them; on AVX2 (vpmaddubsw, whose int16 pair sums saturate past 2 x 63 x 128) for the types whose packed
     values stay below 64, while Q8_0 and the types packed as v + 128, whose tiles multiply each value's two nibbles
     apart at about the f32 GEMM's speed, stay on exact chunks (an MoE expert's few rows take the GEMM there too)."""
     if not native.has("ds_gemm_blocks"):
-        pytest.skip("blocks.c's GEMM is not built here")
-    assert all(native.gemm_takes(int(T[k])) for k in L.GEMM_KINDS) and not native.gemm_takes(int(T["F16"]))
-    fast = {k for k in L.GEMM_KINDS if native.gemm_beats_f32(int(T[k]))}
+        pytest.skip("the blocks' GEMM is not built here")
+    assert all(native.gemm_takes(int(T[k])) for k in routes.GEMM_KINDS) and not native.gemm_takes(int(T["F16"]))
+    fast = {k for k in routes.GEMM_KINDS if native.gemm_beats_f32(int(T[k]))}
+    assert routes.capabilities().gemm_fast == fast
     if native.has("ds_blocks_vnni"):
-        assert fast == set(L.GEMM_KINDS)
+        assert fast == set(routes.GEMM_KINDS)
     else:
         assert fast == {"Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q5_1", "Q2_K"}
 
@@ -258,12 +259,12 @@ def test_a_prefill_takes_the_block_gemm_where_it_beats_torchs_f32_gemm_on_exact_
 @pytest.mark.parametrize("out", [32, 33, 100])
 def test_the_block_gemm_is_the_files_values_times_activations_rounded_as_llama_cpp_rounds_them_whatever_the_shape(
         kind, rows, out):
-    """blocks.c's GEMM on the blocks (panels of 32 output rows, tiles of 6 tokens): any number of rows and tokens,
+    """The blocks' GEMM on the blocks (panels of 32 output rows, tiles of 6 tokens): any number of rows and tokens,
     the result written only where asked (a slice of a wider output), each token's row alone whatever is beside it.
     The oracle: gguf's values of the weight times the activations as llama.cpp rounds them for the type (Q8_0's
     blocks of 32, Q8_K's of 256 for the K-quants and IQ4_XS), in float64."""
     if not native.has("ds_gemm_blocks"):
-        pytest.skip("blocks.c's GEMM is not built here")
+        pytest.skip("the blocks' GEMM is not built here")
     cols = 512
     raw = torch.from_numpy(random_blocks(kind, out, cols, seed=out))
     w = torch.from_numpy(quants.dequantize(raw.numpy(), T[kind])).double().reshape(out, cols)
@@ -284,7 +285,7 @@ def test_a_long_prefills_tokens_pass_the_panels_in_blocks_and_each_row_comes_out
     """More tokens than GEMM_TOKENS (512: their activations stay in L2 while a panel passes over them): the rows of
     every block, the last one short, as the oracle has them and bit for bit as each row's product alone."""
     if not native.has("ds_gemm_blocks"):
-        pytest.skip("blocks.c's GEMM is not built here")
+        pytest.skip("the blocks' GEMM is not built here")
     rows, out, cols = 1100, 40, 256
     raw = torch.from_numpy(random_blocks("Q4_K", out, cols, seed=8))
     w = torch.from_numpy(quants.dequantize(raw.numpy(), T["Q4_K"])).double().reshape(out, cols)
@@ -302,12 +303,12 @@ def test_a_long_prefills_tokens_pass_the_panels_in_blocks_and_each_row_comes_out
 @pytest.mark.parametrize("kind", ["Q2_K", "Q3_K", "TQ1_0", "TQ2_0", "NVFP4", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS",
                                   "IQ3_S", "IQ1_S", "IQ1_M"])
 def test_the_block_gemm_takes_the_types_with_a_scale_every_16_from_their_expanded_rows(kind):
-    """The grid, ternary, Q2_K, Q3_K and NVFP4 types on blocks.c's GEMM: each row expanded exactly (int8 values, a
+    """The grid, ternary, Q2_K, Q3_K and NVFP4 types on the blocks' GEMM: each row expanded exactly (int8 values, a
     scale and for Q2_K a min per 16; one scale per 32 where both halves share it) and multiplied on the tiles;
     gguf's values times the activations as llama.cpp rounds them (Q8_K's blocks of 256; NVFP4 Q8_0's of 32). A 16-bit
     tensor is not taken: its product says so and writes nothing."""
     if not native.has("ds_gemm_blocks"):
-        pytest.skip("blocks.c's GEMM is not built here")
+        pytest.skip("the blocks' GEMM is not built here")
     from tests.test_quant import random_raw
 
     out, cols = 40, 512
@@ -374,7 +375,6 @@ def test_the_default_weights_are_the_files_own_blocks_with_or_without_amx(amx, m
     monkeypatch.delenv("DELTASERVE_WEIGHTS", raising=False)
     monkeypatch.delenv("DELTASERVE_PREFILL", raising=False)
     monkeypatch.setenv("DELTASERVE_AMX", amx)
-    monkeypatch.setattr(L, "_AMX", [])
     m = deltaserve.load(demo_by_llama_cpp("Q4_K_M", "q4_k_m"), cache=False)
     w = m.host.weights
     lins = [w.lm_head] + [p for lw in w.layers for p in (lw.gate_up.fused, lw.down)]
@@ -382,7 +382,7 @@ def test_the_default_weights_are_the_files_own_blocks_with_or_without_amx(amx, m
     line = next(n for n in m.session().notices if n.startswith("Backend:"))  # the route line (an MTP line may follow)
     if not native.portable()[0]:
         assert "dequantized in chunks for torch's f32 GEMM" in line, line
-    elif L.amx_bf16():
+    elif routes.capabilities().amx:
         assert "more rows on bf16 chunks and torch's bf16 GEMM (AMX tiles)" in line, line
     elif native.status()[0] and native.has("ds_gemm_blocks"):
         assert "more rows on the blocks of every quantized type on the native kernel's GEMM" in line, line
@@ -399,11 +399,10 @@ def test_the_prefill_attention_multiplies_in_bf16_only_on_amx_tiles(amx, monkeyp
     """Without AMX (a Zen 4/5, or DELTASERVE_AMX=off) torch's bf16 matmuls lose to its f32 ones, so the prefill's
     attention stays f32 there, as the weight chunks do; on AMX tiles it runs in bf16."""
     monkeypatch.setenv("DELTASERVE_AMX", amx)
-    monkeypatch.setattr(L, "_AMX", [])
     m = blocks_model(fx.gguf_path("hybrid", "q8_0"))
     assert not m.host.weights.has_f32_linears()
     dtype = Forward(m.config, m.host.weights).attention_dtype
-    assert dtype == (torch.bfloat16 if L.amx_bf16() else torch.float32)
+    assert dtype == (torch.bfloat16 if routes.capabilities().amx else torch.float32)
     assert amx == "on" or dtype == torch.float32
 
 
@@ -412,7 +411,9 @@ def test_the_route_line_says_the_products_run_on_the_files_own_blocks_and_on_whi
     line = m.session().notices[-1]
     if native.portable()[0]:
         isa = "AVX512-VNNI" if native.has("ds_blocks_vnni") else "AVX2"
-        rows = 32 if L.chunk_dtype() == torch.bfloat16 and L.amx_bf16() and isa == "AVX512-VNNI" else 16
+        rows = routes.block_rows()
+        assert rows == (32 if routes.chunk_dtype() == torch.bfloat16 and routes.capabilities().amx and isa == "AVX512-VNNI"
+                        else 16)
         assert f"products on the file's own blocks: up to {rows} rows on the native kernel ({isa}" in line, line
     else:
         assert "dequantized in chunks for torch's f32 GEMM" in line, line
@@ -467,7 +468,7 @@ def test_a_batch_of_conversations_reads_the_same_blocks_as_one_conversation_alon
 @pytest.mark.parametrize("kind", TYPES)
 def test_bf16_chunks_come_out_of_the_blocks_rounded_as_torch_rounds_the_exact_values(kind):
     if not native.has("ds_dequant_bf16"):
-        pytest.skip(f"blocks.c does not run here: {native.portable()[1]}")
+        pytest.skip(f"products.c does not run here: {native.portable()[1]}")
     rows, cols = 37, 512
     raw = torch.from_numpy(random_blocks(kind, rows, cols, seed=11 + len(kind)))
     exact = torch.from_numpy(quants.dequantize(raw.numpy(), T[kind]).reshape(rows, cols))
@@ -481,7 +482,7 @@ def test_bf16_chunks_of_blocks_with_a_nan_or_infinite_scale_round_as_torch_round
     """A damaged file's scale (f16 NaN, +inf, -inf) gives a NaN where torch's rounding gives one (its bits differ
     between torch's own scalar and vector paths) and the same bits everywhere else, the infinities included."""
     if not native.has("ds_dequant_bf16"):
-        pytest.skip(f"blocks.c does not run here: {native.portable()[1]}")
+        pytest.skip(f"products.c does not run here: {native.portable()[1]}")
     rows, cols = 5, 512
     raw = random_blocks(kind, rows, cols, seed=3)
     size = quants.GGML_QUANT_SIZES[T[kind]][1]
@@ -502,15 +503,15 @@ def test_bf16_chunks_of_blocks_with_a_nan_or_infinite_scale_round_as_torch_round
 def test_int8_chunks_multiply_each_chunk_requantized_per_row_and_leave_the_down_projection_exact(monkeypatch):
     """DELTASERVE_PREFILL=int8 (the int8 tables' prefill without the tables, for AVX512-VNNI CPUs without AMX): the
     weight's exact values requantized per row, the activations per row, an int8 GEMM, nothing kept."""
-    if not L.int8_gemm_exact():
+    if not routes.capabilities().int8_exact:
         pytest.skip("torch's int8 GEMM is not exact on this CPU: the next test covers what runs instead")
     monkeypatch.setenv("DELTASERVE_PREFILL", "int8")
     rows, cols = 300, 512
     for kind in ("Q8_0", "Q4_K", "Q6_K"):
         raw = torch.from_numpy(random_blocks(kind, rows, cols, seed=21 + len(kind)))
         lin = L.BlockLinear([(kind, raw)], cols)
-        x = torch.randn(L.block_rows() + 40, cols, generator=torch.Generator().manual_seed(4))
-        assert lin.path(x.shape[0]) == "chunks"
+        x = torch.randn(routes.block_rows() + 40, cols, generator=torch.Generator().manual_seed(4))
+        assert routes.blocks(kind, x.shape[0]) == routes.chunks(torch.int8)
         wq, ws = L.quantize_rows_int8(lin.dense())
         xq, xs = L.quantize_rows_int8(x)
         want = (xq.double() @ wq.double().t()) * ws.double() * xs.double()[:, None]
@@ -519,17 +520,17 @@ def test_int8_chunks_multiply_each_chunk_requantized_per_row_and_leave_the_down_
         lin.int8_activations = False  # the MLP's down projection: exact f32 chunks instead
         exact = x.double() @ lin.dense().double().t()
         assert ((lin(x) - exact).norm(dim=1) / exact.norm(dim=1)).max().item() < 1e-6, kind
-    assert "int8 GEMM" in L.blocks_route()
+    assert "int8 GEMM" in routes.describe_blocks()
 
 
 def test_torchs_int8_gemm_is_found_inexact_where_onednn_has_no_vnni_or_amx():
-    """oneDNN held to AVX2 (a Zen 3's) multiplies u8 x s8 pairs into saturating int16: linear.int8_gemm_exact's probe
+    """oneDNN held to AVX2 (a Zen 3's) multiplies u8 x s8 pairs into saturating int16: the route table's probe
     finds it, on any CPU (a process of its own: oneDNN reads the variable once)."""
     import os
     import subprocess
     import sys
 
-    probe = "from deltaserve.kernels import linear; print(linear.int8_gemm_exact())"
+    probe = "from deltaserve.kernels import routes; print(routes.capabilities().int8_exact)"
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
     assert out.stdout.strip() == "False", out.stderr[-500:]
@@ -538,16 +539,19 @@ def test_torchs_int8_gemm_is_found_inexact_where_onednn_has_no_vnni_or_amx():
 def test_where_torchs_int8_gemm_is_not_exact_int8_prefills_run_exact_chunks_or_bf16_tables_and_say_so(monkeypatch):
     """DELTASERVE_PREFILL=int8 and the int8 tables' many-row products never reach an inexact int8 GEMM: the blocks'
     chunks run exact f32, the tables bf16, and the route lines say why."""
-    monkeypatch.setattr(L, "_INT8_EXACT", [False])
     monkeypatch.setattr(L.torch, "_int_mm", lambda *a: (_ for _ in ()).throw(AssertionError("int8 GEMM called")))
     monkeypatch.setenv("DELTASERVE_PREFILL", "int8")  # settings read again (conftest)
     rows, cols = 300, 512
     raw = torch.from_numpy(random_blocks("Q4_K", rows, cols, seed=23))
     lin = L.BlockLinear([("Q4_K", raw)], cols)
-    x = torch.randn(L.block_rows() + 40, cols, generator=torch.Generator().manual_seed(5))
-    exact = x.double() @ lin.dense().double().t()
-    assert ((lin(x) - exact).norm(dim=1) / exact.norm(dim=1)).max().item() < 1e-6
-    assert "DELTASERVE_PREFILL=int8 not taken: torch's int8 GEMM does not sum exactly" in L.blocks_route()
     table = L.Int8Linear.from_float(lin.dense())
-    assert table.path(L.BF16_GEMM_ROWS + 1) == "bf16"
-    assert "prefills on bf16 tables, not int8 x int8" in L.int8_route()
+    with routes.override(int8_exact=False):
+        x = torch.randn(routes.block_rows() + 40, cols, generator=torch.Generator().manual_seed(5))
+        exact = x.double() @ lin.dense().double().t()
+        with routes.recording() as ran:
+            assert ((lin(x) - exact).norm(dim=1) / exact.norm(dim=1)).max().item() < 1e-6
+            table(torch.randn(routes.BF16_GEMM_ROWS + 1, cols))
+        assert ran == [routes.chunks(torch.float32), routes.table(routes.BF16_GEMM_ROWS + 1, cols)]
+        assert ran[1].family == "bf16"
+        assert "DELTASERVE_PREFILL=int8 not taken: torch's int8 GEMM does not sum exactly" in routes.describe_blocks()
+        assert "prefills on bf16 tables, not int8 x int8" in routes.describe_tables()

@@ -300,7 +300,7 @@ def test_llama_quantizes_files_are_no_farther_from_f32_than_llama_cpp_on_the_sam
 # -- the native decode --------------------------------------------------------------------------------------------
 
 def test_a_prefill_runs_each_layers_routed_experts_in_one_native_call(monkeypatch):
-    """Every MoE layer's experts of a prefill chunk in one call of blocks.c's grouped products (ds_moe_experts), each
+    """Every MoE layer's experts of a prefill chunk in one call of moe.c's grouped products (ds_moe_experts), each
     pair (token, expert) once, the call also summing each token's choices (its `y`), the layers' pair buffers one
     (reused from layer to layer, not made anew)."""
     from deltaserve.kernels import native
@@ -323,7 +323,7 @@ def test_a_prefill_runs_each_layers_routed_experts_in_one_native_call(monkeypatc
 
 
 def test_the_one_call_decode_is_the_torch_decode_to_rounding_ties_and_a_batch_is_each_sequence_alone():
-    """Both routes run blocks.c's products on the same blocks; they part only where an activation sits within float
+    """Both routes run products.c's products on the same blocks; they part only where an activation sits within float
     noise of an int8 rounding tie (then the recurrent state carries the step on), as for the dense models
     (tests/test_native_avx2.py): far below the file's own error, the same argmax nearly everywhere."""
     m = deltaserve.load(by_llama_quantize("Q4_K_M"), cache=False)

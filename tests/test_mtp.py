@@ -103,11 +103,11 @@ def test_a_verification_chain_gives_each_row_the_logits_of_a_plain_decode(mtp_fi
 
 
 def test_a_verification_chain_on_the_block_gemm_agrees_with_a_plain_decode_to_rounding(mtp_files):
-    """By default a chain of 3 or more rows takes the block GEMM (native.decode_gemm_rows): the same integer sums as
+    """By default a chain of 3 or more rows takes the block GEMM (routes.decode_gemm_rows): the same integer sums as
     the decode tiles, the scales applied in another order."""
-    from deltaserve.kernels import native
+    from deltaserve.kernels import routes
 
-    n = native.decode_gemm_rows()  # 3 on the VNNI build, 6 on AVX2's: a chain of n rows takes the GEMM
+    n = routes.decode_gemm_rows()  # 3 on the VNNI build, 6 on AVX2's: a chain of n rows takes the GEMM
     assert 0 < n <= 7
     f = forward_of(mtp_files["dense"]["q8_0"])
     plain_state = f.new_state(64)

@@ -1,9 +1,9 @@
 """The native DeltaNet kernels and the one-call decode follow the torch versions (engine/layers.py, the torch decode).
 
-They run wherever the library holds the kernel (`native.has`): the prefill's delta rule and conv are native.c's on an
-AVX512-VNNI CPU and native_avx2.c's on an AVX2 one (an AMD EPYC Zen 3), so the same tests cover both; the decode's
-DeltaNet step and the one-call decode on the file's own blocks are native_avx2.c's on both (with blocks.c's
-products, their AVX512-VNNI versions where the CPU has them).
+They run wherever the library holds the kernel (`native.has`): the prefill's delta rule and conv are
+deltanet_avx512.c's on an AVX512-VNNI build and deltanet_avx2.c's on an AVX2 one (an AMD EPYC Zen 3), so the same tests
+cover both; the decode's DeltaNet step (deltanet.c) and the one-call decode (decode.c) on the file's own blocks are the
+same on both (with products.c's products: rows_avx2.c's or tiles_avx512.c's).
 """
 
 from __future__ import annotations
@@ -106,12 +106,12 @@ def test_the_native_deltanet_step_follows_the_torch_step_on_either_head_order(or
         assert torch.allclose(conv_ours, conv_torch) and torch.allclose(ssm_ours, ssm_torch, atol=1e-5, rtol=1e-4)
 
 
-# ---- the one-call decode on the file's own blocks (blocks.c's products; int8 tables: test_fast_weights) ------------
+# ---- the one-call decode on the file's own blocks (products.c's; int8 tables: test_fast_weights) ------------------
 
 def blocks_everywhere(m, mixed: bool):
     """A loaded float model's weights with every projection and the head as the file's own blocks would be: Q8_0
     (gguf's own quantizer), or, `mixed`, stacks of several types as a quantized file has them: the MLP's up part
-    and the attention output Q4_0, the DeltaNet z part F16 (where blocks.c multiplies F16), its beta part F32."""
+    and the attention output Q4_0, the DeltaNet z part F16 (where products.c multiplies F16), its beta part F32."""
     import dataclasses
 
     import gguf
@@ -170,7 +170,7 @@ def block_products(monkeypatch):
             y = y.clone()
             for row, k, dq in moves:
                 amax = x2[row, k // 32 * 32:k // 32 * 32 + 32].abs().amax()
-                d = (amax / 127).half().float()  # the block's int8 step, as blocks.c keeps it
+                d = (amax / 127).half().float()  # the block's int8 step, as activations.c keeps it
                 y.view(-1, lin.out_features)[row] += dq * d * lin.dense()[:, k]
         return y
 
@@ -181,7 +181,7 @@ def block_products(monkeypatch):
 @pytest.mark.parametrize("source,mixed", [("hf", False), ("gguf", False), ("gguf", True)])
 def test_the_one_call_decode_on_the_files_blocks_follows_the_torch_decode_on_either_head_order_and_mixed_stacks(
         source, mixed, monkeypatch):
-    """The envelope of test_fast_weights' int8-table version: both routes run blocks.c's products on the same
+    """The envelope of test_fast_weights' int8-table version: both routes run products.c's products on the same
     blocks, so they differ only where an activation sits within float noise of a rounding tie."""
     need("ds_decode_tokens")
     import deltaserve
@@ -220,13 +220,13 @@ def test_the_one_call_decode_on_blocks_says_why_it_does_not_take_a_projection():
     program, why = Forward(m.config, w).token_program()
     assert program is None and why == ("decode through torch ops (native token decode not used: "
                                        "a bfloat16 projection is not the file's own blocks)"), why
-    w.layers[1].down = Int8Linear.from_float(down.dense())  # an int8 table: native.c's products, where they run
+    w.layers[1].down = Int8Linear.from_float(down.dense())  # an int8 table: tables_avx512.c's products, where they run
     program, why = Forward(m.config, w).token_program()
     if native.status()[0]:
         assert program is not None, why
     else:
         assert program is None and why.startswith("decode through torch ops (native token decode not used: an int8 "
-                                                   "table (native.c's kernels do not run here: "), why
+                                                   "table (the int8 tables' kernels do not run here: "), why
 
 
 def test_on_a_trained_q4_k_m_file_the_one_call_decode_on_its_blocks_is_the_torch_decode_to_float_noise():

@@ -118,16 +118,16 @@ OTHER_TYPES = [t for t in ("Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "IQ1_S", "IQ1
 
 @pytest.mark.parametrize("kind", OTHER_TYPES)
 def test_blocks_c_reads_every_other_type_bit_for_bit_and_multiplies_its_values_as_llama_cpp_does(kind):
-    """blocks.c's dequantization of these types (deq_row_more) against gguf.quants, bit for bit; their products
+    """dequant.c's dequantization of these types (deq_row_more) against gguf.quants, bit for bit; their products
     (each row expanded once to int8 values with a scale per 16, times activations int8 per block of 32 as llama.cpp
     quantizes them for these types) against that arithmetic in float64, each row its own, for decode and batches."""
     from deltaserve.kernels import linear as L
-    from deltaserve.kernels import native
+    from deltaserve.kernels import native, routes
     from tests.test_file_blocks import quantized_activations
     from tests.test_quant import random_raw
 
     if not native.portable()[0]:
-        pytest.skip(f"blocks.c does not run here: {native.portable()[1]}")
+        pytest.skip(f"products.c does not run here: {native.portable()[1]}")
     block = gguf.GGML_QUANT_SIZES[T[kind]][0]
     # rows of 512 (whole groups of 8 blocks) and, for blocks of 32, of 608 (the last 3 blocks past the groups)
     for rows, cols in ((37, 512), (37, 608)) if block == 32 else ((37, 512),):
@@ -153,8 +153,9 @@ def test_blocks_c_reads_every_other_type_bit_for_bit_and_multiplies_its_values_a
         g = torch.Generator().manual_seed(4)
         for m in (1, 3, 16):
             x = torch.randn(m, cols, generator=g)
-            assert lin.path(m) == "blocks"
-            y = lin(x)
+            with routes.recording() as ran:
+                y = lin(x)
+            assert ran == [routes.blocks(kind, m)] and ran[0].family == "blocks"
             claimed = quantized_activations(x, "Q8_0") @ w.t()
             assert ((y - claimed).norm(dim=1) / claimed.norm(dim=1)).max().item() < 1e-5, (kind, m)
             exact = x.double() @ w.t()

@@ -263,7 +263,7 @@ def _sdpa_within(q, k, v, scale, segments):
     return torch.cat(outs)
 
 
-@pytest.mark.skipif(not native.has("ds_attention_bf16"), reason="attention.c is built where the CPU has AVX512-BF16")
+@pytest.mark.skipif(not native.has("ds_attention_bf16"), reason="attention_vision_avx512.c is built where the CPU has AVX512-BF16")
 @pytest.mark.parametrize("n, heads, dim, segments", [(37, 2, 8, [37]), (100, 3, 72, [100]), (65, 4, 18, [20, 45]),
                                                      (300, 1, 16, [100, 33, 167])])
 def test_the_bf16_attention_kernel_is_sdpa_over_the_same_inputs_within_each_image(n, heads, dim, segments):
@@ -279,7 +279,7 @@ def test_the_bf16_attention_kernel_is_sdpa_over_the_same_inputs_within_each_imag
     assert torch.equal(first, got[:segments[0]])
 
 
-@pytest.mark.skipif(not native.has("ds_attention_f32"), reason="attention.c's f32 kernel needs AVX2 and FMA")
+@pytest.mark.skipif(not native.has("ds_attention_f32"), reason="attention_vision_avx2.c's kernel needs AVX2 and FMA")
 @pytest.mark.parametrize("n, heads, dim, segments", [(37, 2, 8, [37]), (100, 3, 72, [60, 40]), (17, 1, 5, [17])])
 def test_the_f32_attention_kernel_is_sdpa_within_each_image(n, heads, dim, segments):
     g = torch.Generator().manual_seed(n + 1)
@@ -311,10 +311,12 @@ def test_the_towers_products_follow_the_setting_and_else_the_cpus_bf16(monkeypat
     monkeypatch.setenv("DELTASERVE_VISION", "bf16")
     assert vision_products() == "bf16"
     monkeypatch.delenv("DELTASERVE_VISION")
-    monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2", "fma", "f16c"})  # a Zen 3: bf16 GEMMs are emulated
-    assert vision_products() == "f32"
-    monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
-    assert vision_products() == "bf16"
+    from deltaserve.kernels import routes
+
+    with routes.override(flags=frozenset({"avx2", "fma", "f16c"})):  # a Zen 3: bf16 GEMMs are emulated
+        assert vision_products() == "f32"
+    with routes.override(flags=frozenset({"avx2", "avx512f", "avx512_bf16"})):
+        assert vision_products() == "bf16"
 
 
 def test_the_encoder_refuses_missing_or_misshaped_tensors(hf_vision):

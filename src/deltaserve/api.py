@@ -216,9 +216,53 @@ def load(path: str | os.PathLike | None = None, device: str = "cpu", threads: in
     return model
 
 
+def route_table(host: HostModel) -> list[str]:
+    """The route table of `host`'s weights on this CPU (kernels/routes.py: each product's kernel and data type by
+    the rows it has), as `deltaserve inspect` prints it."""
+    from deltaserve.kernels import routes
+
+    return routes.table_lines(host.weights.linear_forms(), "cpu", host.weights.has_f32_linears())
+
+
+def kernel_levels() -> list[tuple[str, str, bool]]:
+    """The levels the native kernels are built for (kernels/library.py): (name, the CPUs that run it, whether this
+    CPU does), best first, -march=native last."""
+    from deltaserve.kernels import library
+
+    runs = {v.name for v in library.candidates()}
+    return [(v.name, v.cpus, v.name in runs) for v in (*library.VARIANTS, library.NATIVE)]
+
+
+def kernel_loaded() -> str:
+    """Which build of the native kernels this process loads and from where, in words (building it if it must)."""
+    from deltaserve.kernels import library
+
+    v, path = library.loaded()
+    return f"{v.name} ({path})" if v is not None else f"none: {library.why_not()}"
+
+
+def build_kernels(names: list[str] | None = None, out: str | os.PathLike | None = None) -> list[tuple[str, str]]:
+    """The native kernels built for the levels `names` (None: every level: what a wheel's kernels/lib/ or a fleet's
+    shared cache directory holds), into `out` (default: the cache), each compiled unless there already: (level,
+    library path). Raises DeltaserveError on an unknown level or a failed build."""
+    from pathlib import Path
+
+    from deltaserve.kernels import library
+
+    unknown = [n for n in names or () if n not in library.ISA_NAMES]
+    if unknown:
+        raise DeltaserveError(f"unknown level {', '.join(unknown)}: one of {', '.join(library.ISA_NAMES)}")
+    try:
+        built = library.build_all(Path(out) if out else None, names)
+    except (RuntimeError, OSError) as e:
+        raise DeltaserveError(f"building the native kernels failed: {e}") from None
+    return [(v.name, str(path)) for v, path in built]
+
+
 __all__ = [
     '__version__',
     'available_cores',
+    'build_kernels',
     'cache_root',
     'capacity',
     'check_budget',
@@ -238,6 +282,8 @@ __all__ = [
     'ImageInputError',
     'ImageLimits',
     'isolated',
+    'kernel_levels',
+    'kernel_loaded',
     'load',
     'load_host',
     'MAX_AGE',
@@ -258,6 +304,7 @@ __all__ = [
     'rendered_thinking',
     'ResponseRecord',
     'ResponseStore',
+    'route_table',
     'saved_state_bytes',
     'settings',
     'SPLIT_MIN_BYTES',

@@ -39,9 +39,10 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "or f32"),
     Variable("DELTASERVE_AMX", "on", "off: a Xeon with AMX takes the route of a CPU without it (to measure a Zen's "
              "route there)"),
-    Variable("DELTASERVE_ISA", "native", "avx2: the C kernels are built for AVX2, FMA and F16C alone and this CPU's "
-             "AVX512 and AMX go unused, as on a CPU without them (an AMD EPYC Zen 3): to run and test that route on "
-             "an AVX512 machine (with ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 for torch's own)"),
+    Variable("DELTASERVE_ISA", "auto", "the build of the C kernels this process loads: auto (the best level this CPU "
+             "runs), avx512-bf16, avx512-vnni, x86-64-v3 (or avx2), native (-march=native); a level named is taken "
+             "as this CPU's, its missing instructions hidden from every route decision: avx2 runs an AMD EPYC Zen 3's "
+             "route on an AVX512 machine (with ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 for torch's own)"),
     Variable("DELTASERVE_NATIVE", "on", "off: the C kernels and the C tokenizer are not built or loaded (the torch "
              "and tokenizers fallbacks run, and say so)"),
     Variable("DELTASERVE_VISION", "auto", "the vision tower's products: auto (bf16 where the CPU multiplies bf16 "
@@ -83,7 +84,7 @@ class Settings:
     prefill_tokens: bool
     activations: str
     amx: bool
-    isa: str             # "native" or "avx2"
+    isa: str             # "auto" or a build level's name (kernels/library.py checks it)
     native: bool
     cuda_graph: bool
     batch_invariant: bool
@@ -113,7 +114,7 @@ def read(environ=None) -> Settings:
         prefill_tokens=_on(get("DELTASERVE_PREFILL_TOKENS")),
         activations=get("DELTASERVE_ACTIVATIONS").strip() or "int8",
         amx=get("DELTASERVE_AMX").strip().lower() != "off",
-        isa="avx2" if get("DELTASERVE_ISA").strip().lower() == "avx2" else "native",
+        isa=get("DELTASERVE_ISA").strip().lower() or "auto",
         native=_not_off(get("DELTASERVE_NATIVE")),
         cuda_graph=_on(get("DELTASERVE_CUDA_GRAPH")),
         batch_invariant=_on(get("DELTASERVE_BATCH_INVARIANT")),

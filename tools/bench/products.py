@@ -1,6 +1,6 @@
 """One decode-shaped product (one activation row) on random blocks of each type, held in the caches: how fast
-blocks.c turns a type's blocks into sums, apart from the memory (a decode step reads its weights from memory; a type
-whose product runs below the memory's speed here is compute-bound there too).
+the decode products (kernels/c/products.c) turn a type's blocks into sums, apart from the memory (a decode step reads
+its weights from memory; a type whose product runs below the memory's speed here is compute-bound there too).
 
     python -m tools.bench.products IQ1_S IQ2_XXS Q4_K [--rows 4096 --cols 2048 --threads 2]
 

@@ -10,7 +10,7 @@ import torch
 from deltaserve.formats.config import HybridConfig
 from deltaserve.engine.weights import Weights
 from deltaserve.engine import layers as L
-from deltaserve.kernels.linear import amx_bf16
+from deltaserve.kernels import routes
 from deltaserve.kernels.cpu import cpu_stall_seconds, keep_freed_memory
 from deltaserve.engine.native_token import TokenProgram
 from deltaserve.engine.state import DecodeState
@@ -39,14 +39,8 @@ class Forward:
         self.native = native and cpu
         self.one_call = one_call and cpu
         # prefill attention matmuls: f32 when any weight is f32 (the exact path), or on a CPU without AMX tiles; else
-        # bf16, 5x the f32 throughput on AMX. Without AMX torch's bf16 matmuls lose to its f32 ones: emulated on a
-        # CPU without AVX512-BF16 (5x slower: half a Zen 3's pp512 went into the attention's bmm), and on AVX512-BF16
-        # alone (the Xeon routed as a Zen 4/5, DELTASERVE_AMX=off ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16) a 0.8B
-        # Q4_K_M pp512 spent 113-116 ms in attention in bf16 and 66-88 ms in f32, as its bf16 weight chunks lost to
-        # f32 ones (see kernels/linear.py's int8_chunks_fast)
-        bf16 = not cpu or amx_bf16()
-        self.attention_dtype = attention_dtype or (torch.float32 if weights.has_f32_linears() or not bf16
-                                                   else torch.bfloat16)
+        # bf16 (routes.attention_dtype)
+        self.attention_dtype = attention_dtype or routes.attention_dtype(self.device.type, weights.has_f32_linears())
         self._token: tuple[TokenProgram | None, str] | None = None
         self.governor: ThreadGovernor | None = None  # the native decode's thread count, measured (kernels/cpu.py)
         # one sequence's decode step on a CUDA device: replayed as a CUDA graph (engine/graph.py)

@@ -95,7 +95,7 @@ def route(x: torch.Tensor, router, top_k: int) -> tuple[torch.Tensor, torch.Tens
 def experts_native(x: torch.Tensor, mw, counts: list[int], rows: torch.Tensor, weights: torch.Tensor,
                    out: torch.Tensor, slot: torch.Tensor | None = None, y: torch.Tensor | None = None) -> bool:
     """The routed experts of every pair (row, expert), grouped by expert, in one native call on the file's blocks
-    (blocks.c's products, each expert's rows read once for its pairs): False where it does not take them (a device,
+    (moe.c's products, each expert's rows read once for its pairs): False where it does not take them (a device,
     weights that are not the file's blocks). With `slot` and `y`: y gets the routed sum itself (kernel.moe_experts)."""
     structs = mw.native() if x.device.type == "cpu" else None
     if structs is None:
@@ -357,7 +357,7 @@ def deltanet_mixer(x: torch.Tensor, w, cfg, conv_state: torch.Tensor, ssm_state:
 
 
 def deltanet_decode_native(x: torch.Tensor, w, cfg, states: list[tuple[torch.Tensor, torch.Tensor]]):
-    """One token each of B sequences through the native DeltaNet step (native.c), each sequence's
+    """One token each of B sequences through the native DeltaNet step (deltanet.c), each sequence's
     (conv, ssm) state updated in place; None, with nothing touched, where the native kernel cannot take it."""
     if not kernel.deltanet_ready(w, states):
         return None

@@ -1,4 +1,4 @@
-"""One decoded token in one native call (`ds_decode_tokens`, native_avx2.c: on every CPU with AVX2).
+"""One decoded token in one native call (`ds_decode_tokens`, kernels/c/decode.c: on every CPU with AVX2).
 
 The torch decode runs ~25 operations per layer, each a Python call and a dispatch; at 24 layers that is
 several milliseconds a token around ~13 ms of products. `TokenProgram` describes a model's layers once (the
@@ -7,13 +7,14 @@ token with one call: one OpenMP team for the whole token, the products and per-h
 threads. The math is layers.py's; tests compare it with the torch decode and with llama.cpp.
 
 Each projection's segments say whose products read them, by what the model holds:
-- the file's own blocks (a model loaded as `BlockLinear`s: Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, and F16/BF16 where
-  blocks.c multiplies them; a stack may mix types, and an F32 part of a stack is multiplied as it is): blocks.c's
-  products (activations quantized as llama.cpp does, the same as the torch decode's products on those blocks),
-  on any CPU;
-- int8 tables (`Int8Linear`s, weights="tables"), with the Q4_K/Q6_K blocks kept beside them: native.c's products,
-  where its AVX512-VNNI kernels run (`native.status()`).
-Either needs a state with f32 caches; anything else keeps the torch decode, and `why_not` says why.
+- the file's own blocks (a model loaded as `BlockLinear`s: every type the decode products take; a stack may mix
+  types, and an F32 part of a stack is multiplied as it is): products.c's products (activations quantized as
+  llama.cpp does, the same as the torch decode's products on those blocks), on any CPU;
+- int8 tables (`Int8Linear`s, weights="tables"), with the Q4_K/Q6_K blocks kept beside them: tables_avx512.c's
+  products, where the build has them (`routes.capabilities().tables`).
+Each product's kernel, and the rows from which it takes the GEMM, are kernels/routes.py's (decode_step,
+decode_gemm_rows: set in the library at load). Either needs a state with f32 caches; anything else keeps the torch
+decode, and `why_not` says why.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from deltaserve.formats.config import HybridConfig
 from deltaserve.engine.weights import AttentionWeights, Weights
 from deltaserve.kernels import linear as lin
-from deltaserve.kernels import native
+from deltaserve.kernels import native, routes
 from deltaserve.engine.state import DecodeState
 
-# native.c's structs, read from kernels/native.h (declared once, there)
+# the C's structs, read from kernels/c/native.h (declared once, there)
 Seg, Lin, Layer, Model = (native.STRUCTS[n] for n in ("seg_t", "lin_t", "layer_t", "model_t"))
 MAX_SEGMENTS = native.CONSTANTS["DS_MAX_SEGMENTS"]
 
@@ -46,13 +47,14 @@ def _vector(t: torch.Tensor, keep: list) -> int:
 
 
 def _table_linear(table: "lin.Int8Linear", keep: list) -> Lin:
-    """An int8 table as native.c's segments: the table (DS_I8), or the Q4_K/Q6_K blocks kept beside it (one row
-    reads the file's own blocks, as Int8Linear does at BLOCK_ROWS)."""
+    """An int8 table as tables_avx512.c's segments: the table (DS_I8), or the Q4_K/Q6_K blocks kept beside it (one
+    row reads the file's own blocks, as Int8Linear does at BLOCK_ROWS)."""
     ok, why = native.status()
-    if not ok:
-        raise NotNative(f"an int8 table (native.c's kernels do not run here: {why})")
-    if lin.activations() != "int8":
-        raise NotNative(f"DELTASERVE_ACTIVATIONS={lin.activations()}")
+    c = routes.capabilities()
+    if not ok or not c.tables:
+        raise NotNative(f"an int8 table (the int8 tables' kernels do not run here: {why if not ok else 'not taken'})")
+    if c.activations != "int8":
+        raise NotNative(f"DELTASERVE_ACTIVATIONS={c.activations}")
     if table.q.device.type != "cpu":
         raise NotNative(f"an int8 table on {table.q.device}")
     out = Lin()
@@ -73,8 +75,8 @@ def _table_linear(table: "lin.Int8Linear", keep: list) -> Lin:
     return out
 
 
-# GGUF block types the one-call decode reads through blocks.c: id -> (values, bytes) per block
-FILE_BLOCKS = {lin.GGUF_TYPES[k]: GGML_QUANT_SIZES[GGMLQuantizationType[k]] for k in lin.PRODUCT_TYPES}
+# GGUF block types the one-call decode reads through products.c: id -> (values, bytes) per block
+FILE_BLOCKS = {routes.GGUF_TYPES[k]: GGML_QUANT_SIZES[GGMLQuantizationType[k]] for k in routes.PRODUCT_TYPES}
 
 
 def _file_segments(layer, in_features: int, in_stack: bool) -> list[tuple[int, torch.Tensor]]:
@@ -87,9 +89,9 @@ def _file_segments(layer, in_features: int, in_stack: bool) -> list[tuple[int, t
     if isinstance(layer, getattr(lin, "BlockLinear", ())):
         out = []
         for kind, data in layer.segments:
-            gguf_type = kind if isinstance(kind, int) else getattr(lin, "GGUF_TYPES", {}).get(kind, -1)
+            gguf_type = kind if isinstance(kind, int) else routes.GGUF_TYPES.get(kind, -1)
             if gguf_type not in FILE_BLOCKS or not native.library().blk_kind(gguf_type):
-                raise NotNative(f"a {kind} part of a {layer.kind} projection (blocks.c has no product for it)")
+                raise NotNative(f"a {kind} part of a {layer.kind} projection (products.c has no product for it)")
             values, size = FILE_BLOCKS[gguf_type]
             if in_features % values or data.device.type != "cpu" or data.dtype != torch.uint8 \
                     or data.shape[1] != in_features // values * size or not data.is_contiguous():
@@ -104,7 +106,7 @@ def _file_segments(layer, in_features: int, in_stack: bool) -> list[tuple[int, t
 
 
 def _file_linear(layer, keep: list) -> Lin:
-    """A BlockLinear (or a stack of them) as segments for blocks.c: one per stored tensor, typed by GGUF id."""
+    """A BlockLinear (or a stack of them) as segments for products.c: one per stored tensor, typed by GGUF id."""
     segments = _file_segments(layer, layer.in_features, False)
     if len(segments) > MAX_SEGMENTS:
         raise NotNative(f"a stack of {len(segments)} tensors (at most {MAX_SEGMENTS})")
@@ -133,7 +135,7 @@ def _router(moe, keep: list) -> Lin:
 
 
 def _linear(layer, keep: list) -> Lin:
-    """A projection as native.h's lin_t: an int8 table's segments (native.c), or the file's own blocks'."""
+    """A projection as native.h's lin_t: an int8 table's segments (tables_avx512.c), or the file's own blocks'."""
     table = layer.fused if isinstance(layer, lin.StackedLinear) else layer
     if isinstance(table, lin.Int8Linear):
         return _table_linear(table, keep)
@@ -146,7 +148,7 @@ class TokenProgram:
 
     def __init__(self, config: HybridConfig, weights: Weights):
         c = config
-        if not native.has("ds_decode_tokens"):
+        if not routes.capabilities().one_call:
             raise NotNative(native.portable()[1])
         if c.head_dim % 8:
             raise NotNative(f"head dim {c.head_dim} is not a multiple of 8")
@@ -197,7 +199,7 @@ class TokenProgram:
             program = cls(config, weights)
         except NotNative as e:
             return None, f"decode through torch ops (native token decode not used: {e})"
-        rows = native.decode_gemm_rows()
+        rows = routes.decode_gemm_rows()
         batched = (f"several sequences' rows a call, from {rows} on the block GEMM" if rows else
                    "several sequences' rows a call, all on the decode tiles (batch-invariant)")
         return program, f"one native call per decoded token ({batched})"

@@ -111,7 +111,7 @@ class ExpertTensor:
         the linear is neither (an int8 table, a device's copy)."""
         lin = self.linear
         if isinstance(lin, BlockLinear) and len(lin.segments) == 1 and lin.segments[0][1].device.type == "cpu" \
-                and lin.segments[0][0] in PRODUCT_TYPES:  # a type blocks.c multiplies
+                and lin.segments[0][0] in PRODUCT_TYPES:  # a type products.c multiplies
             (kind, data), = lin.segments
             gguf_type = GGUF_TYPES[kind]
         elif isinstance(lin, DenseLinear) and lin.weight.dtype == torch.float32 and lin.weight.device.type == "cpu":
@@ -150,7 +150,7 @@ class MoEWeights:
         return self._made[e]
 
     def native(self) -> tuple | None:
-        """The gate, up and down experts as native.h's experts_t (for blocks.c's grouped products), made once; None
+        """The gate, up and down experts as native.h's experts_t (for moe.c's grouped products), made once; None
         where one of them is not the file's blocks or F32 rows. The structs point into tensors this object holds."""
         if "native" not in self._made:
             structs = tuple(t.native(self.count) for t in (self.gate, self.up, self.down))
@@ -262,6 +262,34 @@ class Weights:
             parts += self.mtp.parts()
         return self._bytes_of(parts)
 
+    def linear_forms(self) -> list[tuple[str, str, int]]:
+        """Every form a product of this model reads its weights in, once each: ("blocks", GGUF type, inner size) for
+        the file's blocks, ("tables", "int8", inner size) for an int8 table, ("dense", "f32" or "bf16", inner size)
+        for a full-precision weight (kernels/routes.py's table is made for them)."""
+        parts = [self.lm_head]
+        for lw in self.layers:
+            parts += [lw.gate_up, lw.down, *vars(lw.mixer).values()]
+            if lw.moe is not None:
+                parts += [lw.moe.router, lw.moe.gate.linear, lw.moe.up.linear, lw.moe.down.linear]
+        if self.mtp is not None:
+            parts += self.mtp.parts()
+        forms: dict[tuple[str, str, int], None] = {}
+
+        def visit(obj):
+            if isinstance(obj, StackedLinear):
+                for part in ([obj.fused] if obj.fused is not None else obj.parts):
+                    visit(part)
+            elif isinstance(obj, BlockLinear):
+                for kind in obj.types:
+                    forms[("blocks", kind, obj.in_features)] = None
+            elif isinstance(obj, Int8Linear):
+                forms[("tables", "int8", obj.in_features)] = None
+            elif isinstance(obj, DenseLinear):
+                forms[("dense", str(obj.weight.dtype).replace("torch.", ""), obj.in_features)] = None
+        for part in parts:
+            visit(part)
+        return sorted(forms)
+
     @property
     def mtp_nbytes(self) -> int:
         """The MTP block's own bytes (without the trunk's embedding and head where it shares them); 0 without one."""
@@ -329,7 +357,7 @@ CHUNK_ELEMENTS = 1 << 21  # a big tensor converts this many elements at a time (
 def weight_mode(mode: str | None = None) -> str:
     """"blocks": every GGUF tensor stays the file's own blocks where they lie in its mapping (nothing converted;
     F32 used in place); "tables": quantized tensors become int8 per-row tables, f16/bf16 become bf16, f32 stays f32
-    (the AVX512-VNNI kernels of native.c multiply those); "exact": every tensor dequantized to f32 (the parity
+    (the AVX512-VNNI kernels of tables_avx512.c multiply those); "exact": every tensor dequantized to f32 (the parity
     reference); "fast" (default): "blocks" (resolve_mode).
     DELTASERVE_WEIGHTS picks it too."""
     mode = mode or settings.current().weights
@@ -341,9 +369,7 @@ def weight_mode(mode: str | None = None) -> str:
 def resolve_mode(mode: str) -> str:
     """The weight mode "fast" stands for: "blocks" on every CPU (the file's own blocks, held once). It was "tables"
     on an AVX512-VNNI CPU without AMX (a Zen 4/5), for their int8 x int8 prefill; the blocks route's prefill there
-    (blocks.c's GEMM on the blocks, linear.block_gemm; int8 chunks for Q4_0) runs as fast at the memory of the file
-    (measured with AMX left out on the Xeon: 0.8B Q4_K_M pp512 on int8 chunks 467 tok/s against the tables' 466,
-    peak RSS 915 MiB against 1611; the GEMM 1.15-1.3x the int8 chunks)."""
+    (the blocks' GEMM, routes.block_gemm) runs as fast at the memory of the file (docs/kernels.md)."""
     return "blocks" if mode == "fast" else mode
 
 

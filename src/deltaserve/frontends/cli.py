@@ -1,4 +1,4 @@
-"""`deltaserve run | chat | serve | convert | inspect | bench | pull | list | rm`.
+"""`deltaserve run | chat | serve | convert | inspect | bench | pull | list | rm | kernels`.
 
 Every error a user can cause prints one line and exits non-zero; a traceback only with DELTASERVE_DEBUG=1.
 """
@@ -19,7 +19,7 @@ from deltaserve.errors import DeltaserveError
 from deltaserve.session.turns import ask
 from deltaserve.frontends.common import (load_model, loop_guard, resolve_model, sampling_kwargs, thinking,
                                          thinking_kwargs, thought_words)
-from deltaserve.frontends import models
+from deltaserve.frontends import kernels, models
 from deltaserve.api import settings
 
 
@@ -296,6 +296,7 @@ def cmd_inspect(a) -> int:
     from deltaserve.api import capacity
     from deltaserve.api import cpu_memory
     from deltaserve.api import load_host
+    from deltaserve.api import route_table
     from deltaserve.api import saved_state_bytes
 
     host = load_host(resolve_model(a.model), mmproj=getattr(a, "mmproj", None))
@@ -339,6 +340,8 @@ def cmd_inspect(a) -> int:
                   f"{vision.encoder.route()}")
         else:
             print("vision encoder: no (images need an HF checkpoint directory with model.visual.*, or --mmproj FILE)")
+    for line in route_table(host):
+        print(line)
     print(f"KV cache: {c.kv_bytes_per_position() / 1024:.1f} KiB per position (f32); "
           f"recurrent + conv state: {c.recurrent_state_bytes() / (1 << 20):.2f} MiB")
     print("one saved conversation state (serve's state store, chat --resume): "
@@ -553,8 +556,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("-v", "--verbose", action="store_true", help="say each tensor as it is written")
     v.set_defaults(func=cmd_convert)
 
-    i = sub.add_parser("inspect", help="print the config, tensors and (with --ctx) the capacity plan",
-                       description="Describe a model file: config, tensor types and sizes, capacity plan.")
+    i = sub.add_parser("inspect", help="print the config, tensors, the route table and (with --ctx) the capacity plan",
+                       description="Describe a model file: config, tensor types and sizes, the route table of its "
+                                   "products on this CPU (each product's kernel by its rows), capacity plan.")
     _add_model(i)
     i.add_argument("--ctx", type=positive_int, default=None,
                    help="plan memory for this many positions (at most the declared context)")
@@ -579,6 +583,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--presets", default=None, help="bench quants: these llama-quantize presets alone (A,B,...)")
     b.set_defaults(func=cmd_bench)
     models.add_commands(sub, _add_model, positive_int)
+    kernels.add_commands(sub)
     return p
 
 

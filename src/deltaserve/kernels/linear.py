@@ -1,19 +1,17 @@
 """The linear-layer seam: every matrix product of the forward goes through one `Linear.__call__`.
 
-Three kinds behind it:
+Three kinds behind it, each product on the route kernels/routes.py gives it (the one place a product's kernel and data
+type are decided):
 - `DenseLinear`: a full-precision weight (f32 for exact parity work, bf16 for speed); activations are cast
   to the weight's dtype for the product.
-- `BlockLinear`: the file's own blocks (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, F16, BF16) where they lie in its mapping,
-  nothing converted at load. Up to block_rows() input rows (16; 32 where chunks run on AMX) run on blocks.c's products (activations int8 per
-  block as llama.cpp quantizes them); more rows dequantize a chunk of rows at a time, exactly, into an f32
-  buffer of CHUNK_ELEMENTS and multiply it with torch's GEMM (the chunk is the only copy, and it is reused): f32,
-  or bf16 where torch's bf16 GEMM runs on AMX tiles (`chunk_dtype`: about 4.6x its f32 GEMM on a Xeon here, and on
-  the trained demo model's Q8_0 file a prefill 0.79x llama.cpp's distance from the f32 logits, f32 chunks 0.68x).
-- `Int8Linear`: int8 values with one f32 scale per output row (what quantized GGUF tensors become).
-  On the CPU, decode-sized inputs (up to 8 rows: one conversation's step, or a batch of them) go through
-  the native AVX512-VNNI kernel (`native.py`; activations int8 per block of 32), or torch's weight-only
-  kernel where that is not available; prefill-sized inputs run int8 x int8 (`torch._int_mm`) with the
-  activations quantized per row, except the MLP down projection, whose inputs keep bf16 (see `path`).
+- `BlockLinear`: the file's own blocks (Q8_0, Q4_0, the K-quants, the IQ and TQ types, F16, BF16, ...) where they
+  lie in its mapping, nothing converted at load. Up to routes.block_rows() input rows run on the decode products
+  (activations int8 per block as llama.cpp quantizes them); more rows on the blocks' GEMM (routes.block_gemm), or
+  exact chunks of rows dequantized into one reused buffer and multiplied with torch's GEMM in routes.chunk_dtype():
+  f32, bf16 where torch's bf16 GEMM runs on AMX tiles, int8 where its int8 GEMM is the fast one.
+- `Int8Linear`: int8 values with one f32 scale per output row (what quantized GGUF tensors become in "tables"
+  mode): routes.table() says which of the int8 tables' kernel, torch's weight-only kernel, int8 x int8 or a bf16
+  GEMM takes a product.
 """
 
 from __future__ import annotations
@@ -23,21 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from deltaserve.formats import quant
-from deltaserve.kernels import native
-from deltaserve import settings
+from deltaserve.kernels import native, routes
+from deltaserve.kernels.routes import GGUF_TYPES, PRODUCT_TYPES  # noqa: F401 (the types, by their GGUF names)
 
-NATIVE_ROWS = native.MAX_ROWS  # up to this many input rows take the native kernel (beyond, int8 x int8 wins)
 BLOCK_ROWS = 1  # one row reads a Q4_K/Q6_K tensor's own blocks (fewer bytes); more rows: the int8 table (less unpacking)
-DECODE_ROWS = 4  # up to this many input rows take the weight-only int8 kernel; more: int8 x int8
-
-
-def activations() -> str:
-    """DELTASERVE_ACTIVATIONS: "int8" (default) or "bf16" (every product the bf16 way, none on the native kernel),
-    as the process read its settings (deltaserve.settings)."""
-    return settings.current().activations
-
-BF16_GEMM_ROWS = 64  # the bf16 path (dequantize, GEMM) only above this many rows: oneDNN's small-M bf16 GEMM
-#                      is slow here (16 ms for 8 x 1024 x 8224), the weight-only kernel is not
 
 
 class Linear:
@@ -81,6 +68,9 @@ class DenseLinear(Linear):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
+        if routes._recorders:
+            name = str(w.dtype).replace("torch.", "")
+            routes.taken(routes.Route("dense", f"torch {name} GEMM", name))
         if x.dtype != w.dtype:
             return F.linear(x.to(w.dtype), w).float()
         return F.linear(x, w)
@@ -106,28 +96,6 @@ def quantize_rows_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = (w.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
     q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
     return q, scale
-
-
-_INT8_EXACT: list[bool] = []
-
-
-def int8_gemm_exact() -> bool:
-    """Whether torch's int8 GEMM (torch._int_mm) sums exactly on this CPU. Where oneDNN has neither AVX512-VNNI nor
-    AMX (an AVX2 CPU, a Zen 3; or oneDNN held to AVX2) it multiplies u8 x s8 pairs into int16 with saturation
-    (vpmaddubsw), and its sums come out wrong: off by up to 90,924 on random int8 [64, 512] x [512, 64] with
-    ONEDNN_MAX_CPU_ISA=AVX2 on the Xeon here, exact without it. Probed once, on a product whose answer is known."""
-    if not _INT8_EXACT:
-        g = torch.Generator().manual_seed(0)
-        a = torch.randint(-127, 128, (32, 256), dtype=torch.int8, generator=g)
-        b = torch.randint(-127, 128, (256, 32), dtype=torch.int8, generator=g)
-        try:
-            _INT8_EXACT.append(bool(torch.equal(torch._int_mm(a, b), a.int() @ b.int())))
-        except RuntimeError:
-            _INT8_EXACT.append(False)
-    return _INT8_EXACT[0]
-
-
-INT8_INEXACT = "torch's int8 GEMM does not sum exactly on this CPU (no AVX512-VNNI or AMX: its int16 pair sums saturate)"
 
 
 def int8_product(xq: tuple[torch.Tensor, torch.Tensor], wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
@@ -175,14 +143,20 @@ class Int8Linear(Linear):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        path = self.path(x2.shape[0])
-        if path == "native":
+        route = routes.table(x2.shape[0], self.in_features, self.int8_activations, self.q.device.type)
+        path = route.family
+        if path == "tables":
             y = self._from_blocks(x2) if self.blocks and x2.shape[0] <= BLOCK_ROWS else None
             if y is None:
                 y = native.linear_i8(x2, self.q, self.scale)
             if y is not None:
+                if routes._recorders:
+                    routes.taken(route)
                 return y.reshape(*shape[:-1], self.out_features)
             path = "weight-only"
+            route = routes.Route("weight-only", "torch weight-only int8", "bf16")
+        if routes._recorders:
+            routes.taken(route)
         if path == "weight-only":
             y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), self.q, self.scale_bf16).float()
         elif path == "int8":
@@ -198,18 +172,10 @@ class Int8Linear(Linear):
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def path(self, rows: int) -> str:
-        """How a product of `rows` input rows runs: "native" (the AVX512-VNNI kernel, activations int8 per
-        block of 32), "weight-only" (torch's kernel: bf16 activations, int8 weights read directly), "int8"
-        (int8 x int8, activations int8 per row) or "bf16" (the weight dequantized, a bf16 GEMM)."""
-        if self.q.device.type != "cpu":  # an accelerator: its bf16 GEMM is fast, and torch._int_mm on CUDA
-            return "weight-only" if rows <= 16 else "bf16"  # refuses 16 rows or fewer
-        int8 = activations() == "int8"
-        if rows <= NATIVE_ROWS and int8 and native.takes(self.in_features):
-            return "native"  # per-block activation scales: also fine for the down projection's outliers
-        int8 = self.int8_activations and int8 and int8_gemm_exact()  # else bf16 (int8_route says so)
-        if rows <= DECODE_ROWS or (rows <= BF16_GEMM_ROWS and not int8):
-            return "weight-only"
-        return "int8" if int8 else "bf16"
+        """The route family of a product of `rows` input rows (routes.table): "tables" (the int8 tables' kernel,
+        activations int8 per block of 32), "weight-only" (torch's kernel: bf16 activations, int8 weights read
+        directly), "int8" (int8 x int8, activations int8 per row) or "bf16" (the weight dequantized, a bf16 GEMM)."""
+        return routes.table(rows, self.in_features, self.int8_activations, self.q.device.type).family
 
     def dequant(self, dtype=torch.float32) -> torch.Tensor:
         scale = self.scale_bf16 if dtype == torch.bfloat16 else self.scale.to(dtype)
@@ -225,7 +191,7 @@ class Int8Linear(Linear):
 
     @property
     def decode_nbytes(self) -> int:
-        if self.blocks and BLOCK_ROWS >= 1 and self.path(1) == "native":
+        if self.blocks and BLOCK_ROWS >= 1 and self.path(1) == "tables":
             return sum(d.numel() for _, d in self.blocks)
         return self.q.numel() + self.scale.numel() * 4
 
@@ -244,130 +210,18 @@ class Int8Linear(Linear):
         return self.dequant(torch.float32)
 
 
-# every block type a file of these models may hold (formats/quant.py dequantizes each exactly), by GGUF id
-GGUF_TYPES = {t.name: int(t) for t in sorted(quant.SUPPORTED_TYPES, key=int)}
-# the types blocks.c multiplies as they are: Q8_0, Q4_0 and the K-quants on int8 activations (as llama.cpp's), F16 and
-# BF16 in f32; every other block type by dequantizing each row exactly and multiplying it in f32 (its kind 4)
-PRODUCT_TYPES = {k for k in GGUF_TYPES if k != "F32"}
-BLOCK_GEMV_ROWS = 16  # up to this many rows: blocks.c's int8 products; beyond: exact chunks and a GEMM
-BLOCK_ROWS_AMX = 32  # the same where the chunks are bf16 on AMX tiles and blocks.c's products 512-bit (block_rows)
-CHUNK_ELEMENTS = 1 << 20  # an f32 chunk of 4 MiB: cache-sized, and each product's only transient of weights
-# bf16 chunks (the AMX route) hold 4x the elements (8 MiB): oneDNN's bf16 GEMM of 512 prefill rows by a chunk of 512
-# weight rows ran at half the rate of 1024 rows or more (measured on two threads of a Xeon with AMX, K = 2048:
-# 1.17 ms for 512 rows, 1.16 ms for 1024; ~400-470 GMAC/s at 384-512 rows, 650-900 from 1024 up)
-BF16_CHUNK_FACTOR = 4
-
-
 def chunk_rows(n: int, k: int, dtype: torch.dtype) -> int:
-    """Rows of an [n, k] weight per chunk in `dtype`: CHUNK_ELEMENTS (x BF16_CHUNK_FACTOR for bf16) at most, the
-    chunks of about equal size (no thin last chunk: the GEMM's slow shapes are the narrow ones), a multiple of 16."""
-    most = max(1, (CHUNK_ELEMENTS * (BF16_CHUNK_FACTOR if dtype == torch.bfloat16 else 1)) // k)
+    """Rows of an [n, k] weight per chunk in `dtype`: the route's chunk of elements (x BF16_CHUNK_FACTOR for bf16) at
+    most, the chunks of about equal size (no thin last chunk: the GEMM's slow shapes are the narrow ones), a multiple
+    of 16."""
+    elements = routes.capabilities().chunk_elements
+    most = max(1, (elements * (routes.BF16_CHUNK_FACTOR if dtype == torch.bfloat16 else 1)) // k)
     if most >= n:
         return n
     pieces = -(-n // most)
     even = -(-n // pieces)
     even = -(-even // 16) * 16
     return max(1, min(most, even))
-
-
-_AMX: list[bool] = []
-# the block kinds whose many-row products take int8 chunks by default where the CPU has AVX512-VNNI and no AMX and
-# blocks.c's GEMM does not take them (block_gemm): each of their rows holds at most 64 levels per block,
-# coarser than int8 per row, so requantizing adds little (0.8B trained demo, Q4_K_M prefill: 0.98x llama.cpp's error
-# against f32, f32 chunks 0.95x); Q8_0 and 16-bit weights would lose their own precision there (Q8_0: 1.31x, the
-# issue's bound is 1.1x) and stay exact f32 chunks
-INT8_CHUNK_KINDS = ("Q4_0", "Q4_K", "Q5_K", "Q6_K",  # and every type of at most 5 bits a value the file may hold:
-                    "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS",
-                    "IQ2_XXS", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4")
-
-
-def amx_bf16() -> bool:
-    """True where the CPU has AMX-BF16 and the kernel lets this process use its tiles (torch asks for them; torch's
-    oneDNN then runs bf16 GEMMs on them). Found once per process. DELTASERVE_AMX=off routes as on a CPU without
-    AMX (to measure that route here; ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 keeps torch's own GEMMs off the tiles)."""
-    if not _AMX:
-        _AMX.append(settings.current().amx and "amx_bf16" in native.cpu_flags()
-                    and bool(getattr(torch._C._cpu, "_init_amx", lambda: False)()))
-    return _AMX[0]
-
-
-def int8_chunks_fast() -> bool:
-    """True where torch's int8 GEMM is the fast many-row product and AMX is not there: an AVX512-VNNI CPU (the one
-    native.c builds for) without AMX tiles, a Zen 4/5. Measured on the Xeon with AMX left out (DELTASERVE_AMX=off
-    ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16), 0.8B pp512: Q4_K_M int8 chunks 467 tok/s, f32 chunks 288, bf16 185, the
-    int8 tables 466 (at 1.76x the memory); Q8_0 455, 284, 184 and 452. On an AVX2 CPU (a Zen 3) torch's int8
-    GEMM runs at about 1 GMAC/s against 20 for its f32 one."""
-    return not amx_bf16() and native.status()[0]
-
-
-def prefill_mode() -> str:
-    """DELTASERVE_PREFILL: "f32", "bf16" or "int8" (every chunk in that dtype), else "auto"."""
-    mode = settings.current().prefill
-    if mode == "int8" and not int8_gemm_exact():
-        return "f32"  # blocks_route says why
-    return mode if mode in ("f32", "bf16", "int8") else "auto"
-
-
-def chunk_dtype(kind: str | None = None) -> torch.dtype:
-    """The dtype of BlockLinear's many-row products on blocks of `kind`: DELTASERVE_PREFILL "f32" (exact weights,
-    f32 activations), "bf16", "int8" (each chunk of the weight requantized per row, the activations per row, torch's
-    int8 GEMM: the int8 tables' prefill without the tables, see BlockLinear._chunks_int8), or "auto" (default):
-    bf16 where amx_bf16(); int8 for the 4- to 6-bit kinds (INT8_CHUNK_KINDS) where int8_chunks_fast(); else f32.
-    Without a kind: the dtype of most chunks (what the route line leads with)."""
-    mode = prefill_mode()
-    if mode != "auto":
-        return {"f32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}[mode]
-    if amx_bf16():
-        return torch.bfloat16
-    if int8_chunks_fast() and (kind is None or kind in INT8_CHUNK_KINDS):
-        return torch.int8
-    return torch.float32
-
-
-# the block kinds blocks.c's many-row GEMM takes (ds_gemm_blocks): Q8_0 and the K-quants from their own bytes, every
-# other quantized type from its rows as the products expand them (a scale per 32 or 16, a min for Q4_1/Q5_1/Q2_K).
-# On the Xeon routed as a CPU without AMX, 512 rows on 2 threads, [3584, 1024] / [1024, 3584]: IQ4_XS 5.5 / 6.5 ms on
-# the GEMM against 8.8 on int8 chunks and 17.2-17.3 on the down projection's f32 chunks; Q4_0 5.3 / 6.0 against
-# 8.1-8.5 and 16.4-17.3; Q5_0, Q4_1, Q5_1, IQ4_NL, MXFP4 5.1-6.7 against 7.6-9.9 and 15.2-20.2; the types with a
-# scale per 16 (Q3_K, the IQ grids, ternary, NVFP4) 6.9-9.9 against 7.3-10.7 and 14.2-19.7
-GEMM_KINDS = ("Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS", "MXFP4",
-              "Q3_K", "TQ1_0", "TQ2_0", "NVFP4", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "Q2_K")
-# ... of which those whose activations the GEMM rounds to int8 per block of 256 with an f32 scale (llama.cpp's Q8_K,
-# what it multiplies these types with; blocks.c's gemm_a256): the tile then scales each sub-block's sum by the weight's
-# scale alone and the activations' once per 256, a multiply less per sub-block (Xeon, AMX left out, [3584, 1024] x
-# 512 rows: Q6_K 6.9 -> 5.7 ms, Q4_K 5.1 -> 4.3, IQ2_XS 7.4 -> 5.8). The others' per block of 32 (Q8_0's).
-GEMM_A256 = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S",
-             "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0")
-
-
-def block_gemm(kind: str, int8_activations: bool = True) -> bool:
-    """Whether many rows on blocks of `kind` run on blocks.c's GEMM on the blocks themselves (ds_gemm_blocks: the
-    file's values exactly, the activations int8 per block as llama.cpp multiplies the type: of 32 with an f16 scale
-    (Q8_0's) or, for GEMM_A256, of 256 with an f32 scale (Q8_K's)) rather than on chunks: GEMM_KINDS under
-    DELTASERVE_PREFILL=auto where the CPU has AVX512-VNNI and no AMX (a Zen 4/5), and on an AVX2 CPU (a Zen 3) the
-    kinds its vpmaddubsw tiles take faster than torch's f32 GEMM takes exact chunks (native.gemm_beats_f32: Q4_K,
-    Q5_K, Q6_K, Q4_1, Q5_1, Q2_K; a Q4_K [8192, 2048] x 512 rows 50-65 ms against 96); where AMX is there, bf16
-    chunks on its tiles are faster (torch's bf16 GEMM 645-800 GOP/s against this GEMM's 500-690).
-    Measured on the Xeon with AMX left out, 512 rows on 2 threads: a Q8_0 [3584, 1024] 5.4-7.5 ms against 16.6-21.5
-    for torch's f32 GEMM on the exact chunks; Q4_K 5.7 against 16.8; Q6_K 8.5 against 18.1 (its scales come every
-    16 values). The int8 chunks (requantized per row) ran as fast, but took the trained demo's Q8_0 prefill to 1.31x
-    llama.cpp's error against f32 (the issue's bound is 1.1x) and its Q4_K_M one to 0.98x (this GEMM: 0.95x).
-    `int8_activations` False (the MLP's down projection, whose inputs have outliers) keeps a Q8_0 weight on exact
-    f32 chunks: on the GEMM the Q8_0 prefill came to 1.11x llama.cpp's error, on f32 chunks 0.95x; a 4- to 6-bit
-    weight's own error is far larger than that rounding (Q4_K_M: 0.953x with it on the GEMM, 0.954x without)."""
-    return kind in GEMM_KINDS and (int8_activations or kind != "Q8_0") and prefill_mode() == "auto" \
-        and not amx_bf16() and native.has("ds_gemm_blocks") and native.gemm_beats_f32(GGUF_TYPES[kind])
-
-
-def block_rows() -> int:
-    """The most input rows a product takes on blocks.c's products (more go to chunks): BLOCK_GEMV_ROWS, or
-    BLOCK_ROWS_AMX where the chunks are bf16 on AMX tiles and blocks.c's products are the 512-bit VNNI ones. There
-    oneDNN reorders every chunk for its tiles, a fixed ~230 ms of a 0.8B prefill whatever the rows, and blocks.c's
-    products stay faster up to 32-40 rows (a 0.8B prefill on the Xeon, blocks against chunks: 24 rows 191 against
-    280 ms (Q4_K_M), 217 against 271 (Q8_0); 32 rows 254 / 305 and 278 / 284; 48 rows 362 / 332 and 387 / 292)."""
-    if chunk_dtype() == torch.bfloat16 and amx_bf16() and native.has("ds_blocks_vnni"):
-        return BLOCK_ROWS_AMX
-    return BLOCK_GEMV_ROWS
 
 
 class BlockLinear(Linear):
@@ -393,11 +247,11 @@ class BlockLinear(Linear):
         return "+".join(dict.fromkeys(self.types))
 
     def path(self, rows: int) -> str:
-        """How a product of `rows` input rows runs: "blocks" (blocks.c's int8 products on the file's blocks) or
-        "chunks" (exact chunks of the weight, torch's GEMM in chunk_dtype())."""
-        if rows <= block_rows() and all(k in PRODUCT_TYPES for k in self.types) and native.portable()[0]:
-            return "blocks"
-        return "chunks"
+        """How a product of `rows` input rows runs: "blocks" (the decode products on the file's blocks, every
+        segment) or "many" (each segment on the blocks' GEMM or exact chunks: routes.many_rows)."""
+        c = routes.capabilities()
+        return "blocks" if all(routes.blocks(k, rows, self.int8_activations, c).family == "blocks"
+                               for k in self.types) else "many"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -407,18 +261,22 @@ class BlockLinear(Linear):
         m = x2.shape[0]
         y = torch.empty(m, self.out_features)
         blocks = self.path(m) == "blocks"
-        low: dict = {}  # the activations in each chunk_dtype(kind), made once for every chunk of that dtype
+        low: dict = {}  # the activations in each chunk dtype, made once for every chunk of that dtype
         off = 0
+        c = routes.capabilities()
         for kind, data in self.segments:
             n = data.shape[0]
+            route = routes.blocks(kind, m, self.int8_activations, c) if blocks else \
+                routes.many_rows(kind, self.int8_activations, c)
             if blocks:
                 done = native.linear_on_blocks(x2, GGUF_TYPES[kind], data, y, off)
             else:
-                done = block_gemm(kind, self.int8_activations) and native.gemm_blocks(x2, GGUF_TYPES[kind], data, y, off)
+                done = route.family == "gemm" and native.gemm_blocks(x2, GGUF_TYPES[kind], data, y, off)
             if not done:
-                dtype = chunk_dtype(kind)
+                dtype = routes.chunk_dtype(kind, c)
                 if dtype == torch.int8 and not self.int8_activations:
                     dtype = torch.float32
+                route = routes.chunks(dtype, c)
                 if dtype not in low:
                     low[dtype] = (native.quantize_rows(x2) or quantize_rows_int8(x2)) if dtype == torch.int8 else \
                         x2.to(dtype)
@@ -426,6 +284,8 @@ class BlockLinear(Linear):
                     self._chunks_int8(low[dtype], kind, data, y, off)
                 else:
                     self._chunks(low[dtype], kind, data, y, off)
+            if routes._recorders:
+                routes.taken(route)
             off += n
         return y.reshape(*shape[:-1], self.out_features)
 
@@ -434,10 +294,9 @@ class BlockLinear(Linear):
         """`_chunks` on int8: each chunk of the weight dequantized exactly, requantized per row (the int8 tables'
         rounding, made for the chunk and gone after it), times the activations quantized per row (xq: int8 rows
         and their scales) on torch's int8 GEMM. The int8 tables' prefill, without holding the tables: for CPUs
-        with AVX512-VNNI and no AMX, where an f32 chunk GEMM is much slower (a 0.8B Q4_K_M pp512 on the Xeon with
-        oneDNN held to AVX512: f32 chunks 184-200 tok/s, bf16 139; the tables' int8 GEMM 527)."""
+        with AVX512-VNNI and no AMX, where an f32 chunk GEMM is much slower (docs/kernels.md)."""
         n, k = data.shape[0], self.in_features
-        step = max(1, min(n, CHUNK_ELEMENTS // k))
+        step = max(1, min(n, routes.capabilities().chunk_elements // k))
         buf = torch.empty(step, k)
         for r in range(0, n, step):
             r1 = min(n, r + step)
@@ -495,7 +354,7 @@ class BlockLinear(Linear):
             return self
         q = torch.empty(self.out_features, self.in_features, dtype=torch.int8)
         scale = torch.empty(self.out_features)
-        step = max(1, CHUNK_ELEMENTS // self.in_features)
+        step = max(1, routes.capabilities().chunk_elements // self.in_features)
         for r in range(0, self.out_features, step):
             part = self._rows_dense(r, min(self.out_features, r + step))
             q[r:r + part.shape[0]], scale[r:r + part.shape[0]] = quantize_rows_int8(part)
@@ -519,43 +378,6 @@ def dequantize_rows(kind: str, data: torch.Tensor, cols: int, out: torch.Tensor)
     if not native.dequant(GGUF_TYPES[kind], data, cols, out):
         out.copy_(quant.dequantize(data.reshape(-1), kind, (data.shape[0], cols)))
     return out
-
-
-def blocks_route() -> str:
-    """What the CPU products of a model held as its file's blocks run on, said in the backend's description."""
-    ok, why = native.portable()
-    if not ok:
-        return f"the file's own blocks, dequantized in chunks for torch's f32 GEMM (native kernel not used: {why})"
-    auto = prefill_mode() == "auto"
-    many = {torch.bfloat16: "bf16 chunks and torch's bf16 GEMM (AMX tiles)" if amx_bf16() else
-            "bf16 chunks and torch's bf16 GEMM",
-            torch.int8: "the blocks of every quantized type on the native kernel's GEMM (the file's values, "
-                        "activations int8 per block as llama.cpp's: of 256 for the K-quants and the IQ and TQ types, of 32 "
-                        "for the others; Q8_0's down projection on exact f32 chunks), 16-bit ones' "
-                        "exact f32 chunks and torch's f32 GEMM"
-                        if auto and block_gemm("Q8_0") else
-                        "4- to 6-bit blocks' chunks requantized to int8 per row and torch's int8 GEMM (AVX512-VNNI, "
-                        "no AMX), Q8_0 and 16-bit ones' exact f32 chunks and torch's f32 GEMM" if auto else
-                        "chunks requantized to int8 per row and torch's int8 GEMM (DELTASERVE_PREFILL=int8)"}.get(
-        chunk_dtype(), "exact f32 chunks and torch's f32 GEMM")
-    if chunk_dtype() == torch.float32 and auto and block_gemm("Q4_K") and not block_gemm("Q8_0"):  # the AVX2 GEMM
-        many = (f"the {', '.join(k for k in GEMM_KINDS if block_gemm(k))} blocks on the native kernel's GEMM (the "
-                f"file's values, activations int8 per block as llama.cpp's), the other types' {many}")
-    if settings.current().prefill == "int8" and prefill_mode() != "int8":
-        many += f" (DELTASERVE_PREFILL=int8 not taken: {INT8_INEXACT})"
-    return (f"products on the file's own blocks: up to {block_rows()} rows on the native kernel ({why}, "
-            f"activations int8 per block as llama.cpp's), more rows on {many}")
-
-
-def int8_route() -> str:
-    """What a CPU decode product of an int8 table runs on, said in the backend's description."""
-    if activations() != "int8":
-        return f"int8 tables with bf16 activations (DELTASERVE_ACTIVATIONS={activations()})"
-    ok, why = native.status()
-    prefill = "" if int8_gemm_exact() else f"; prefills on bf16 tables, not int8 x int8: {INT8_INEXACT}"
-    if ok:
-        return f"int8 decode products on the native kernel ({why}){prefill}"
-    return f"int8 decode products on torch's weight-only kernel (native kernel not used: {why}){prefill}"
 
 
 def row_view(layer: Linear, r0: int, r1: int) -> Linear:

@@ -15,7 +15,8 @@ from deltaserve.runtime import capacity as cap
 from deltaserve.runtime.capacity import Memory, cpu_memory
 from deltaserve.engine.host import HostModel
 from deltaserve.engine.forward import Forward
-from deltaserve.kernels.linear import BlockLinear, Int8Linear, blocks_route, int8_route
+from deltaserve.kernels import routes
+from deltaserve.kernels.linear import BlockLinear, Int8Linear
 from deltaserve.engine.state import Checkpoint, DecodeState
 from deltaserve.kernels.cpu import plural
 from deltaserve import settings
@@ -95,9 +96,9 @@ class Backend:
     def describe(self) -> str:
         head = self.host.weights.lm_head
         if isinstance(head, Int8Linear):
-            route = f"; {int8_route()}; {self.forward.token_program()[1]}"
+            route = f"; {routes.describe_tables()}; {self.forward.token_program()[1]}"
         elif isinstance(head, BlockLinear):
-            route = f"; {blocks_route()}; {self.forward.token_program()[1]}"
+            route = f"; {routes.describe_blocks()}; {self.forward.token_program()[1]}"
         else:
             route = ""
         why = f": {self.threads_why}" if self.threads_why else ""

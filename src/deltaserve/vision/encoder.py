@@ -118,8 +118,8 @@ class VisionEncoder:
     and optionally the dtype and device to hold and compute in (default: the tensors' own dtype, CPU).
 
     `products` "bf16" holds the weights in bf16 and multiplies bf16 inputs (torch's bf16 GEMM, f32 sums), the
-    residual stream, the norms and the rotary embedding staying f32, and the attention on attention.c's kernel
-    (bf16 q, k, v, f32 scores and softmax) where this build has it; "f32" (or None: the default) multiplies in
+    residual stream, the norms and the rotary embedding staying f32, and the attention on attention_vision_avx512.c's
+    kernel (bf16 q, k, v, f32 scores and softmax) where this build has it; "f32" (or None: the default) multiplies in
     `dtype`. `vision_products()` says which a CPU runs by default, and `route()` what this encoder runs.
 
     `blocks` maps weight names (as `tensors` names them) to products on a file's quantized blocks
@@ -256,28 +256,26 @@ class VisionEncoder:
         if self.blocks:
             kinds = sorted({kind for b in self.blocks.values() for kind in b.types})
             on_blocks = (f"; its {len(self.blocks)} {'/'.join(kinds)} weights on their own blocks (the trunk's "
-                         f"products: blocks.c's GEMM or exact chunks)")
+                         f"products: the blocks' GEMM or exact chunks)")
         from deltaserve.kernels import native
 
+        kernel = self._native_attention()
         if self.products == "f32":
-            attention = ("attention.c's f32 kernel (AVX2)" if self._native_attention() and self.dtype == torch.float32
+            attention = (f"{kernel}.c's f32 kernel (AVX2)" if kernel and self.dtype == torch.float32
                          else "torch's SDPA")
             return f"products in {str(self.dtype).replace('torch.', '')}, attention {attention}{on_blocks}"
-        attention = ("attention.c's bf16 kernel (f32 scores and softmax)" if self._native_attention()
+        attention = (f"{kernel}.c's bf16 kernel (f32 scores and softmax)" if kernel
                      else "torch's SDPA in f32 (no AVX512-BF16 kernel in this build: " + native.status()[1] + ")")
         return (f"products bf16 (torch's bf16 GEMM, f32 sums; residual, norms and rotary f32), attention "
                 f"{attention}{on_blocks}")
 
-    def _native_attention(self) -> bool:
-        """Whether attention.c's kernel for this encoder's products is in this build (bf16: AVX512-BF16 and an even
-        head width; f32: AVX2)."""
-        from deltaserve.kernels import native
+    def _native_attention(self) -> str | None:
+        """The C kernel of this encoder's attention (routes.vision_attention: bf16 where the build has AVX512-BF16 and
+        the head width is even, f32 on AVX2), or None (torch's SDPA)."""
+        from deltaserve.kernels import routes
 
-        if self.device is not None and self.device.type != "cpu":
-            return False
-        if self.products == "bf16":
-            return native.has("ds_attention_bf16") and self.config.head_dim % 2 == 0
-        return native.has("ds_attention_f32")
+        device = self.device.type if self.device is not None else "cpu"
+        return routes.vision_attention(self.products, self.config.head_dim, device)
 
     def _linear(self, x: torch.Tensor, name: str, keep: bool = False) -> torch.Tensor:
         """x times the weight `name`, plus its bias. bf16 products take x in bf16 and give f32, or bf16 where
@@ -299,7 +297,7 @@ class VisionEncoder:
                    segments: list[int]) -> torch.Tensor:
         cfg = self.config
         n = x.shape[0]
-        # attention.c's kernel in the products' dtype (bf16, or the f32 route's f32) where this build has it
+        # the C attention in the products' dtype (bf16, or the f32 route's f32) where the route table has it
         kernel = (torch.bfloat16 if self.products == "bf16" else torch.float32) if self._native_attention() and \
             (self.products == "bf16" or x.dtype == torch.float32) else None
         qkv = self._linear(x, f"blocks.{i}.attn.qkv", keep=kernel is not None)
@@ -368,18 +366,11 @@ class VisionEncoder:
 
 
 def vision_products() -> str:
-    """The vision tower's products by default on this CPU: DELTASERVE_VISION "f32" or "bf16" as set, else "bf16"
-    where torch's bf16 GEMM runs natively (AVX512-BF16, or AMX tiles) and "f32" elsewhere (an AVX2 CPU, where a bf16
-    GEMM is emulated). Measured on a Zen 4, 2 threads, the 27-block tower of 1152: torch's GEMM 122 GFLOP/s in
-    f32 against 328 in bf16; the attention of 7056 patches 31-37 GFLOP/s in torch's SDPA against 265 on attention.c."""
-    from deltaserve import settings
-    from deltaserve.kernels import native
+    """The vision tower's products by default on this CPU (routes.vision_products): DELTASERVE_VISION "f32" or "bf16"
+    as set, else "bf16" where torch's bf16 GEMM runs natively (AVX512-BF16, or AMX tiles) and "f32" elsewhere."""
+    from deltaserve.kernels import routes
 
-    mode = settings.current().vision
-    if mode in ("f32", "bf16"):
-        return mode
-    flags = native.cpu_flags()
-    return "bf16" if "avx512_bf16" in flags or "amx_bf16" in flags else "f32"
+    return routes.vision_products()
 
 
 def vision_tensors(tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],

@@ -54,4 +54,21 @@ static inline __m512 exp512(__m512 x) {
 }
 #endif
 
+/* silu(x) = x / (1 + e^-x) on 8 lanes */
+
+static inline __m256 silu256(__m256 x) {
+    return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+}
+
+/* v[i] = silu(v[i]) = v / (1 + e^-v), in place, n values (the tail through the same vector code) */
+static inline void silu_inplace(float *v, int n) {
+    int i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(v + i, silu256(_mm256_loadu_ps(v + i)));
+    if (i < n) {
+        float t[8] = {0};
+        for (int j = 0; j < n - i; j++) t[j] = v[i + j];
+        _mm256_storeu_ps(t, silu256(_mm256_loadu_ps(t)));
+        for (int j = 0; j < n - i; j++) v[i + j] = t[j];
+    }
+}
 #endif

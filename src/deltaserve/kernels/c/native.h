@@ -1,4 +1,4 @@
-/* native.h: the constants and structs that native.c and Python share. kernels/native.py reads this file and
+/* native.h: the constants and structs that the C files and Python share. kernels/native.py reads this file and
  * builds its ctypes structs and constants from it, so nothing here is declared twice. Keep to the forms it
  * reads: `#define DS_NAME number`, and `typedef struct { ... } name_t;` whose members are `int`, `float`,
  * pointers, another struct of this file, or an array of one with a DS_ constant as its length. */
@@ -9,13 +9,13 @@
 #define DS_MAX_ROWS 8       /* activation rows per product, and sequences per batched decode call */
 #define DS_MAX_SEGMENTS 4   /* parts of a stacked linear that keep their own block kinds */
 #define DS_Q6K 14           /* GGUF Q6_K blocks, read as the file has them */
-#define DS_I8 100           /* an int8 table with per-row scales (native.c) */
-#define DS_Q4KR 112         /* Q4_K blocks repacked at load (scale bits unpacked; native.c) */
+#define DS_I8 100           /* an int8 table with per-row scales (tables_avx512.c) */
+#define DS_Q4KR 112         /* Q4_K blocks repacked at load (scale bits unpacked; tables_avx512.c) */
 #define DS_MAX_USED 32      /* routed experts a token may use in an MoE layer */
 
 typedef struct {
-    int type;               /* a GGUF type id of the file's blocks (blocks.c: F16 1, Q4_0 2, Q8_0 8, Q4_K 12,
-                               Q5_K 13, Q6_K 14, BF16 30), 0 F32 rows, or native.c's DS_I8, DS_Q4KR */
+    int type;               /* a GGUF type id of the file's blocks (quants.h: F16 1, Q4_0 2, Q8_0 8, Q4_K 12,
+                               Q5_K 13, Q6_K 14, BF16 30, ...), 0 F32 rows, or tables.h's DS_I8, DS_Q4KR */
     int rows;               /* output rows of this segment (segments follow each other along the output) */
     const void *data;
     const float *scale;     /* the int8 table's row scales */
@@ -28,7 +28,7 @@ typedef struct {
 } lin_t;
 
 typedef struct {
-    int type;               /* a GGUF type id of the experts' blocks (blocks.c's), or 0 for F32 rows */
+    int type;               /* a GGUF type id of the experts' blocks (quants.h), or 0 for F32 rows */
     int rows;               /* output rows of one expert */
     int stride;             /* rows from one expert's first row to the next one's (rows, or 2 rows where a fused
                                gate_up tensor holds each expert's gate rows, then its up rows) */
