@@ -268,10 +268,17 @@ static int deq_row_expanded(int type, const uint8_t *b, int K, float *o) {
     int8_t v[K];
     float sc[K / 16], mn[K / 16];
     const int mins = expand_row(type, b, K, v, sc, mn);
-    if (mins)
-        for (int i = 0; i < K; i++) o[i] = sc[i / 16] * (float)v[i] + mn[i / 16];
-    else
-        for (int i = 0; i < K; i++) o[i] = sc[i / 16] * (float)v[i];
+    /* runs of 16 values of one scale (and min): vectorized alike whatever the compiler tunes for (a loop over all K
+       with the scale's index per value is not, where the build is tuned for no CPU in particular) */
+    for (int g = 0; g < K / 16; g++) {
+        const float s = sc[g], m = mins ? mn[g] : 0.0f;
+        const int8_t *vg = v + 16 * g;
+        float *og = o + 16 * g;
+        if (mins)
+            for (int i = 0; i < 16; i++) og[i] = s * (float)vg[i] + m;
+        else
+            for (int i = 0; i < 16; i++) og[i] = s * (float)vg[i];
+    }
     return 1;
 }
 
