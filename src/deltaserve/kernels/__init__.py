@@ -1,1 +1,2 @@
-"""Kernels: deltaserve's native CPU kernel (native.c, built once per machine) and the linear-layer seam."""
+"""Kernels: deltaserve's native CPU kernels (the C in c/, built once per instruction-set level: library.py),
+the route table (routes.py) and the linear-layer seam (linear.py)."""

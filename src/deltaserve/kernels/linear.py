@@ -312,7 +312,7 @@ class BlockLinear(Linear):
             r1 = min(n, r + step)
             if low is not None and x.dtype == torch.bfloat16 and native.dequant_bf16(GGUF_TYPES[kind], data[r:r1], k,
                                                                                       low[:r1 - r]):
-                w = low[:r1 - r]  # rounded to bf16 on the way out of blocks.c: no f32 chunk, no copy pass
+                w = low[:r1 - r]  # rounded to bf16 by c/dequant.c: no f32 chunk, no copy pass
             else:
                 if buf is None:
                     buf = torch.empty(step, k)
@@ -374,7 +374,7 @@ class BlockLinear(Linear):
 
 def dequantize_rows(kind: str, data: torch.Tensor, cols: int, out: torch.Tensor) -> torch.Tensor:
     """Rows of blocks (uint8 [rows, row bytes]) into `out` (f32 [rows, cols], contiguous), exactly (what gguf's
-    dequantization gives, bit for bit): blocks.c where it runs, formats.quant (torch) otherwise."""
+    dequantization gives, bit for bit): c/dequant.c where the native library runs, formats.quant (torch) otherwise."""
     if not native.dequant(GGUF_TYPES[kind], data, cols, out):
         out.copy_(quant.dequantize(data.reshape(-1), kind, (data.shape[0], cols)))
     return out
