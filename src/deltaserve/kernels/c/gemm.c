@@ -185,7 +185,7 @@ void blk_gemm_panel(int type, const uint8_t *blocks, int N, int K, int p, const 
        staying in L1 for the tiles that read it (a whole panel, 64 KB and up, went out to L2 and came back per tile) */
     const int run = nrows == GP && M <= GEMM_RUN_TOKENS && K % GEMM_RUN == 0 && gemm_direct(type) ? GEMM_RUN : K,
               runs = K / run;
-    const int rb = run / 32, subs = gemm_per16(mode) ? 2 : 1;
+    const int rb = run / 32;
 #ifdef BLK_VNNI
     const int run16 = 0;
 #else
@@ -197,16 +197,9 @@ void blk_gemm_panel(int type, const uint8_t *blocks, int N, int K, int p, const 
     for (int c = 0; c < runs; c++) {
         const int b0 = c * rb;
         if (runs > 1) pack_panel_direct(type, blocks + (size_t)b0 * 32 / vals * bytes, row_bytes, n0, run, pw, ps, po);
-        for (int m0 = 0; m0 < M; m0 += GT) {
-            const size_t at = (size_t)(m_first + m0);
-            const int gt = M - m0 < GT ? M - m0 : GT;  /* the last tile of a few tokens computes only those */
-            float *out = y + (size_t)m0 * ldy + n0;
-            const int8_t *xq = g.q + at * K + (size_t)b0 * 32;
-            const float *xd = g.d + at * nb + (a256 ? b0 / 8 : b0), *xf = g.f + at * ni + (size_t)b0 * subs;
-            const int32_t *xi = g.i + at * ni + (size_t)b0 * subs;
-            const uint8_t *pf = m0 == 0 && next ? next + (size_t)b0 * pf_lines * 64 : NULL;
-            gemm_tiles(mode, a256, gt, pw, ps, po, rb, nb, xq, xd, xi, xf, K, out, ldy, nrows, pf, pf_lines, c > 0, run16);
-        }
+        gemm_tiles(mode, a256, M, pw, ps, po, rb, nb, g.ni, b0, g.q + (size_t)m_first * K, g.d + (size_t)m_first * nb,
+                   g.i + (size_t)m_first * g.ni, g.f + (size_t)m_first * g.ni, K, y + n0, ldy, nrows,
+                   next ? next + (size_t)b0 * pf_lines * 64 : NULL, pf_lines, c > 0, run16);
     }
 }
 

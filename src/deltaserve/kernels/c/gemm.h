@@ -52,11 +52,12 @@ DS_INTERNAL void pack_panel_direct(int type, const uint8_t *blocks, size_t row_b
                                    float *ps, float *po);
 DS_INTERNAL void row_scales(int type, const uint8_t *row, int K, float *ps, float *po, int r);
 /* gemm_avx512.c / gemm_avx2.c: the scales of PV_ROWS rows at once (rows r0 .., the first at `rows`), and the tiles of
- * `gt` tokens over a packed run (the mode, a256 and the token count made constants there) */
+ * a packed run times M tokens, GT at a time (the mode, a256 and the token count made constants there) */
 DS_INTERNAL void gemm_row_scales(int type, const uint8_t *rows, size_t row_bytes, int K, float *ps, float *po, int r0);
-DS_INTERNAL void gemm_tiles(int mode, int a256, int gt, const uint8_t *pw, const float *ps, const float *po, int rb,
-                            int nb, const int8_t *xq, const float *xd, const int32_t *xi, const float *xf, int K,
-                            float *out, long ldy, int nrows, const uint8_t *pf, int pf_lines, int more, int run16);
+DS_INTERNAL void gemm_tiles(int mode, int a256, int M, const uint8_t *pw, const float *ps, const float *po, int rb,
+                            int nb, int ni, int b0, const int8_t *q, const float *d, const int32_t *i,
+                            const float *f, int K, float *y, long ldy, int nrows, const uint8_t *pf0,
+                            int pf_lines, int more, int run16);
 #ifndef BLK_VNNI
 /* groups of 4 values the AVX2 tile sums in int16 before widening them; 0: its values' nibbles apart (gemm_avx2.c) */
 DS_INTERNAL int gemm_run16(int type, int mode);

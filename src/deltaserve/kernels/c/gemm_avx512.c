@@ -152,21 +152,33 @@ void gemm_row_scales(int type, const uint8_t *rows, size_t row_bytes, int K, flo
 #undef HALF
 #undef BYTE
 }
-/* the tiles of `gt` tokens over a packed run (gemm.c's blk_gemm_panel), the mode, a256 and the token count made
- * constants of gemm_tile */
-void gemm_tiles(int mode, int a256, int gt, const uint8_t *pw, const float *ps, const float *po, int rb, int nb,
-                const int8_t *xq, const float *xd, const int32_t *xi, const float *xf, int K, float *out, long ldy,
-                int nrows, const uint8_t *pf, int pf_lines, int more, int run16) {
+/* the tiles of a run of blocks (b0 .., rb of them) times M tokens, GT at a time (the first at xq, xd, xi, xf: the
+ * prepared activations' rows), each tile's sums into out (y + n0) ldy apart; pf: the bytes fetched while the first
+ * tile runs. The loop over tokens is here, with the tile inlined in it, the mode, a256 and the token count made
+ * constants of gemm_tile (what the tile reads per token is computed per tile, not per call). */
+void gemm_tiles(int mode, int a256, int M, const uint8_t *pw, const float *ps, const float *po, int rb, int nb, int ni,
+                int b0, const int8_t *q, const float *d, const int32_t *i, const float *f, int K, float *y, long ldy,
+                int nrows, const uint8_t *pf0, int pf_lines, int more, int run16) {
+    (void)run16;  /* the AVX2 tile's */
+    const int subs = gemm_per16(mode) ? 2 : 1;
+    for (int m0 = 0; m0 < M; m0 += GT) {
+        const int gt = M - m0 < GT ? M - m0 : GT;  /* the last tile of a few tokens computes only those */
+        float *out = y + (size_t)m0 * ldy;
+        const int8_t *xq = q + (size_t)m0 * K + (size_t)b0 * 32;
+        const float *xd = d + (size_t)m0 * nb + (a256 ? b0 / 8 : b0), *xf = f + (size_t)m0 * ni + (size_t)b0 * subs;
+        const int32_t *xi = i + (size_t)m0 * ni + (size_t)b0 * subs;
+        const uint8_t *pf = m0 == 0 ? pf0 : NULL;
 #define GEMM_TILE(MODE, A, T) gemm_tile(MODE, A, T, pw, ps, po, rb, nb, xq, xd, xi, xf, K, out, ldy, nrows, pf, pf_lines, more)
 #define GEMM_TILES(MODE, A) switch (gt) { \
     case 1: GEMM_TILE(MODE, A, 1); break; case 2: GEMM_TILE(MODE, A, 2); break; case 3: GEMM_TILE(MODE, A, 3); break; \
     case 4: GEMM_TILE(MODE, A, 4); break; case 5: GEMM_TILE(MODE, A, 5); break; default: GEMM_TILE(MODE, A, GT); }
 #define GEMM_MODES(A) if (mode == 0) GEMM_TILES(0, A) else if (mode == 4) GEMM_TILES(4, A) \
     else if (gemm_per16(mode)) GEMM_TILES(1, A) else GEMM_TILES(2, A)
-    if (a256) GEMM_MODES(1)
-    else GEMM_MODES(0)
+        if (a256) GEMM_MODES(1)
+        else GEMM_MODES(0)
 #undef GEMM_MODES
 #undef GEMM_TILES
 #undef GEMM_TILE
+    }
 }
 #endif  /* BLK_VNNI */
