@@ -17,7 +17,7 @@ from deltaserve.kernels.cpu import plan_threads, serial_here
 from deltaserve.runtime.backend import Backend, select_backend
 from deltaserve.runtime.engine import EngineLoop
 from deltaserve.runtime.guard import MAX_AGE, ParityGuard
-from deltaserve.engine.state import DecodeState
+from deltaserve.engine.state import DecodeState, KV_TYPES, kv_torch_dtype, kv_type_name  # noqa: F401 - KV_TYPES: the CLI's
 from deltaserve.runtime.capacity import cpu_memory
 from deltaserve.session.resident import Session, Turn
 from deltaserve.session.store import StateStore
@@ -48,9 +48,10 @@ from deltaserve.vision.inputs import decode, fetch_url, ImageInputError, ImageLi
 class Model:
     """A loaded Qwen3.5 hybrid: config, tokenizer, host weights; sessions run on it."""
 
-    def __init__(self, host: HostModel, device: str = "cpu", engine: EngineLoop | None = None):
+    def __init__(self, host: HostModel, device: str = "cpu", engine: EngineLoop | None = None, kv_type: str = "f32"):
         self.host = host
         self.device = device
+        self.kv_type = kv_type_name(kv_type)  # the KV cache type of its sessions unless one says otherwise
         # the one owner of generation: every session's turns run as its sequences (runtime/engine.py); threaded, its
         # thread runs every forward (a server); inline, the threads that ask for turns step it by turns
         self.engine = engine or EngineLoop(threaded=False)
@@ -120,11 +121,15 @@ class Model:
     def session(self, context: int | None = None, device: str | None = None, backend: Backend | None = None,
                 guard=None, quiet: bool = False, one_call: bool = False, plan_memory=None,
                 plan_positions: int | None = None, revalidate: bool = False, store: StateStore | None = None,
-                guard_max_age: float = MAX_AGE, mtp: int | None = None, loop_guard: bool | None = None) -> Session:
+                guard_max_age: float = MAX_AGE, mtp: int | None = None, loop_guard: bool | None = None,
+                kv_type: str | None = None) -> Session:
         """A resident session: its state starts at 4096 positions and grows by doubling. On an accelerator it
         is guarded (`revalidate`: a new parity verdict even if one is cached). `mtp`: speculative decoding with the
         file's MTP block, at most that many draft tokens a step (None: on, adaptive, where the file carries one; 0:
-        off). `loop_guard`: whether a thought that repeats itself is closed (None: DELTASERVE_LOOP_GUARD, on)."""
+        off). `loop_guard`: whether a thought that repeats itself is closed (None: DELTASERVE_LOOP_GUARD, on).
+        `kv_type`: the KV cache's type, f32, f16 or bf16 (None: the model's, as `load` was given it)."""
+        kv_type = self.kv_type if kv_type is None else kv_type_name(kv_type)
+        kv_torch_dtype(kv_type)  # a type not stored yet is refused before a backend is built
         notice = None
         if backend is None:
             backend, notice = self.backend(device)
@@ -132,7 +137,7 @@ class Model:
             guard = ParityGuard(revalidate=revalidate, max_age=guard_max_age)
         s = Session(self.host, backend, context=context, one_call=one_call, guard=guard, quiet=quiet,
                     plan_memory=plan_memory, plan_positions=plan_positions, thinking_default=self.thinking_default,
-                    notice=notice, store=store, mtp=mtp, loop_guard=loop_guard)
+                    notice=notice, store=store, mtp=mtp, loop_guard=loop_guard, kv_type=kv_type)
         return s
 
     def slots(self, n: int, context: int | None = None, device: str | None = None, revalidate: bool = False,
@@ -143,12 +148,13 @@ class Model:
         (`revalidate` forces a new verdict), one state store (`store`) under them all. Each slot says its own route
         decisions, named "slot i" where there are several; `log_prefills` prints each batched prefill's stats line
         too."""
+        kv_torch_dtype(self.kv_type)  # a type not stored yet is refused before a backend is built
         backend, notice = self.backend(device)
         guard = ParityGuard(revalidate=revalidate, max_age=guard_max_age) if backend.accelerator else None
         return [Session(self.host, backend, context=context, guard=guard, quiet=quiet,
                         thinking_default=self.thinking_default, notice=notice, store=store,
                         label=f"slot {i}" if n > 1 else None, log_prefills=log_prefills, mtp=mtp,
-                        loop_guard=loop_guard) for i in range(n)]
+                        loop_guard=loop_guard, kv_type=self.kv_type) for i in range(n)]
 
     def state_store(self, ram: int | None = None, directory: str | os.PathLike | None = None,
                     disk: int | None = None, slots: int = 1, context: int | None = None, say=None) -> StateStore:
@@ -177,7 +183,7 @@ class Model:
 
     def generate(self, prompt_ids: Sequence[int], max_tokens: int = 256, **kwargs) -> Turn:
         """One call on a one-call session sized to the call exactly."""
-        session_kw = {k: kwargs.pop(k) for k in ("device", "backend", "quiet", "context", "mtp", "loop_guard")
+        session_kw = {k: kwargs.pop(k) for k in ("device", "backend", "quiet", "context", "mtp", "loop_guard", "kv_type")
                       if k in kwargs}
         session_kw.setdefault("quiet", True)
         return self.session(one_call=True, **session_kw).generate(prompt_ids, max_tokens=max_tokens, **kwargs)
@@ -185,7 +191,7 @@ class Model:
 
 def load(path: str | os.PathLike | None = None, device: str = "cpu", threads: int | None = None, cache: bool = True,
          weights: str | None = None, compute_thread: bool = False, draft: str | os.PathLike | None = None,
-         mmproj: str | os.PathLike | None = None) -> Model:
+         mmproj: str | os.PathLike | None = None, kv_type: str = "f32") -> Model:
     """Load a Qwen3.5 GGUF file or HF directory (no path: the embedded demo model). `threads`: CPU threads for
     the forwards (default: one for a model too small to split, else the cores this process may use; see
     kernels/cpu.py). `weights`: "fast" (default: a GGUF's tensors held as the file's own blocks, see
@@ -193,7 +199,9 @@ def load(path: str | os.PathLike | None = None, device: str = "cpu", threads: in
     every forward on the engine loop's own thread (for callers that run sessions on several threads, as the server
     does; see runtime/engine.py). `draft`: a separate file with the model's MTP block (`mtp-*.gguf`, as llama.cpp's
     converter writes it with --mtp) for speculative decoding. `mmproj`: llama.cpp's projector GGUF (its converter with
-    --mmproj) for a GGUF model's images (an HF directory carries its own vision encoder)."""
+    --mmproj) for a GGUF model's images (an HF directory carries its own vision encoder). `kv_type`: the KV cache
+    type of its sessions (engine/state.py: f32, the default, f16 or bf16; q8_0 is refused until it is built)."""
+    kv_torch_dtype(kv_type)  # checked before the file is read
     if path is None:
         path = default_model_path()
     if threads is not None and int(threads) < 1:
@@ -210,7 +218,7 @@ def load(path: str | os.PathLike | None = None, device: str = "cpu", threads: in
     host, why = engine.call(build)
     if engine.threaded:
         serial_here()  # the calling thread's own torch ops, if any, open no team
-    model = Model(host, device, engine)
+    model = Model(host, device, engine, kv_type)
     model.threads_why = why
     model.load_seconds = time.perf_counter() - t0
     return model
@@ -284,6 +292,7 @@ __all__ = [
     'isolated',
     'kernel_levels',
     'kernel_loaded',
+    'KV_TYPES',
     'load',
     'load_host',
     'MAX_AGE',

@@ -10,7 +10,47 @@ from dataclasses import dataclass
 
 import torch
 
+from deltaserve.errors import DeltaserveError
 from deltaserve.formats.config import HybridConfig
+
+# The KV cache's types (--kv-type): the torch dtype a cache is stored in, and its bytes per value. f32 is the
+# default (the one-call native decode reads f32 caches only); f16/bf16 halve the cache and the bytes a decode step
+# reads at depth, the torch attention converting on read; q8_0 (llama.cpp's blocks of 32 int8 values and an f16
+# scale: 34 bytes per 32 values) is planned for but not stored yet.
+KV_TYPES = ("f32", "f16", "bf16", "q8_0")
+KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+KV_BYTES_PER_VALUE = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32}
+
+
+def kv_type_name(kv_type: str | None) -> str:
+    """`kv_type` checked against the types that exist (None: f32), or a one-line error naming them."""
+    if kv_type is None:
+        return "f32"
+    if kv_type not in KV_TYPES:
+        raise DeltaserveError(f"unknown KV cache type {kv_type!r}: one of {', '.join(KV_TYPES)}")
+    return kv_type
+
+
+def kv_torch_dtype(kv_type: str | None) -> torch.dtype:
+    """The torch dtype a cache of `kv_type` is stored in; a type planned but not stored yet is refused in one line."""
+    name = kv_type_name(kv_type)
+    if name not in KV_DTYPES:
+        raise DeltaserveError(f"the {name} KV cache is not built yet: use one of {', '.join(KV_DTYPES)}")
+    return KV_DTYPES[name]
+
+
+def kv_type_of(dtype: torch.dtype) -> str:
+    """The KV type name of a cache tensor's dtype."""
+    for name, d in KV_DTYPES.items():
+        if d == dtype:
+            return name
+    raise DeltaserveError(f"a KV cache in {dtype} is not one of the types {', '.join(KV_DTYPES)}")
+
+
+def kv_position_bytes(config: HybridConfig, kv_type: str | None = None) -> int:
+    """KV bytes one position costs across all attention layers in `kv_type` (head_dim is a multiple of q8_0's 32)."""
+    values = 2 * config.num_kv_heads * config.head_dim * len(config.attention_layers)
+    return int(round(values * KV_BYTES_PER_VALUE[kv_type_name(kv_type)]))
 
 
 class DecodeState:
@@ -140,6 +180,22 @@ class Checkpoint:
                 ssm[i] = torch.empty((c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim),
                                      dtype=torch.float32, device=device)
         return cls(config, torch.device(device), kv_capacity, kv, conv, ssm)
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The type its KV cache is held in (f32 where the model has no attention layer)."""
+        for k, _ in self.kv.values():
+            return k.dtype
+        return torch.float32
+
+    def with_kv(self, dtype: torch.dtype) -> "Checkpoint":
+        """This checkpoint with its KV cache converted to `dtype` (itself where it is held in that type already);
+        the recurrent and conv state are f32 in every type and are shared, not copied."""
+        if self.kv_dtype == dtype:
+            return self
+        kv = {i: (k.to(dtype), v.to(dtype)) for i, (k, v) in self.kv.items()}
+        return Checkpoint(self.config, self.device, self.kv_capacity, kv, self.conv, self.ssm, self.length,
+                          self.rope_delta)
 
     @property
     def nbytes(self) -> int:

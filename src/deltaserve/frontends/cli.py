@@ -14,6 +14,7 @@ from pathlib import Path
 
 from deltaserve.api import MAX_AGE as GUARD_MAX_AGE
 from deltaserve.api import __version__
+from deltaserve.api import KV_TYPES
 from deltaserve.api import plural
 from deltaserve.errors import DeltaserveError
 from deltaserve.session.turns import ask
@@ -77,6 +78,12 @@ def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
         p.add_argument("model", nargs="?", default=None, help=MODEL_HELP + " (default: the embedded demo model)")
 
 
+def _add_kv_type(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-type", choices=list(KV_TYPES), default="f32",
+                   help="the attention layers' KV cache type (default f32; f16 and bf16 halve it; q8_0 is not built "
+                        "yet and is refused)")
+
+
 def _add_runtime(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto",
                    help="auto (CUDA when visible, else CPU), cpu, cuda, cuda:N (faulty[:STAGE] is a test device)")
@@ -92,6 +99,7 @@ def _add_runtime(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mmproj", default=None, metavar="FILE",
                    help="the vision encoder of a GGUF model: llama.cpp's projector file (mmproj-*.gguf, its converter "
                         "with --mmproj); an HF directory carries its own")
+    _add_kv_type(p)
     p.add_argument("--revalidate", action="store_true", help="run the accelerator parity guard even if a verdict is cached")
     p.add_argument("--guard-max-age", type=float, default=GUARD_MAX_AGE, metavar="SECONDS",
                    help="trust a cached parity verdict this long (default a day); an older one is decided again")
@@ -342,12 +350,15 @@ def cmd_inspect(a) -> int:
             print("vision encoder: no (images need an HF checkpoint directory with model.visual.*, or --mmproj FILE)")
     for line in route_table(host):
         print(line)
-    print(f"KV cache: {c.kv_bytes_per_position() / 1024:.1f} KiB per position (f32); "
-          f"recurrent + conv state: {c.recurrent_state_bytes() / (1 << 20):.2f} MiB")
+    kv_type = getattr(a, "kv_type", "f32")
+    per_type = ", ".join(f"{t} {capacity.kv_position_bytes(c, t) / 1024:.1f} KiB" for t in KV_TYPES)
+    print(f"KV cache: {capacity.kv_position_bytes(c, kv_type) / 1024:.1f} KiB per position ({kv_type}; by type: "
+          f"{per_type}); recurrent + conv state: {c.recurrent_state_bytes() / (1 << 20):.2f} MiB")
     print("one saved conversation state (serve's state store, chat --resume): "
-          f"{c.recurrent_state_bytes() / (1 << 20):.2f} MiB recurrent + {c.kv_bytes_per_position() / 1024:.1f} KiB "
-          "per position it covers (" + ", ".join(f"{n}: {saved_state_bytes(c, n) / (1 << 20):.1f} MiB"
-                                                  for n in (1024, 4096, 32768) if n <= c.context_length) + ")")
+          f"{c.recurrent_state_bytes() / (1 << 20):.2f} MiB recurrent + "
+          f"{capacity.kv_position_bytes(c, kv_type) / 1024:.1f} KiB per position it covers ("
+          + ", ".join(f"{n}: {saved_state_bytes(c, n, kv_type=kv_type) / (1 << 20):.1f} MiB"
+                      for n in (1024, 4096, 32768) if n <= c.context_length) + ")")
     by_type: dict[str, int] = {}
     for t in host.tensor_summary:
         by_type[t.type] = by_type.get(t.type, 0) + t.nbytes
@@ -362,11 +373,13 @@ def cmd_inspect(a) -> int:
             print(f"--ctx {a.ctx} is above the model's declared context of {c.context_length}: "
                   f"planning {c.context_length} positions")
         try:
-            p = capacity.plan(c, positions, cpu_memory(), weights=host.weights.nbytes)
+            if kv_type == "q8_0":
+                print("--kv-type q8_0: planned only (the q8_0 KV cache is not built yet: run, chat and serve refuse it)")
+            p = capacity.plan(c, positions, cpu_memory(), weights=host.weights.nbytes, kv_type=kv_type)
             print(f"capacity plan for {positions} positions: fits\n  " + p.describe().replace("\n", "\n  "))
             left = max(p.memory.free - p.total, 0)
             print(f"  state store (serve --state-ram default, 2 slots): {left // 4 / (1 << 20):.0f} MiB of the "
-                  f"{left / (1 << 20):.0f} MiB left, about {left // 4 // saved_state_bytes(c, positions)} saved "
+                  f"{left / (1 << 20):.0f} MiB left, about {left // 4 // saved_state_bytes(c, positions, kv_type=kv_type)} saved "
                   f"states of {positions} positions")
         except DeltaserveError as e:
             print(f"capacity plan for {positions} positions: REFUSED\n  {e}")
@@ -563,6 +576,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--ctx", type=positive_int, default=None,
                    help="plan memory for this many positions (at most the declared context)")
     i.add_argument("--mmproj", default=None, metavar="FILE", help="a projector GGUF to describe with the model")
+    _add_kv_type(i)
     i.set_defaults(func=cmd_inspect)
 
     b = sub.add_parser("bench", help="benchmarks against llama.cpp and transformers",

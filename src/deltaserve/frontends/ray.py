@@ -306,7 +306,7 @@ class ReplicaServer:
             self.server.store.ram_budget //= replicas_here
         self.app = create_app(self.server, webui=getattr(a, "webui", True))
         s0 = self.server.pool.slots[0].session
-        print(f"[deltaserve] replica {index} (pid {os.getpid()}): {model.path.name}, backend {s0.backend.describe()}; "
+        print(f"[deltaserve] replica {index} (pid {os.getpid()}): {model.path.name}, backend {s0.backend.describe(s0.kv_type)}; "
               f"{self.server.store.describe().removeprefix('[deltaserve] ')}", file=sys.stderr, flush=True)
 
     def info(self) -> dict:

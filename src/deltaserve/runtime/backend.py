@@ -93,23 +93,32 @@ class Backend:
     def memory(self) -> Memory:
         return cpu_memory()
 
-    def describe(self) -> str:
+    def describe(self, kv_type: str = "f32") -> str:
+        """The route line: the CPU's threads, the products' kernels, how a token decodes with a KV cache of
+        `kv_type` (a 16-bit cache takes the torch attention: the one-call native decode reads f32 caches only)."""
         head = self.host.weights.lm_head
+        program, decode = self.forward.token_program() if isinstance(head, (Int8Linear, BlockLinear)) else (None, "")
+        if program is not None and kv_type != "f32":
+            decode = (f"decode through torch ops (the {kv_type} KV cache: the one-call native decode reads f32 "
+                      f"caches only)")
         if isinstance(head, Int8Linear):
-            route = f"; {routes.describe_tables()}; {self.forward.token_program()[1]}"
+            route = f"; {routes.describe_tables()}; {decode}"
         elif isinstance(head, BlockLinear):
-            route = f"; {routes.describe_blocks()}; {self.forward.token_program()[1]}"
+            route = f"; {routes.describe_blocks()}; {decode}"
         else:
             route = ""
+        kv = f"; KV cache {kv_type}" if kv_type != "f32" else ""
         why = f": {self.threads_why}" if self.threads_why else ""
         threads = self._on_compute(torch.get_num_threads)  # the engine loop's thread runs the forwards: its count
-        return f"CPU ({plural(threads, 'thread')}{why}{route})"
+        return f"CPU ({plural(threads, 'thread')}{why}{route}{kv})"
 
     # -- state ------------------------------------------------------------------------------------
-    def new_state(self, capacity: int, plan: cap.PrefillPlan | None = None) -> DecodeState:
-        """A state of `capacity` positions whose prefills follow `plan` (rows per call, attention query rows)."""
+    def new_state(self, capacity: int, plan: cap.PrefillPlan | None = None,
+                  kv_dtype: torch.dtype = torch.float32) -> DecodeState:
+        """A state of `capacity` positions whose prefills follow `plan` (rows per call, attention query rows), its KV
+        cache held in `kv_dtype`."""
         plan = plan or cap.PREFILL_PLANS[0]
-        return self._on_compute(self.forward.new_state, capacity, torch.float32, plan.rows, plan.query_rows)
+        return self._on_compute(self.forward.new_state, capacity, kv_dtype, plan.rows, plan.query_rows)
 
     def reset(self, state: DecodeState) -> None:
         self._on_compute(state.reset)
@@ -195,9 +204,10 @@ class CUDABackend(Backend):
         free, total = self._guarded("reading the free device memory", torch.cuda.mem_get_info, self.index)
         return Memory(int(free), int(total), f"{self.name}: mem_get_info")
 
-    def describe(self) -> str:
+    def describe(self, kv_type: str = "f32") -> str:
         props = torch.cuda.get_device_properties(self.index)
-        return f"GPU (CUDA, {props.name}, {props.total_memory // (1 << 20)} MiB)"
+        kv = f", KV cache {kv_type}" if kv_type != "f32" else ""
+        return f"GPU (CUDA, {props.name}, {props.total_memory // (1 << 20)} MiB{kv})"
 
     @property
     def device_name(self) -> str:
@@ -220,8 +230,8 @@ class CUDABackend(Backend):
         except Exception as e:  # noqa: BLE001
             raise AcceleratorFailure(f"{what} failed on {self.name}: {e}") from e
 
-    def new_state(self, capacity, plan=None):
-        return self._guarded(f"a decode state for {capacity} positions", super().new_state, capacity, plan)
+    def new_state(self, capacity, plan=None, kv_dtype=torch.float32):
+        return self._guarded(f"a decode state for {capacity} positions", super().new_state, capacity, plan, kv_dtype)
 
     def reset(self, state):
         return self._guarded("the state reset", super().reset, state)
@@ -294,12 +304,13 @@ class FaultyBackend(Backend):
             self._hit("upload")
         super().start()
 
-    def describe(self) -> str:
-        return f"test accelerator ({self.device_name})"
+    def describe(self, kv_type: str = "f32") -> str:
+        kv = f", KV cache {kv_type}" if kv_type != "f32" else ""
+        return f"test accelerator ({self.device_name}{kv})"
 
-    def new_state(self, capacity, plan=None):
+    def new_state(self, capacity, plan=None, kv_dtype=torch.float32):
         self._hit("alloc")
-        state = super().new_state(capacity, plan)
+        state = super().new_state(capacity, plan, kv_dtype)
         self._states.add(state)
         return state
 

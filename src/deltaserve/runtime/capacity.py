@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from deltaserve.engine.state import kv_position_bytes, kv_type_name  # noqa: F401 - kv_position_bytes: inspect's
 from deltaserve.errors import CapacityError
 from deltaserve.formats.config import HybridConfig
 
@@ -156,14 +157,19 @@ def kib(n: int) -> str:
 
 def plan(c: HybridConfig, positions: int, memory: Memory, weights: int = 0, overhead: int = CPU_OVERHEAD,
          kv_dtype_bytes: int = 4, plans: tuple[PrefillPlan, ...] = PREFILL_PLANS, resident: int = 0,
-         speculative: int = 0) -> Plan:
+         speculative: int = 0, kv_type: str | None = None) -> Plan:
     """The first prefill plan whose total fits `memory.free`, or CapacityError carrying the arithmetic.
 
     `weights` counts weights not yet resident; `resident` names those already loaded (for the message);
-    `speculative`: the bytes speculative decoding adds for this state (see `speculative_bytes`).
+    `speculative`: the bytes speculative decoding adds for this state (see `speculative_bytes`); `kv_type`: the KV
+    cache's type (engine/state.py: KV_TYPES; None: `kv_dtype_bytes` a value, 4 f32 and 2 f16).
     """
-    kv_per_pos = c.kv_bytes_per_position(kv_dtype_bytes)
-    kv_name = {4: "f32", 2: "f16"}.get(kv_dtype_bytes, f"{kv_dtype_bytes}-byte")
+    if kv_type is not None:
+        kv_name = kv_type_name(kv_type)
+        kv_per_pos = kv_position_bytes(c, kv_name)
+    else:
+        kv_per_pos = c.kv_bytes_per_position(kv_dtype_bytes)
+        kv_name = {4: "f32", 2: "f16"}.get(kv_dtype_bytes, f"{kv_dtype_bytes}-byte")
     passed: list[str] = []
     last: Plan | None = None
     for p in plans:

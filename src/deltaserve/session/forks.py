@@ -57,7 +57,7 @@ class Forks:
         for i in range(n):
             child = copy.copy(session)
             child._lock = threading.Lock()
-            child.state = backend.new_state(positions)
+            child.state = backend.new_state(positions, None, session.kv_dtype)  # the parent's KV type
             backend.restore(child.state, shared, 0)
             child.held = list(prompt)
             child._checkpoint, child._checkpoint_tokens, child._checkpoint_stored = None, (), False

@@ -22,7 +22,7 @@ import torch
 from deltaserve.runtime import capacity as cap
 from deltaserve.runtime.backend import AcceleratorFailure, Backend, CPUBackend
 from deltaserve.runtime.engine import Blocking, Cancelled, Prefill, PrefillDone, Rows
-from deltaserve.engine.state import Checkpoint, DecodeState
+from deltaserve.engine.state import Checkpoint, DecodeState, kv_torch_dtype, kv_type_name, kv_type_of
 from deltaserve.engine.weights import trim_heap
 from deltaserve.errors import BackendError, CapacityError, DeltaserveError
 from deltaserve.session.decoding import DecodeLoop, TOKEN_ROWS  # noqa: F401 - TOKEN_ROWS: the session's name for it
@@ -129,8 +129,11 @@ class Session(DecodeLoop):
                  one_call: bool = False, guard=None, quiet: bool = False, plan_memory=None,
                  plan_positions: int | None = None, thinking_default: bool | None = None, notice: str | None = None,
                  store=None, label: str | None = None, log_prefills: bool = False, mtp: int | None = None,
-                 loop_guard: bool | None = None):
+                 loop_guard: bool | None = None, kv_type: str | None = None):
         self.host = host
+        # the KV cache's type (engine/state.py: KV_TYPES; None: f32), checked before anything is built
+        self.kv_type = kv_type_name(kv_type)
+        self.kv_dtype = kv_torch_dtype(self.kv_type)
         if mtp is not None and (isinstance(mtp, bool) or not isinstance(mtp, int) or mtp < 0):
             raise DeltaserveError(f"mtp must be a count of draft tokens >= 0 (0: off), got {mtp!r}")
         self.mtp_asked = mtp
@@ -218,13 +221,13 @@ class Session(DecodeLoop):
                 # A refusal is an error (CapacityError), never a fallback.
                 memory = self._plan_memory if self._plan_memory is not None else backend.memory()
                 cap.plan(self.host.config, min(plan_positions, self.context), memory,
-                         weights=self.host.weights.nbytes, overhead=backend.overhead)
+                         weights=self.host.weights.nbytes, overhead=backend.overhead, kv_type=self.kv_type)
             backend.start()
         except AcceleratorFailure as e:
             self._say_fallback(str(e))
             backend = backend.fallback()
             backend.start()
-        self.say(f"Backend: {backend.describe()} [{self.host.config.describe()}]")
+        self.say(f"Backend: {backend.describe(self.kv_type)} [{self.host.config.describe()}]")
         return backend
 
     def _say_fallback(self, reason: str) -> None:
@@ -247,7 +250,8 @@ class Session(DecodeLoop):
         if self.state is not None:  # the old state is freed before the new one is allocated
             memory = type(memory)(memory.free + self.state.nbytes, memory.total, memory.source)
         p = cap.plan(self.host.config, capacity, memory, weights=0, overhead=self.backend.overhead,
-                     resident=self.host.weights.nbytes, speculative=self._speculative_bytes(capacity))
+                     resident=self.host.weights.nbytes, speculative=self._speculative_bytes(capacity),
+                     kv_type=self.kv_type)
         if p.passed_over:
             self.say(f"[deltaserve] prefill plan for {capacity} positions: {'; '.join(p.passed_over)}; "
                      f"using {p.prefill.label}")
@@ -274,7 +278,7 @@ class Session(DecodeLoop):
         self.state = None
         while True:
             try:
-                self.state = self.backend.new_state(capacity, p.prefill)
+                self.state = self.backend.new_state(capacity, p.prefill, self.kv_dtype)
                 break
             except AcceleratorFailure as e:
                 self._move_to_cpu(str(e), allocate=False)
@@ -291,7 +295,7 @@ class Session(DecodeLoop):
             memory = type(memory)(memory.free + self.state.nbytes, memory.total, memory.source)
         try:
             p = cap.plan(self.host.config, capacity, memory, weights=0, overhead=self.backend.overhead,
-                         resident=self.host.weights.nbytes, plans=(cap.PrefillPlan(1, 1),))
+                         resident=self.host.weights.nbytes, plans=(cap.PrefillPlan(1, 1),), kv_type=self.kv_type)
         except CapacityError:
             return None
         if not self.per_token:
@@ -307,7 +311,7 @@ class Session(DecodeLoop):
         memory = type(memory)(memory.free + self.state.nbytes, memory.total, memory.source)
         try:
             p = cap.plan(self.host.config, self.capacity, memory, weights=0, overhead=self.backend.overhead,
-                         resident=self.host.weights.nbytes)
+                         resident=self.host.weights.nbytes, kv_type=self.kv_type)
         except CapacityError:
             return False
         self.state.prefill_rows, self.state.query_rows = p.prefill.rows, p.prefill.query_rows
@@ -328,13 +332,13 @@ class Session(DecodeLoop):
             self._one_token = False
         self.backend = self.backend.fallback()
         self.backend.start()
-        self.say(f"Backend: {self.backend.describe()} [after the fallback]")
+        self.say(f"Backend: {self.backend.describe(self.kv_type)} [after the fallback]")
         self.held = []
         self._drop_checkpoint()
         self.state = None
         if allocate:
             p = self._plan(self.capacity)
-            self.state = self.backend.new_state(self.capacity, p.prefill)
+            self.state = self.backend.new_state(self.capacity, p.prefill, self.kv_dtype)
             self.allocations += 1
 
     # -- where a prompt starts --------------------------------------------------------------------
@@ -392,7 +396,9 @@ class Session(DecodeLoop):
         return kind, n
 
     def _restore_stored(self, tokens: tuple[int, ...], ck: Checkpoint, kind: str = "store") -> tuple[str, int]:
-        """Restore a stored state into this session's state (a copy: the store's stays as it is)."""
+        """Restore a stored state into this session's state (a copy: the store's stays as it is; a KV cache saved in
+        another type is converted to this session's, and it is said)."""
+        self._say_kv_conversion(ck, len(tokens))
         try:
             self.backend.restore(self.state, ck, _common_prefix(self.held, tokens))
         except AcceleratorFailure as e:
@@ -549,7 +555,7 @@ class Session(DecodeLoop):
         memory = type(memory)(memory.free + self.state.nbytes, memory.total, memory.source)
         try:
             p = cap.plan(self.host.config, self.capacity, memory, weights=0, overhead=self.backend.overhead,
-                         resident=self.host.weights.nbytes)
+                         resident=self.host.weights.nbytes, kv_type=self.kv_type)
         except CapacityError as e:
             if not self._one_token:
                 self._one_token = True
@@ -836,11 +842,21 @@ class Session(DecodeLoop):
         model or deltaserve version, truncated or corrupt, raises StateFileError (a DeltaserveError) and changes
         nothing."""
         tokens, ck = read_state(Path(path), self.host.config, self.host.sha256())
+        if self._say_kv_conversion(ck, len(tokens), Path(path).name):
+            ck = ck.with_kv(self.kv_dtype)
         with self._lock:
             self._resume = (tokens, ck)
             if self.store is not None:
                 self.store.put(tokens, ck)
             return len(tokens)
+
+    def _say_kv_conversion(self, ck: Checkpoint, tokens: int, name: str | None = None) -> bool:
+        """Whether `ck` holds its KV cache in another type than this session's; if so, say that it is converted."""
+        if not ck.kv or ck.kv_dtype == self.kv_dtype:
+            return False
+        self.say(f"[deltaserve] the saved state of {tokens} tokens{' in ' + name if name else ''} holds a "
+                 f"{kv_type_of(ck.kv_dtype)} KV cache: converted to this session's {self.kv_type} on restore")
+        return True
 
     def reset(self) -> None:
         """Forget the conversation (state reset in place, checkpoint dropped)."""

@@ -46,7 +46,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from deltaserve.engine.state import Checkpoint
+from deltaserve.engine.state import Checkpoint, kv_position_bytes
 from deltaserve.errors import DeltaserveError
 from deltaserve.formats.config import HybridConfig
 from deltaserve.session import files
@@ -78,9 +78,11 @@ def human(n: int) -> str:
     return f"{n} B"
 
 
-def saved_state_bytes(config: HybridConfig, positions: int, kv_dtype_bytes: int = 4) -> int:
-    """What one saved state of `positions` costs: the KV part grows with the positions, the recurrent part not."""
-    return config.kv_bytes_per_position(kv_dtype_bytes) * positions + config.recurrent_state_bytes()
+def saved_state_bytes(config: HybridConfig, positions: int, kv_dtype_bytes: int = 4, kv_type: str | None = None) -> int:
+    """What one saved state of `positions` costs: the KV part grows with the positions (in `kv_type` where given,
+    else `kv_dtype_bytes` a value), the recurrent part not."""
+    per = kv_position_bytes(config, kv_type) if kv_type is not None else config.kv_bytes_per_position(kv_dtype_bytes)
+    return per * positions + config.recurrent_state_bytes()
 
 
 # -- the store ----------------------------------------------------------------------------------------------------

@@ -1087,7 +1087,7 @@ def main(a) -> int:
     say = lambda line: print(f"[deltaserve] {line}", file=sys.stderr, flush=True)  # noqa: E731
     say(f"model {model.path} ({server.model_name}), {c.num_layers} layers "
         f"({len(c.deltanet_layers)} Gated DeltaNet + {len(c.attention_layers)} attention), loaded in {load_s:.2f} s")
-    say(f"backend {s0.backend.describe()}; declared context {c.context_length}, serving {server.context}")
+    say(f"backend {s0.backend.describe(s0.kv_type)}; declared context {c.context_length}, serving {server.context}")
     default = model.thinking_default
     say(f"chat template {template}; thinking " + (('on' if think else 'off') if think is not None else
         ("the template's default" if default is None else f"{'on' if default else 'off'} (the model's default)")))
