@@ -260,7 +260,7 @@ def test_a_saved_session_restores_in_another_session_and_prefills_only_the_new_t
 def test_a_state_file_says_what_it_is_valid_for(hybrid_model, tmp_path):
     path, _ = _one_state_on_disk(hybrid_model, tmp_path)
     meta = read_header(path)
-    assert meta["model_sha256"] == hybrid_model.host.sha256() and meta["format"] == "deltaserve-state/3"
+    assert meta["model_sha256"] == hybrid_model.host.sha256() and meta["format"] == "deltaserve-state/4"
     assert meta["deltaserve"] and len(meta["mac"]) == 64 and json.loads(meta["tokens"])
     assert meta["owner"] == files.owner_tag(files.directory_key(tmp_path)) and "partition" not in meta
 

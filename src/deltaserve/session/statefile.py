@@ -25,16 +25,18 @@ from typing import Sequence
 
 import torch
 
-from deltaserve.engine.state import Checkpoint
+from deltaserve.engine.state import KV_DTYPES, Checkpoint, kv_type_of
 from deltaserve.errors import DeltaserveError
 from deltaserve.formats.config import HybridConfig
 from deltaserve.session import files
 from deltaserve.version import __version__
 
-FORMAT = "deltaserve-state/3"  # /3: an HMAC under the directory's key and a partition (/2: a CRC-32)
+FORMAT = "deltaserve-state/4"  # /4: the KV cache's type (/3: an HMAC under the directory's key and a partition)
 SUFFIX = ".state"
 MAX_HEADER = 64 << 20  # a state file's header (its token list) is far below this
-MAC_FIELDS = ("format", "model_sha256", "deltaserve", "tokens", "length", "rope_delta", "partition")
+MAC_FIELDS = ("format", "model_sha256", "deltaserve", "tokens", "length", "rope_delta", "partition", "kv_type")
+# a KV type's safetensors dtype name (the recurrent and conv state are F32 in every type)
+SAFETENSORS_DTYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16"}
 
 
 class StateFileError(DeltaserveError):
@@ -61,13 +63,15 @@ def checkpoint_tensors(ck: Checkpoint) -> dict[str, torch.Tensor]:
     return out
 
 
-def expected_parts(config: HybridConfig, n: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def expected_parts(config: HybridConfig, n: int,
+                   kv_dtype: torch.dtype = torch.float32) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Each part a state of `n` positions holds: its shape and type (the KV cache in `kv_dtype`, the rest f32)."""
     c = config
     parts: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for i in range(c.num_layers):
         if c.is_attention(i):
             for kv in "kv":
-                parts[f"kv.{i}.{kv}"] = ((c.num_kv_heads, n, c.head_dim), torch.float32)
+                parts[f"kv.{i}.{kv}"] = ((c.num_kv_heads, n, c.head_dim), kv_dtype)
         else:
             parts[f"conv.{i}"] = ((c.conv_kernel - 1, c.conv_dim), torch.float32)
             parts[f"ssm.{i}"] = ((c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim),
@@ -76,7 +80,8 @@ def expected_parts(config: HybridConfig, n: int) -> dict[str, tuple[tuple[int, .
 
 
 def _mac(key: bytes, meta: dict, parts: dict[str, tuple[tuple[int, ...], memoryview]]) -> str:
-    """HMAC-SHA256 of what decides what a state is valid for and of every tensor (name, shape, bytes; all f32)."""
+    """HMAC-SHA256 of what decides what a state is valid for (the KV type among it) and of every tensor (name,
+    shape, bytes)."""
     h = files.mac(key)
     h.update(json.dumps({k: meta.get(k) for k in MAC_FIELDS}, sort_keys=True).encode())
     for name in sorted(parts):
@@ -112,7 +117,7 @@ def write_state(path: Path, tokens: Sequence[int], ck: Checkpoint, model_sha256:
     tensors = checkpoint_tensors(ck)
     meta = {"format": FORMAT, "model_sha256": model_sha256, "deltaserve": __version__,
             "tokens": json.dumps(list(map(int, tokens)), separators=(",", ":")), "length": str(ck.length),
-            "owner": files.owner_tag(key)}
+            "owner": files.owner_tag(key), "kv_type": kv_type_of(ck.kv_dtype)}
     if ck.rope_delta:
         meta["rope_delta"] = str(ck.rope_delta)
     if partition is not None:
@@ -194,26 +199,30 @@ def read_state(path: Path, config: HybridConfig, model_sha256: str, key: bytes |
             raise StateFileError(f"{path.name}: its header's tokens or length are malformed") from None
         if n != len(tokens) or n < 1:
             raise StateFileError(f"{path.name} says it holds {n} positions for {len(tokens)} tokens")
-        expected = expected_parts(config, n)
+        kv_type = meta.get("kv_type")
+        if kv_type not in KV_DTYPES:
+            raise StateFileError(f"{path.name} says its KV cache is {kv_type!r}, not one of {', '.join(KV_DTYPES)}")
+        expected = expected_parts(config, n, KV_DTYPES[kv_type])
         if set(head) != set(expected):
             raise StateFileError(f"{path.name} holds parts {sorted(set(head) ^ set(expected))[:4]} this model's state "
                                  f"does not have (or lacks them)")
         spans = []
-        for name, (shape, _) in expected.items():
+        for name, (shape, dtype) in expected.items():
             info = head[name]
             offsets = info.get("data_offsets") if isinstance(info, dict) else None
-            if (not isinstance(info, dict) or info.get("dtype") != "F32" or info.get("shape") != list(shape)
-                    or not isinstance(offsets, list) or len(offsets) != 2):
-                raise StateFileError(f"{path.name}: {name} is not the f32 {shape} this model needs")
-            spans.append((offsets[0], offsets[1], name, shape))
-        total = sum(4 * _count(shape) for _, _, _, shape in spans)
+            type_name = kv_type_of(dtype)
+            if (not isinstance(info, dict) or info.get("dtype") != SAFETENSORS_DTYPES[type_name]
+                    or info.get("shape") != list(shape) or not isinstance(offsets, list) or len(offsets) != 2):
+                raise StateFileError(f"{path.name}: {name} is not the {type_name} {shape} this model needs")
+            spans.append((offsets[0], offsets[1], name, shape, dtype))
+        total = sum(_size(dtype) * _count(shape) for _, _, _, shape, dtype in spans)
         if st.st_size != start + total:
             raise StateFileError(f"{path.name} is not whole (truncated, or padded): it holds {st.st_size} bytes where "
                                  f"its header and this model's shapes give {start + total}")
         spans.sort()
         at = 0
-        for a, b, name, shape in spans:
-            if a != at or b - a != 4 * _count(shape):
+        for a, b, name, shape, dtype in spans:
+            if a != at or b - a != _size(dtype) * _count(shape):
                 raise StateFileError(f"{path.name}: {name}'s data is not where its header says")
             at = b
         data = files.read_all(fd, total, start)
@@ -222,15 +231,19 @@ def read_state(path: Path, config: HybridConfig, model_sha256: str, key: bytes |
     finally:
         os.close(fd)
     view = memoryview(data)
-    parts = {name: (shape, view[a:b]) for a, b, name, shape in spans}
+    parts = {name: (shape, view[a:b]) for a, b, name, shape, _ in spans}
     if not hmac.compare_digest(_mac(key, meta, parts), str(meta.get("mac", ""))):
         raise StateFileError(f"{path.name} is corrupt or forged (its HMAC does not match its tokens and tensors)")
-    tensors = {name: torch.frombuffer(data, dtype=torch.float32, offset=a, count=(b - a) // 4).reshape(shape)
-               for a, b, name, shape in spans} if total else {}
+    tensors = {name: torch.frombuffer(data, dtype=dtype, offset=a, count=(b - a) // _size(dtype)).reshape(shape)
+               for a, b, name, shape, dtype in spans} if total else {}
     kv = {i: (tensors[f"kv.{i}.k"], tensors[f"kv.{i}.v"]) for i in range(config.num_layers) if config.is_attention(i)}
     conv = {i: tensors[f"conv.{i}"] for i in config.deltanet_layers}
     ssm = {i: tensors[f"ssm.{i}"] for i in config.deltanet_layers}
     return tokens, Checkpoint(config, torch.device("cpu"), n, kv, conv, ssm, length=n, rope_delta=delta)
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _count(shape: tuple[int, ...]) -> int:
