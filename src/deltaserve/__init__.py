@@ -21,11 +21,12 @@ _os.environ.setdefault("LRU_CACHE_CAPACITY", "64")
 
 
 def load(path=None, device: str = "cpu", threads: int | None = None, cache: bool = True, weights: str | None = None,
-         draft=None, mmproj=None):
+         draft=None, mmproj=None, kv_type: str = "f32"):
     """Load a Qwen3.5 GGUF file or HF directory (no path: the embedded demo model); see `deltaserve.api.load`."""
     from deltaserve.api import load as _load
 
-    return _load(path, device=device, threads=threads, cache=cache, weights=weights, draft=draft, mmproj=mmproj)
+    return _load(path, device=device, threads=threads, cache=cache, weights=weights, draft=draft, mmproj=mmproj,
+                 kv_type=kv_type)
 
 
 __all__ = ["load", "__version__"]
