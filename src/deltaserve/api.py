@@ -164,7 +164,8 @@ class Model:
         c = self.config
         if ram is None:
             positions = min(context or c.context_length, c.context_length, 8192)
-            left = cpu_memory().free - slots * DecodeState.bytes_for(c, positions)
+            kv_bytes = kv_torch_dtype(self.kv_type).itemsize  # the slots' states in the model's KV type
+            left = cpu_memory().free - slots * DecodeState.bytes_for(c, positions, kv_bytes)
             ram = max(left, 0) // 4
         if directory is not None and disk is None:
             try:
