@@ -128,8 +128,8 @@ def test_a_state_saved_in_one_kv_type_is_restored_in_another_only_by_converting_
     other = hybrid_model.session(quiet=True, kv_type="bf16")
     assert other.restore(tmp_path / "conv.state") == n
     said = [line for line in other.notices if "converted" in line]
-    assert said == [f"[deltaserve] the saved state of {n} tokens in conv.state holds a f32 KV cache: converted to "
-                    "this session's bf16 on restore"]
+    assert said == [f"[deltaserve] the saved state of {n} tokens in conv.state holds its KV cache in f32: converted "
+                    "to this session's bf16 on restore"]
     turn = chat_turn(other, history, "go on in bf16")
     assert turn.start == "checkpoint" and turn.reused == n
     assert all(k.dtype == torch.bfloat16 for k, _ in other.state.kv.values())
@@ -153,5 +153,5 @@ def test_a_stored_state_of_another_kv_type_in_a_shared_store_is_converted_and_sa
     b = hybrid_model.session(quiet=True, store=store, kv_type="f16")
     turn = chat_turn(b, history, "two")
     assert turn.reused > 0
-    assert any("holds a f32 KV cache: converted to this session's f16 on restore" in line for line in b.notices)
+    assert any("holds its KV cache in f32: converted to this session's f16 on restore" in line for line in b.notices)
     assert all(k.dtype == torch.float16 for k, _ in b.state.kv.values())

@@ -854,8 +854,8 @@ class Session(DecodeLoop):
         """Whether `ck` holds its KV cache in another type than this session's; if so, say that it is converted."""
         if not ck.kv or ck.kv_dtype == self.kv_dtype:
             return False
-        self.say(f"[deltaserve] the saved state of {tokens} tokens{' in ' + name if name else ''} holds a "
-                 f"{kv_type_of(ck.kv_dtype)} KV cache: converted to this session's {self.kv_type} on restore")
+        self.say(f"[deltaserve] the saved state of {tokens} tokens{' in ' + name if name else ''} holds its KV cache "
+                 f"in {kv_type_of(ck.kv_dtype)}: converted to this session's {self.kv_type} on restore")
         return True
 
     def reset(self) -> None:
