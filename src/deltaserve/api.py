@@ -17,7 +17,7 @@ from deltaserve.kernels.cpu import plan_threads, serial_here
 from deltaserve.runtime.backend import Backend, select_backend
 from deltaserve.runtime.engine import EngineLoop
 from deltaserve.runtime.guard import MAX_AGE, ParityGuard
-from deltaserve.engine.state import DecodeState, KV_TYPES, kv_type_name  # noqa: F401 - KV_TYPES: the CLI's
+from deltaserve.engine.state import DecodeState, KV_TYPES, kv_type_for, kv_type_name  # noqa: F401 - KV_TYPES: the CLI's
 from deltaserve.runtime.capacity import cpu_memory
 from deltaserve.session.resident import Session, Turn
 from deltaserve.session.store import StateStore
@@ -51,7 +51,7 @@ class Model:
     def __init__(self, host: HostModel, device: str = "cpu", engine: EngineLoop | None = None, kv_type: str = "f32"):
         self.host = host
         self.device = device
-        self.kv_type = kv_type_name(kv_type)  # the KV cache type of its sessions unless one says otherwise
+        self.kv_type = kv_type_for(host.config, kv_type)  # the KV cache type of its sessions unless one says otherwise
         # the one owner of generation: every session's turns run as its sequences (runtime/engine.py); threaded, its
         # thread runs every forward (a server); inline, the threads that ask for turns step it by turns
         self.engine = engine or EngineLoop(threaded=False)
@@ -128,7 +128,7 @@ class Model:
         file's MTP block, at most that many draft tokens a step (None: on, adaptive, where the file carries one; 0:
         off). `loop_guard`: whether a thought that repeats itself is closed (None: DELTASERVE_LOOP_GUARD, on).
         `kv_type`: the KV cache's type, f32, f16, bf16 or q8_0 (None: the model's, as `load` was given it)."""
-        kv_type = self.kv_type if kv_type is None else kv_type_name(kv_type)  # an unknown type refused here
+        kv_type = self.kv_type if kv_type is None else kv_type_for(self.config, kv_type)  # a type refused here
         notice = None
         if backend is None:
             backend, notice = self.backend(device)

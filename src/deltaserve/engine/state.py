@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deltaserve.engine.q8cache import Q8Cache
+from deltaserve.engine.q8cache import BLOCK, Q8Cache
 from deltaserve.errors import DeltaserveError
 from deltaserve.formats.config import HybridConfig
 
@@ -31,6 +31,16 @@ def kv_type_name(kv_type: str | None) -> str:
     if kv_type not in KV_TYPES:
         raise DeltaserveError(f"unknown KV cache type {kv_type!r}: one of {', '.join(KV_TYPES)}")
     return kv_type
+
+
+def kv_type_for(config: HybridConfig, kv_type: str | None) -> str:
+    """`kv_type` checked as `kv_type_name` and against the model: a q8_0 cache's blocks of 32 values run along
+    head_dim, which must be a multiple of 32 (as llama.cpp's); otherwise a one-line error naming it."""
+    name = kv_type_name(kv_type)
+    if name == "q8_0" and config.head_dim % BLOCK:
+        raise DeltaserveError(f"the q8_0 KV cache needs a head_dim that is a multiple of {BLOCK} (its blocks of "
+                              f"{BLOCK} values run along it); this model's is {config.head_dim}: use f32, f16 or bf16")
+    return name
 
 
 def kv_torch_dtype(kv_type: str | None) -> torch.dtype:
@@ -79,6 +89,8 @@ class DecodeState:
                  kv_dtype: torch.dtype = torch.float32, prefill_rows: int = 2048, query_rows: int = 64):
         if capacity <= 0:
             raise ValueError(f"a decode state needs a positive capacity, got {capacity}")
+        if kv_dtype == Q8Cache.dtype:
+            kv_type_for(config, "q8_0")
         self.config = config
         self.capacity = capacity
         self.device = torch.device(device)
