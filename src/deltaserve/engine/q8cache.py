@@ -38,9 +38,8 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize(qs: torch.Tensor, d: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The values of q8_0 blocks (int8 `qs` [..., D], f16 scales `d` [..., D / 32]) in `dtype` (value x scale in
     f32, as gguf.quants' dequantization)."""
-    shape = qs.shape
-    b = qs.reshape(*shape[:-1], shape[-1] // BLOCK, BLOCK).float() * d.float().unsqueeze(-1)
-    out = b.reshape(shape)
+    out = qs.float()  # a new contiguous tensor: the scales multiply into it in place (half the time of a product)
+    out.view(*out.shape[:-1], out.shape[-1] // BLOCK, BLOCK).mul_(d.float().unsqueeze(-1))
     return out if dtype == torch.float32 else out.to(dtype)
 
 
