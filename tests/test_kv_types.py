@@ -20,12 +20,22 @@ import deltaserve
 from deltaserve.engine.forward import Forward
 from deltaserve.engine.graph import StaticStep
 from deltaserve.engine.q8cache import Q8Cache, quantize
-from deltaserve.engine.state import KV_TYPES, DecodeState, kv_position_bytes, kv_torch_dtype
+from deltaserve.engine.state import (
+    KV_TYPES,
+    DecodeState,
+    kv_position_bytes,
+    kv_torch_dtype,
+)
 from deltaserve.errors import DeltaserveError
 from deltaserve.formats.config import HybridConfig
 from deltaserve.frontends.cli import main
 from deltaserve.runtime import capacity as cap
-from deltaserve.session.store import StateStore, read_header, read_state, saved_state_bytes
+from deltaserve.session.store import (
+    StateStore,
+    read_header,
+    read_state,
+    saved_state_bytes,
+)
 from tests import llama_oracle as oracle
 from tests.fixtures import models as fx
 
@@ -296,8 +306,8 @@ def test_a_q8_0_state_restored_in_f32_and_an_f32_state_restored_in_q8_0_are_conv
     other = hybrid_model.session(quiet=True)  # f32
     assert other.restore(tmp_path / "q8.state") == n
     assert [line for line in other.notices if "converted" in line] == [
-        f"[deltaserve] the saved state of {n} tokens in q8.state holds its KV cache in q8_0: converted to this "
-        "session's f32 on restore"]
+        (f"[deltaserve] the saved state of {n} tokens in q8.state holds its KV cache in q8_0: converted to this "
+         "session's f32 on restore")]
     turn = chat_turn(other, history, "go on in f32")
     assert turn.start == "checkpoint" and turn.reused == n
     for i, (k, v) in saved.kv.items():  # the restored positions hold the q8_0 values, dequantized

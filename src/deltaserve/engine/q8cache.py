@@ -53,17 +53,17 @@ class Q8Cache:
         self.qs, self.d = qs, d
 
     @classmethod
-    def zeros(cls, shape: tuple[int, ...], device: torch.device | str = "cpu") -> "Q8Cache":
+    def zeros(cls, shape: tuple[int, ...], device: torch.device | str = "cpu") -> Q8Cache:
         return cls(torch.zeros(shape, dtype=torch.int8, device=device),
                    torch.zeros((*shape[:-1], shape[-1] // BLOCK), dtype=torch.float16, device=device))
 
     @classmethod
-    def empty(cls, shape: tuple[int, ...], device: torch.device | str = "cpu") -> "Q8Cache":
+    def empty(cls, shape: tuple[int, ...], device: torch.device | str = "cpu") -> Q8Cache:
         return cls(torch.empty(shape, dtype=torch.int8, device=device),
                    torch.empty((*shape[:-1], shape[-1] // BLOCK), dtype=torch.float16, device=device))
 
     @classmethod
-    def of(cls, x: torch.Tensor) -> "Q8Cache":
+    def of(cls, x: torch.Tensor) -> Q8Cache:
         """A float cache (or a Q8Cache, returned as it is) quantized."""
         return x if isinstance(x, Q8Cache) else cls(*quantize(x))
 
@@ -82,7 +82,7 @@ class Q8Cache:
     def data_ptr(self) -> int:
         return self.qs.data_ptr()
 
-    def __getitem__(self, index) -> "Q8Cache":
+    def __getitem__(self, index) -> Q8Cache:
         return Q8Cache(self.qs[index], self.d[index])
 
     def __setitem__(self, index, value) -> None:
@@ -90,33 +90,33 @@ class Q8Cache:
         self.qs[index] = qs
         self.d[index] = d
 
-    def copy_(self, src) -> "Q8Cache":
+    def copy_(self, src) -> Q8Cache:
         """`src` (a Q8Cache, or float values: quantized) copied in."""
         self[...] = src
         return self
 
-    def index_copy_(self, dim: int, index: torch.Tensor, src: torch.Tensor) -> "Q8Cache":
+    def index_copy_(self, dim: int, index: torch.Tensor, src: torch.Tensor) -> Q8Cache:
         """Float values `src` quantized into the positions `index` along `dim` (0 or 1: not head_dim)."""
         qs, d = (src.qs, src.d) if isinstance(src, Q8Cache) else quantize(src)
         self.qs.index_copy_(dim, index, qs)
         self.d.index_copy_(dim, index, d)
         return self
 
-    def zero_(self) -> "Q8Cache":
+    def zero_(self) -> Q8Cache:
         self.qs.zero_()
         self.d.zero_()
         return self
 
-    def contiguous(self) -> "Q8Cache":
+    def contiguous(self) -> Q8Cache:
         return Q8Cache(self.qs.contiguous(), self.d.contiguous())
 
-    def cpu(self) -> "Q8Cache":
+    def cpu(self) -> Q8Cache:
         return self.to("cpu")
 
     def float(self) -> torch.Tensor:
         return dequantize(self.qs, self.d)
 
-    def to(self, target) -> "Q8Cache | torch.Tensor":
+    def to(self, target) -> Q8Cache | torch.Tensor:
         """`to(dtype)`: the values dequantized in that float type (itself for int8); `to(device)`: moved."""
         if isinstance(target, torch.dtype):
             return self if target == torch.int8 else dequantize(self.qs, self.d, target)
