@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import deltaserve
+from deltaserve.engine import layers as L
 from deltaserve.engine.forward import Forward
 from deltaserve.engine.graph import StaticStep
 from deltaserve.engine.q8cache import Q8Cache, quantize
@@ -211,6 +212,33 @@ def test_the_cuda_graphs_step_writes_and_reads_a_q8_0_cache_as_the_eager_decode_
         for a, b in zip(static.kv[i], pair):  # the same values quantized: within one step of their block's scale
             step_size = b.d.float().repeat_interleave(32, -1)
             assert ((a.float() - b.float()).abs() <= step_size + 1e-6).all()
+
+
+def test_several_sequences_rows_on_q8_0_caches_are_each_sequences_own_decode(hybrid_model, monkeypatch):
+    f = hybrid_model._reference_forward()
+    batched = []  # the batch's attention calls (the one-call native decode does not take q8_0 caches)
+    real = L.attention_mixer_batch
+    monkeypatch.setattr(L, "attention_mixer_batch", lambda *a, **k: batched.append(len(a[3])) or real(*a, **k))
+    q8 = kv_torch_dtype("q8_0")
+    prompts = [list(range(40, 71)), list(range(90, 107)), list(range(5, 50))]
+    together, alone = [f.new_state(64, q8) for _ in prompts], [f.new_state(64, q8) for _ in prompts]
+    for a, b, p in zip(together, alone, prompts):
+        f.prefill(a, p)
+        f.prefill(b, p)
+    tokens = [3, 7, 11]
+    for _ in range(4):  # three sequences a step, at three depths: attention_mixer_batch over their own caches
+        rows = f.decode_batch(together, tokens)
+        for j, st in enumerate(alone):
+            want = f.decode(st, tokens[j])
+            assert (rows[j] - want).abs().max().item() < 1e-4 and int(rows[j].argmax()) == int(want.argmax())
+        tokens = [int(r.argmax()) for r in rows]
+    assert batched == [3] * (4 * len(hybrid_model.config.attention_layers))
+    for a, b in zip(together, alone):
+        assert a.length == b.length
+        for i in a.kv:  # each sequence's new positions were quantized into its own cache
+            for x, y in zip(a.kv[i], b.kv[i]):
+                assert ((x[:, :a.length].float() - y[:, :b.length].float()).abs()
+                        <= y.d[:, :b.length].float().repeat_interleave(32, -1) + 1e-6).all()
 
 
 @pytest.mark.parametrize("name", ["hybrid", "multimodal"])
