@@ -11,12 +11,15 @@ session goes on. The pytest process never loads libllama: whether llama_cpp is i
     from tests import llama_oracle as oracle
     oracle.require()                                     # skip where llama-cpp-python is not installed
     scores = oracle.logits(path, ids)                    # float32 [len(ids), n_vocab], one child
+    req = oracle.logits_request(path, ids, kv_type="q8_0")  # llama.cpp's KV cache in q8_0 (with flash attention)
     a, b = oracle.run([oracle.logits_request(p, ids), oracle.logits_request(q, ids)], "...")  # one child, two
     rc = oracle.quantize(src, dst, "Q8_0")               # llama_model_quantize's return code
 
 A request is a plain dict; one child runs a list of them in order (one model per (path, n_ctx, n_batch),
 loaded once per child) and writes the results to a file in a temporary directory. Models load as the tests
-always loaded them: `Llama(path, n_ctx, n_batch, logits_all=True, verbose=False, n_threads=2, seed=0)`.
+always loaded them: `Llama(path, n_ctx, n_batch, logits_all=True, verbose=False, n_threads=2, seed=0)`; a request
+with a `kv_type` adds `type_k`, `type_v` (that GGML type) and `flash_attn` (by default on for q8_0 alone: llama.cpp
+quantizes its V cache only with flash attention, and its flash attention casts an f32 cache to f16).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from pathlib import Path
 REASON = "llama-cpp-python is a test dependency (see README)"
 TIMEOUT_S = 600  # for one child: a hung llama.cpp fails its test instead of hanging the session
 MARK = "[llama-oracle] "  # the child's progress lines on stderr: what it was doing when it died
+# llama.cpp's KV cache types (`-ctk`/`-ctv`) as GGML type ids (ggml.h's enum ggml_type)
+GGML_KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 8, "bf16": 30}
 
 
 def available() -> bool:
@@ -52,11 +57,17 @@ def require() -> None:
 
 # -- requests ------------------------------------------------------------------------------------------
 
-def logits_request(path, tokens, n_ctx: int = 512, n_batch: int = 512) -> dict:
+def logits_request(path, tokens, n_ctx: int = 512, n_batch: int = 512, kv_type: str | None = None,
+                   flash_attn: bool | None = None) -> dict:
     """All positions' logits (float32 [len(tokens), n_vocab]) of one eval of `tokens` from an empty context.
-    n_batch=1 evaluates one token per batch (llama.cpp's decode products)."""
-    return {"op": "logits", "path": str(Path(path).resolve()), "tokens": [int(t) for t in tokens],
-            "n_ctx": n_ctx, "n_batch": n_batch}
+    n_batch=1 evaluates one token per batch (llama.cpp's decode products). `kv_type` (f32, f16, bf16, q8_0): llama.cpp's
+    KV cache in that type (None: its default, f16); `flash_attn` (None: on for q8_0 alone, which needs it)."""
+    req = {"op": "logits", "path": str(Path(path).resolve()), "tokens": [int(t) for t in tokens],
+           "n_ctx": n_ctx, "n_batch": n_batch}
+    if kv_type is not None:
+        req["kv_type"] = kv_type
+        req["flash_attn"] = kv_type == "q8_0" if flash_attn is None else bool(flash_attn)
+    return req
 
 
 def tokenize_request(path, text: str, add_bos: bool = False, special: bool = True, n_ctx: int = 512,
@@ -80,8 +91,9 @@ def crash_after_load_request(path, n_ctx: int = 64, n_batch: int = 64) -> dict:
 def _describe(req: dict) -> str:
     op = req["op"]
     if op == "logits":
+        kv = f", KV cache {req['kv_type']}{', flash attention' * req['flash_attn']}" if req.get("kv_type") else ""
         return (f"evaluating {len(req['tokens'])} tokens of {req['path']} "
-                f"(n_ctx {req['n_ctx']}, n_batch {req['n_batch']})")
+                f"(n_ctx {req['n_ctx']}, n_batch {req['n_batch']}{kv})")
     if op == "tokenize":
         return f"tokenizing with the metadata of {req['path']}"
     if op == "quantize":
@@ -176,10 +188,13 @@ def _child(job: Path, out: Path) -> None:
     models: dict = {}
 
     def model(req):
-        key = (req["path"], req["n_ctx"], req["n_batch"])
+        kv_type = req.get("kv_type")
+        key = (req["path"], req["n_ctx"], req["n_batch"], kv_type, req.get("flash_attn"))
         if key not in models:
+            kv = {} if kv_type is None else {"type_k": GGML_KV_TYPES[kv_type], "type_v": GGML_KV_TYPES[kv_type],
+                                             "flash_attn": req["flash_attn"]}
             models[key] = llama_cpp.Llama(req["path"], n_ctx=req["n_ctx"], n_batch=req["n_batch"], logits_all=True,
-                                          verbose=False, n_threads=2, seed=0)
+                                          verbose=False, n_threads=2, seed=0, **kv)
         return models[key]
 
     results = []

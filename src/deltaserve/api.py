@@ -17,7 +17,7 @@ from deltaserve.kernels.cpu import plan_threads, serial_here
 from deltaserve.runtime.backend import Backend, select_backend
 from deltaserve.runtime.engine import EngineLoop
 from deltaserve.runtime.guard import MAX_AGE, ParityGuard
-from deltaserve.engine.state import DecodeState, KV_TYPES, kv_torch_dtype, kv_type_name  # noqa: F401 - KV_TYPES: the CLI's
+from deltaserve.engine.state import DecodeState, KV_TYPES, kv_type_for, kv_type_name  # noqa: F401 - KV_TYPES: the CLI's
 from deltaserve.runtime.capacity import cpu_memory
 from deltaserve.session.resident import Session, Turn
 from deltaserve.session.store import StateStore
@@ -51,7 +51,7 @@ class Model:
     def __init__(self, host: HostModel, device: str = "cpu", engine: EngineLoop | None = None, kv_type: str = "f32"):
         self.host = host
         self.device = device
-        self.kv_type = kv_type_name(kv_type)  # the KV cache type of its sessions unless one says otherwise
+        self.kv_type = kv_type_for(host.config, kv_type)  # the KV cache type of its sessions unless one says otherwise
         # the one owner of generation: every session's turns run as its sequences (runtime/engine.py); threaded, its
         # thread runs every forward (a server); inline, the threads that ask for turns step it by turns
         self.engine = engine or EngineLoop(threaded=False)
@@ -127,9 +127,8 @@ class Model:
         is guarded (`revalidate`: a new parity verdict even if one is cached). `mtp`: speculative decoding with the
         file's MTP block, at most that many draft tokens a step (None: on, adaptive, where the file carries one; 0:
         off). `loop_guard`: whether a thought that repeats itself is closed (None: DELTASERVE_LOOP_GUARD, on).
-        `kv_type`: the KV cache's type, f32, f16 or bf16 (None: the model's, as `load` was given it)."""
-        kv_type = self.kv_type if kv_type is None else kv_type_name(kv_type)
-        kv_torch_dtype(kv_type)  # a type not stored yet is refused before a backend is built
+        `kv_type`: the KV cache's type, f32, f16, bf16 or q8_0 (None: the model's, as `load` was given it)."""
+        kv_type = self.kv_type if kv_type is None else kv_type_for(self.config, kv_type)  # a type refused here
         notice = None
         if backend is None:
             backend, notice = self.backend(device)
@@ -148,7 +147,6 @@ class Model:
         (`revalidate` forces a new verdict), one state store (`store`) under them all. Each slot says its own route
         decisions, named "slot i" where there are several; `log_prefills` prints each batched prefill's stats line
         too."""
-        kv_torch_dtype(self.kv_type)  # a type not stored yet is refused before a backend is built
         backend, notice = self.backend(device)
         guard = ParityGuard(revalidate=revalidate, max_age=guard_max_age) if backend.accelerator else None
         return [Session(self.host, backend, context=context, guard=guard, quiet=quiet,
@@ -164,8 +162,8 @@ class Model:
         c = self.config
         if ram is None:
             positions = min(context or c.context_length, c.context_length, 8192)
-            kv_bytes = kv_torch_dtype(self.kv_type).itemsize  # the slots' states in the model's KV type
-            left = cpu_memory().free - slots * DecodeState.bytes_for(c, positions, kv_bytes)
+            # the slots' states in the model's KV type
+            left = cpu_memory().free - slots * DecodeState.bytes_for(c, positions, kv_type=self.kv_type)
             ram = max(left, 0) // 4
         if directory is not None and disk is None:
             try:
@@ -201,8 +199,8 @@ def load(path: str | os.PathLike | None = None, device: str = "cpu", threads: in
     does; see runtime/engine.py). `draft`: a separate file with the model's MTP block (`mtp-*.gguf`, as llama.cpp's
     converter writes it with --mtp) for speculative decoding. `mmproj`: llama.cpp's projector GGUF (its converter with
     --mmproj) for a GGUF model's images (an HF directory carries its own vision encoder). `kv_type`: the KV cache
-    type of its sessions (engine/state.py: f32, the default, f16 or bf16; q8_0 is refused until it is built)."""
-    kv_torch_dtype(kv_type)  # checked before the file is read
+    type of its sessions (engine/state.py: f32, the default, f16, bf16 or q8_0)."""
+    kv_type_name(kv_type)  # checked before the file is read
     if path is None:
         path = default_model_path()
     if threads is not None and int(threads) < 1:

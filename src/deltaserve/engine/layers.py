@@ -13,6 +13,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from deltaserve.engine.q8cache import Q8Cache
 from deltaserve.engine.weights import AttentionWeights
 from deltaserve.kernels import native as kernel
 
@@ -433,6 +434,12 @@ def _attention_qkv(x: torch.Tensor, w, cfg, rope):
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, qg[..., hd:].reshape(r, nh * hd)
 
 
+def _in_cache_type(x: torch.Tensor, cache) -> torch.Tensor:
+    """New keys or values for `cache`: converted to its float type; a q8_0 cache (Q8Cache) takes the f32 values and
+    quantizes them itself."""
+    return x if isinstance(cache, Q8Cache) else x.to(cache.dtype)
+
+
 def _attend(q, k, v, k_cache, v_cache, start: int, query_rows: int, dtype=torch.float32) -> torch.Tensor:
     """Write k, v [T, nkv, hd] at positions start.. of one sequence's cache; causal attention of q [T, nh, hd]
     over the cache, `query_rows` queries at a time. Returns [T, nh * hd].
@@ -444,8 +451,8 @@ def _attend(q, k, v, k_cache, v_cache, start: int, query_rows: int, dtype=torch.
     nkv = k.shape[1]
     g = nh // nkv
     end = start + t
-    k_cache[:, start:end] = k.transpose(0, 1).to(k_cache.dtype)
-    v_cache[:, start:end] = v.transpose(0, 1).to(v_cache.dtype)
+    k_cache[:, start:end] = _in_cache_type(k.transpose(0, 1), k_cache)
+    v_cache[:, start:end] = _in_cache_type(v.transpose(0, 1), v_cache)
     scale = 1.0 / math.sqrt(hd)
     out = torch.empty(t, nh * hd, dtype=torch.float32, device=q.device)
     for r0 in range(0, t, query_rows):
@@ -471,8 +478,8 @@ def attend_at(q, k, v, k_cache, v_cache, pos: torch.Tensor, after: torch.Tensor)
     _, nh, hd = q.shape
     nkv = k.shape[1]
     g = nh // nkv
-    k_cache.index_copy_(1, pos, k.transpose(0, 1).to(k_cache.dtype))
-    v_cache.index_copy_(1, pos, v.transpose(0, 1).to(v_cache.dtype))
+    k_cache.index_copy_(1, pos, _in_cache_type(k.transpose(0, 1), k_cache))
+    v_cache.index_copy_(1, pos, _in_cache_type(v.transpose(0, 1), v_cache))
     qg = q.reshape(nkv, g, hd).float()
     scores = torch.bmm(qg, k_cache.float().transpose(1, 2)).mul_(1.0 / math.sqrt(hd))  # [nkv, g, capacity]
     scores.masked_fill_(after, float("-inf"))
@@ -485,7 +492,8 @@ def attention_mixer(x: torch.Tensor, w, cfg, k_cache: torch.Tensor, v_cache: tor
                     dtype=torch.float32) -> torch.Tensor:
     """A gated full-attention layer's mixer over T new tokens at positions start..start+T-1 of one sequence.
 
-    k_cache, v_cache: [kv_heads, capacity, hd], written in place at the new positions.
+    k_cache, v_cache: [kv_heads, capacity, hd] (in f32, f16, bf16, or q8_0 blocks: a Q8Cache, dequantized on read),
+    written in place at the new positions.
     `query_rows` bounds the attention score matrix: queries are processed that many at a time.
     """
     q, k, v, gate = _attention_qkv(x, w, cfg, rope)

@@ -10,15 +10,17 @@ from dataclasses import dataclass
 
 import torch
 
+from deltaserve.engine.q8cache import BLOCK, Q8Cache
 from deltaserve.errors import DeltaserveError
 from deltaserve.formats.config import HybridConfig
 
 # The KV cache's types (--kv-type): the torch dtype a cache is stored in, and its bytes per value. f32 is the
 # default (the one-call native decode reads f32 caches only); f16/bf16 halve the cache and the bytes a decode step
 # reads at depth, the torch attention converting on read; q8_0 (llama.cpp's blocks of 32 int8 values and an f16
-# scale: 34 bytes per 32 values) is planned for but not stored yet.
+# scale: 34 bytes per 32 values) is a Q8Cache (engine/q8cache.py) whose dtype is its values' int8, the torch
+# attention dequantizing on read.
 KV_TYPES = ("f32", "f16", "bf16", "q8_0")
-KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "q8_0": Q8Cache.dtype}
 KV_BYTES_PER_VALUE = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32}
 
 
@@ -31,12 +33,19 @@ def kv_type_name(kv_type: str | None) -> str:
     return kv_type
 
 
-def kv_torch_dtype(kv_type: str | None) -> torch.dtype:
-    """The torch dtype a cache of `kv_type` is stored in; a type planned but not stored yet is refused in one line."""
+def kv_type_for(config: HybridConfig, kv_type: str | None) -> str:
+    """`kv_type` checked as `kv_type_name` and against the model: a q8_0 cache's blocks of 32 values run along
+    head_dim, which must be a multiple of 32 (as llama.cpp's); otherwise a one-line error naming it."""
     name = kv_type_name(kv_type)
-    if name not in KV_DTYPES:
-        raise DeltaserveError(f"the {name} KV cache is not built yet: use one of {', '.join(KV_DTYPES)}")
-    return KV_DTYPES[name]
+    if name == "q8_0" and config.head_dim % BLOCK:
+        raise DeltaserveError(f"the q8_0 KV cache needs a head_dim that is a multiple of {BLOCK} (its blocks of "
+                              f"{BLOCK} values run along it); this model's is {config.head_dim}: use f32, f16 or bf16")
+    return name
+
+
+def kv_torch_dtype(kv_type: str | None) -> torch.dtype:
+    """The torch dtype a cache of `kv_type` is stored in (q8_0: torch.int8, its values' type)."""
+    return KV_DTYPES[kv_type_name(kv_type)]
 
 
 def kv_type_of(dtype: torch.dtype) -> str:
@@ -53,6 +62,21 @@ def kv_position_bytes(config: HybridConfig, kv_type: str | None = None) -> int:
     return int(round(values * KV_BYTES_PER_VALUE[kv_type_name(kv_type)]))
 
 
+def new_kv(shape: tuple[int, ...], dtype: torch.dtype, device, zeros: bool = True):
+    """One attention layer's keys or values in the KV type whose torch dtype is `dtype` (q8_0: a Q8Cache)."""
+    if dtype == Q8Cache.dtype:
+        return Q8Cache.zeros(shape, device) if zeros else Q8Cache.empty(shape, device)
+    return (torch.zeros if zeros else torch.empty)(shape, dtype=dtype, device=device)
+
+
+def kv_as(t, dtype: torch.dtype):
+    """A cache tensor (or Q8Cache) in the KV type whose torch dtype is `dtype`: itself when it is already, else
+    converted (q8_0 quantized from the values, dequantized to a float type)."""
+    if t.dtype == dtype:
+        return t
+    return Q8Cache.of(t) if dtype == Q8Cache.dtype else t.to(dtype)
+
+
 class DecodeState:
     """Per-layer state for `capacity` positions on one device.
 
@@ -65,6 +89,8 @@ class DecodeState:
                  kv_dtype: torch.dtype = torch.float32, prefill_rows: int = 2048, query_rows: int = 64):
         if capacity <= 0:
             raise ValueError(f"a decode state needs a positive capacity, got {capacity}")
+        if kv_dtype == Q8Cache.dtype:
+            kv_type_for(config, "q8_0")
         self.config = config
         self.capacity = capacity
         self.device = torch.device(device)
@@ -85,20 +111,22 @@ class DecodeState:
         for i in range(c.num_layers):
             if c.is_attention(i):
                 shape = (c.num_kv_heads, capacity, c.head_dim)
-                self.kv[i] = (torch.zeros(shape, dtype=kv_dtype, device=self.device),
-                              torch.zeros(shape, dtype=kv_dtype, device=self.device))
+                self.kv[i] = (new_kv(shape, kv_dtype, self.device), new_kv(shape, kv_dtype, self.device))
             else:
                 self.conv[i] = torch.zeros((c.conv_kernel - 1, c.conv_dim), dtype=torch.float32, device=self.device)
                 self.ssm[i] = torch.zeros((c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim),
                                           dtype=torch.float32, device=self.device)
 
     @staticmethod
-    def bytes_for(config: HybridConfig, capacity: int, kv_dtype_bytes: int = 4) -> int:
-        return config.kv_bytes_per_position(kv_dtype_bytes) * capacity + config.recurrent_state_bytes()
+    def bytes_for(config: HybridConfig, capacity: int, kv_dtype_bytes: int = 4, kv_type: str | None = None) -> int:
+        """A state's bytes: its KV cache in `kv_type` where given (else `kv_dtype_bytes` a value) and the recurrent
+        state."""
+        per = kv_position_bytes(config, kv_type) if kv_type is not None else config.kv_bytes_per_position(kv_dtype_bytes)
+        return per * capacity + config.recurrent_state_bytes()
 
     @property
     def nbytes(self) -> int:
-        return DecodeState.bytes_for(self.config, self.capacity, torch.tensor([], dtype=self.kv_dtype).element_size())
+        return DecodeState.bytes_for(self.config, self.capacity, kv_type=kv_type_of(self.kv_dtype))
 
     def reset(self) -> None:
         """Back to position 0 without allocating: recurrent and conv state zeroed (KV needs no zeroing)."""
@@ -174,7 +202,7 @@ class Checkpoint:
         for i in range(c.num_layers):
             if c.is_attention(i):
                 shape = (c.num_kv_heads, kv_capacity, c.head_dim)
-                kv[i] = (torch.empty(shape, dtype=kv_dtype, device=device), torch.empty(shape, dtype=kv_dtype, device=device))
+                kv[i] = (new_kv(shape, kv_dtype, device, zeros=False), new_kv(shape, kv_dtype, device, zeros=False))
             else:
                 conv[i] = torch.empty((c.conv_kernel - 1, c.conv_dim), dtype=torch.float32, device=device)
                 ssm[i] = torch.empty((c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim),
@@ -189,15 +217,16 @@ class Checkpoint:
         return torch.float32
 
     def with_kv(self, dtype: torch.dtype) -> "Checkpoint":
-        """This checkpoint with its KV cache converted to `dtype` (itself where it is held in that type already);
-        the recurrent and conv state are f32 in every type and are shared, not copied."""
+        """This checkpoint with its KV cache converted to `dtype` (itself where it is held in that type already; q8_0
+        quantized from the values, or dequantized); the recurrent and conv state are f32 in every type and are
+        shared, not copied."""
         if self.kv_dtype == dtype:
             return self
-        kv = {i: (k.to(dtype), v.to(dtype)) for i, (k, v) in self.kv.items()}
+        kv = {i: (kv_as(k, dtype), kv_as(v, dtype)) for i, (k, v) in self.kv.items()}
         return Checkpoint(self.config, self.device, self.kv_capacity, kv, self.conv, self.ssm, self.length,
                           self.rope_delta)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for pair in self.kv.values() for t in pair) + \
-            sum(t.numel() * t.element_size() for t in list(self.conv.values()) + list(self.ssm.values()))
+        return sum(t.nbytes for pair in self.kv.values() for t in pair) + \
+            sum(t.nbytes for t in list(self.conv.values()) + list(self.ssm.values()))

@@ -98,7 +98,10 @@ class Backend:
         `kv_type` (a 16-bit cache takes the torch attention: the one-call native decode reads f32 caches only)."""
         head = self.host.weights.lm_head
         program, decode = self.forward.token_program() if isinstance(head, (Int8Linear, BlockLinear)) else (None, "")
-        if program is not None and kv_type != "f32":
+        if program is not None and kv_type == "q8_0":
+            decode = ("decode through torch ops (the q8_0 KV cache: its int8 blocks dequantized by the torch "
+                      "attention; the one-call native decode does not read q8_0)")
+        elif program is not None and kv_type != "f32":
             decode = (f"decode through torch ops (the {kv_type} KV cache: the one-call native decode reads f32 "
                       f"caches only)")
         if isinstance(head, Int8Linear):

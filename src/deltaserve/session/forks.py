@@ -46,7 +46,7 @@ class Forks:
         prompt opens a thought."""
         n = len(self.sinks)
         positions = len(prompt) + budget
-        need = n * DecodeState.bytes_for(session.host.config, positions, session.kv_dtype.itemsize)
+        need = n * DecodeState.bytes_for(session.host.config, positions, kv_type=session.kv_type)
         free = session._memory().free
         if need > free:
             raise CapacityError(f"{n + 1} choices need {n} more decode states of {positions} positions "

@@ -22,7 +22,7 @@ import torch
 from deltaserve.runtime import capacity as cap
 from deltaserve.runtime.backend import AcceleratorFailure, Backend, CPUBackend
 from deltaserve.runtime.engine import Blocking, Cancelled, Prefill, PrefillDone, Rows
-from deltaserve.engine.state import Checkpoint, DecodeState, kv_torch_dtype, kv_type_name, kv_type_of
+from deltaserve.engine.state import Checkpoint, DecodeState, kv_torch_dtype, kv_type_for, kv_type_of
 from deltaserve.engine.weights import trim_heap
 from deltaserve.errors import BackendError, CapacityError, DeltaserveError
 from deltaserve.session.decoding import DecodeLoop, TOKEN_ROWS  # noqa: F401 - TOKEN_ROWS: the session's name for it
@@ -132,7 +132,7 @@ class Session(DecodeLoop):
                  loop_guard: bool | None = None, kv_type: str | None = None):
         self.host = host
         # the KV cache's type (engine/state.py: KV_TYPES; None: f32), checked before anything is built
-        self.kv_type = kv_type_name(kv_type)
+        self.kv_type = kv_type_for(host.config, kv_type)
         self.kv_dtype = kv_torch_dtype(self.kv_type)
         if mtp is not None and (isinstance(mtp, bool) or not isinstance(mtp, int) or mtp < 0):
             raise DeltaserveError(f"mtp must be a count of draft tokens >= 0 (0: off), got {mtp!r}")

@@ -25,6 +25,7 @@ from typing import Sequence
 
 import torch
 
+from deltaserve.engine.q8cache import Q8Cache
 from deltaserve.engine.state import KV_DTYPES, Checkpoint, kv_type_of
 from deltaserve.errors import DeltaserveError
 from deltaserve.formats.config import HybridConfig
@@ -35,8 +36,10 @@ FORMAT = "deltaserve-state/4"  # /4: the KV cache's type (/3: an HMAC under the 
 SUFFIX = ".state"
 MAX_HEADER = 64 << 20  # a state file's header (its token list) is far below this
 MAC_FIELDS = ("format", "model_sha256", "deltaserve", "tokens", "length", "rope_delta", "partition", "kv_type")
-# a KV type's safetensors dtype name (the recurrent and conv state are F32 in every type)
-SAFETENSORS_DTYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16"}
+# a KV type's safetensors dtype name (the recurrent and conv state are F32 in every type); a q8_0 cache is two
+# tensors a part: its int8 values (kv.i.k, I8) and their f16 scales, one per 32 along head_dim (kv.i.k.scale, F16)
+SAFETENSORS_DTYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "I8"}
+SCALE = ".scale"
 
 
 class StateFileError(DeltaserveError):
@@ -53,9 +56,13 @@ def checkpoint_tensors(ck: Checkpoint) -> dict[str, torch.Tensor]:
     """The parts of a checkpoint as named, contiguous CPU tensors (KV cut to the positions it holds)."""
     n = ck.length
     out: dict[str, torch.Tensor] = {}
-    for i, (k, v) in ck.kv.items():
-        out[f"kv.{i}.k"] = k[:, :n].contiguous().cpu()
-        out[f"kv.{i}.v"] = v[:, :n].contiguous().cpu()
+    for i, pair in ck.kv.items():
+        for name, t in zip("kv", pair):
+            t = t[:, :n].contiguous().cpu()
+            if isinstance(t, Q8Cache):
+                out[f"kv.{i}.{name}"], out[f"kv.{i}.{name}{SCALE}"] = t.qs, t.d
+            else:
+                out[f"kv.{i}.{name}"] = t
     for i, t in ck.conv.items():
         out[f"conv.{i}"] = t.contiguous().cpu()
     for i, t in ck.ssm.items():
@@ -65,13 +72,16 @@ def checkpoint_tensors(ck: Checkpoint) -> dict[str, torch.Tensor]:
 
 def expected_parts(config: HybridConfig, n: int,
                    kv_dtype: torch.dtype = torch.float32) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Each part a state of `n` positions holds: its shape and type (the KV cache in `kv_dtype`, the rest f32)."""
+    """Each part a state of `n` positions holds: its shape and type (the KV cache in `kv_dtype`, the rest f32; a
+    q8_0 cache's values int8 and their scales f16)."""
     c = config
     parts: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for i in range(c.num_layers):
         if c.is_attention(i):
             for kv in "kv":
                 parts[f"kv.{i}.{kv}"] = ((c.num_kv_heads, n, c.head_dim), kv_dtype)
+                if kv_dtype == Q8Cache.dtype:
+                    parts[f"kv.{i}.{kv}{SCALE}"] = ((c.num_kv_heads, n, c.head_dim // 32), torch.float16)
         else:
             parts[f"conv.{i}"] = ((c.conv_kernel - 1, c.conv_dim), torch.float32)
             parts[f"ssm.{i}"] = ((c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim),
@@ -236,7 +246,10 @@ def read_state(path: Path, config: HybridConfig, model_sha256: str, key: bytes |
         raise StateFileError(f"{path.name} is corrupt or forged (its HMAC does not match its tokens and tensors)")
     tensors = {name: torch.frombuffer(data, dtype=dtype, offset=a, count=(b - a) // _size(dtype)).reshape(shape)
                for a, b, name, shape, dtype in spans} if total else {}
-    kv = {i: (tensors[f"kv.{i}.k"], tensors[f"kv.{i}.v"]) for i in range(config.num_layers) if config.is_attention(i)}
+    def cache(name: str):
+        return Q8Cache(tensors[name], tensors[name + SCALE]) if name + SCALE in tensors else tensors[name]
+
+    kv = {i: (cache(f"kv.{i}.k"), cache(f"kv.{i}.v")) for i in range(config.num_layers) if config.is_attention(i)}
     conv = {i: tensors[f"conv.{i}"] for i in config.deltanet_layers}
     ssm = {i: tensors[f"ssm.{i}"] for i in config.deltanet_layers}
     return tokens, Checkpoint(config, torch.device("cpu"), n, kv, conv, ssm, length=n, rope_delta=delta)
