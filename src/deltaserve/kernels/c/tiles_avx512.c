@@ -3,7 +3,8 @@
  * a block in one instruction each, and every product of blocks of 32 or 256 runs on tiles of four weight rows: the
  * same exact integer sum of each block as rows_avx2.c's, scaled by the same f32 factors; only the order in which
  * the f32 terms are added differs (blocks in pairs and lanes, rows alike whatever M is, so a row's result never
- * depends on the rows beside it). Q8_0 tensors of long rows take 16-row tiles (tile16_q8_0). Compiled with
+ * depends on the rows beside it). Q8_0 tensors of long rows take 16-row tiles (tile16_q8_0); the K-quants' products
+ * of 3 rows or more take one weight row against up to four activation rows (multi_tile). Compiled with
  * -ffp-contract=off. */
 #include <omp.h>
 
@@ -15,14 +16,14 @@
 #ifdef BLK_VNNI
 
 /* The most activation rows a tile's pass takes: the tiles of four weight rows take one or two, multi_tile (one weight
- * row) up to TM, which keeps a K-quant tile's sums, scales and mins in registers (eight spilled them). Each (weight
- * row, activation row) pair has accumulators of its own and the same operations in the same order whatever R and M
- * are, so a row's sum never depends on the rows beside it. */
+ * row) up to TM: four rows' K-quant sums, scales and mins (16 vectors) and the row's unpacked values fit the 32
+ * registers, eight rows' would not. Each (weight row, activation row) pair has accumulators of its own and the same
+ * operations in the same order whatever R and M are, so a row's sum never depends on the rows beside it. */
 #define TM 4
 
 /* ---- the products of blocks of 32 and 256 with 512-bit vectors (AVX512-VNNI) ------------------------------------
  * R weight rows at a time (R = 4, or 1 for the last rows; a constant after inlining, as M is) against M = 1 or 2
- * activation rows (blk_tiles runs more rows two at a time): four independent accumulation chains, each row's blocks
+ * activation rows (blk_tiles runs more rows two at a time, or the K-quants' on multi_tile): four independent accumulation chains, each row's blocks
  * read once and used for both activation rows. out[r * 2 + m].
  * Each row is prefetched into L2 PREFETCH bytes ahead (prefetch_ahead, above). */
 
