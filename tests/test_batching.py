@@ -314,8 +314,8 @@ def test_with_batch_invariance_greedy_sequences_on_k_quant_blocks_decode_the_sam
         batch_invariant):
     """Four sequences of a Q4_K_M file (llama.cpp's quantization of the demo model: Q4_K and Q6_K blocks) decode
     greedily six steps, each alone and all four in one call a step: the same tokens and logits bit for bit. Their
-    products of 4 rows run on the many-row tiles of the 512-bit build (each row summed as one row alone), on the
-    pair tiles or AVX2 rows elsewhere."""
+    Q6_K products of 4 rows run on the many-row tiles of the 512-bit build (each row summed as one row alone), the
+    Q4_K ones on the pair tiles (AVX2: its rows)."""
     import deltaserve
     from deltaserve.engine.forward import Forward
     from deltaserve.kernels import routes
@@ -325,7 +325,8 @@ def test_with_batch_invariance_greedy_sequences_on_k_quant_blocks_decode_the_sam
     f = Forward(model.config, model.host.weights)
     c = routes.capabilities()
     if c.vnni512 and c.multi:
-        assert routes.decode_step("Q4_K", 4).kernel == routes.decode_step("Q6_K", 4).kernel == "multi_tile (tiles_avx512.c)"
+        assert routes.decode_step("Q6_K", 4).kernel == "multi_tile (tiles_avx512.c)"
+        assert routes.decode_step("Q4_K", 4).kernel == "tiles_avx512"
     prompts = [[5 + i, 17, 42 + 3 * i, 99, 3 + i] for i in range(4)]
 
     def greedy(group):

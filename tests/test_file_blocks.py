@@ -128,8 +128,8 @@ def test_a_product_on_the_blocks_is_the_arithmetic_llama_cpp_does_and_each_row_i
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_each_of_1_to_16_rows_on_the_decode_products_gets_its_one_row_bits_and_gguf_values_times_its_rounded_row(kind):
-    """The decode products of 1 to 16 rows (the one-row and pair tiles; from 3 rows the K-quants' many-row tiles on
-    the 512-bit build; rows_avx2.c's rows on AVX2): each row's sum is bit for bit the one it gets alone, and it is the
+    """The decode products of 1 to 16 rows (the one-row and pair tiles; from 3 rows Q6_K's many-row tiles on the
+    512-bit build; rows_avx2.c's rows on AVX2): each row's sum is bit for bit the one it gets alone, and it is the
     weight as gguf.quants dequantizes it times the row as llama.cpp rounds it for the type, to f32 rounding."""
     if not native.portable()[0]:
         pytest.skip(f"no native decode products here: {native.portable()[1]}")

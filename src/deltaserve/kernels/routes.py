@@ -45,8 +45,9 @@ TILED_512 = frozenset(("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q5_0", "
                        "Q2_K", "Q3_K", "TQ2_0", "TQ1_0"))
 TILED_AVX2 = frozenset(("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"))
 # the types whose decode products of 3 rows or more take the 512-bit many-row tiles (tiles_avx512.c's multi_tile: a
-# weight row unpacked once for up to 4 activation rows a pass, each row summed as one row alone is summed)
-MULTI_512 = frozenset(("Q4_K", "Q5_K", "Q6_K"))
+# weight row unpacked once for up to 4 activation rows a pass, each row summed as one row alone is summed); the
+# others' stay on the pair tiles, which were as fast or faster (docs/kernels.md)
+MULTI_512 = frozenset(("Q6_K",))
 # the block kinds the GEMM takes (gemm.c's gemm_mode)
 GEMM_KINDS = ("Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS", "MXFP4",
               "Q3_K", "TQ1_0", "TQ2_0", "NVFP4", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "Q2_K")

@@ -3,9 +3,8 @@
  * a block in one instruction each, and every product of blocks of 32 or 256 runs on tiles of four weight rows: the
  * same exact integer sum of each block as rows_avx2.c's, scaled by the same f32 factors; only the order in which
  * the f32 terms are added differs (blocks in pairs and lanes, rows alike whatever M is, so a row's result never
- * depends on the rows beside it). Q8_0 tensors of long rows take 16-row tiles (tile16_q8_0); the K-quants' products
- * of 3 rows or more take one weight row against up to four activation rows (multi_tile). Compiled with
- * -ffp-contract=off. */
+ * depends on the rows beside it). Q8_0 tensors of long rows take 16-row tiles (tile16_q8_0); Q6_K products of 3 rows
+ * or more take one weight row against up to four activation rows (multi_tile). Compiled with -ffp-contract=off. */
 #include <omp.h>
 
 #include "expand.h"
@@ -15,16 +14,16 @@
 
 #ifdef BLK_VNNI
 
-/* The most activation rows a tile's pass takes: the tiles of four weight rows take one or two, multi_tile (one weight
- * row) up to TM: four rows' K-quant sums, scales and mins (16 vectors) and the row's unpacked values fit the 32
- * registers, eight rows' would not. Each (weight row, activation row) pair has accumulators of its own and the same
- * operations in the same order whatever R and M are, so a row's sum never depends on the rows beside it. */
+/* The most activation rows a tile's pass takes: the tiles of four weight rows take one or two, multi_tile (one Q6_K
+ * weight row) up to TM: four rows' sums and the row's unpacked values fit the 32 registers. Each (weight row,
+ * activation row) pair has accumulators of its own and the same operations in the same order whatever R and M are,
+ * so a row's sum never depends on the rows beside it. */
 #define TM 4
 
 /* ---- the products of blocks of 32 and 256 with 512-bit vectors (AVX512-VNNI) ------------------------------------
  * R weight rows at a time (R = 4, or 1 for the last rows; a constant after inlining, as M is) against M = 1 or 2
- * activation rows (blk_tiles runs more rows two at a time, or the K-quants' on multi_tile): four independent accumulation chains, each row's blocks
- * read once and used for both activation rows. out[r * 2 + m].
+ * activation rows (blk_tiles runs more rows two at a time, or Q6_K's on multi_tile): four independent accumulation
+ * chains, each row's blocks read once and used for both activation rows. out[r * 2 + m].
  * Each row is prefetched into L2 PREFETCH bytes ahead (prefetch_ahead, above). */
 
 /* Blocks j, j + 1 of a Q8_0 or Q4_0 row (b: block j) as 64 unsigned bytes in the activations' order: Q8_0's w + 128
@@ -395,7 +394,7 @@ static inline __attribute__((always_inline)) void tile_q45k(int type, const uint
     const __m512i pick_mins = _mm512_broadcast_i32x4(_mm_setr_epi8(8, -1, 9, -1, 10, -1, 11, -1, 12, -1, 13, -1, 14, -1, 15, -1));
     const __m512i dd_of_rows = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
     const __m512i dmin_of_rows = _mm512_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3, 5, 5, 5, 5, 7, 7, 7, 7);
-    __m512 vacc[4][TM], macc[TM];  /* macc: lane r, row r's mins times the sums */
+    __m512 vacc[4][2], macc[2];  /* macc: lane r, row r's mins times the sums */
     for (int m = 0; m < M; m++) {
         macc[m] = _mm512_setzero_ps();
         for (int r = 0; r < R; r++) vacc[r][m] = _mm512_setzero_ps();
@@ -406,7 +405,7 @@ static inline __attribute__((always_inline)) void tile_q45k(int type, const uint
         /* [d0, dmin0, d1, dmin1, ..] of the R rows in f32 */
         __m512 dd = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi32(dd_of_rows, raw))));
         __m512i mins = _mm512_shuffle_epi8(sm, pick_mins);
-        __m512 f[TM];  /* [d da, dmin da, ..] */
+        __m512 f[2];  /* [d da, dmin da, ..] */
         for (int m = 0; m < M; m++) {
             const int16_t *bs = a[m].bs + 16 * jb;  /* the activations' sums of 32, sub-blocks 0..7 */
             __m128i sums = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)bs), _mm_loadu_si128((const __m128i *)(bs + 8)));
@@ -430,8 +429,7 @@ static inline __attribute__((always_inline)) void tile_q45k(int type, const uint
                 w[2] = _mm512_ternarylogic_epi32(w[2], qh2, bit4, 0xF8);
                 w[3] = _mm512_ternarylogic_epi32(w[3], _mm512_srli_epi16(qh2, 1), bit4, 0xF8);
             }
-            __m512i dot[TM];
-            for (int m = 0; m < M; m++) dot[m] = _mm512_setzero_si512();
+            __m512i dot[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
             for (int c = 0; c < 4; c++) {
                 __m512i s = _mm512_shuffle_epi8(sc, pick[c]);
                 for (int m = 0; m < M; m++)
@@ -613,33 +611,27 @@ static inline __attribute__((always_inline)) void tile16_q8_0(const uint8_t *row
     }
     for (int m = 0; m < M; m++) _mm512_storeu_ps(out + (size_t)m * ldo, f[m]);
 }
-/* ---- the many-row decode products (3 to 16 activation rows) of Q4_K, Q5_K and Q6_K ------------------------------
+/* ---- the many-row decode products of Q6_K (3 to 16 activation rows) --------------------------------------------
  * One weight row at a time against up to TM activation rows a pass: the row's blocks are loaded and unpacked once a
- * pass (the nibbles, the six-bit scales and mins, the f16 factors), where the pair tiles unpack them again for every
- * pair. The code is the one-row tile's (tile_q45k, tile_q6k with R = 1 and M a constant up to TM), so each
- * activation row's sum is the one-row product's bit for bit (a batch-invariant decode step of several sequences
- * gives each the bits it gets alone). Not Q8_0 or Q4_0: their unpacking is a load and an xor, and one weight row
- * against four activation rows was slower than the pair tiles, which share each activation load among four weight
- * rows. Their sums are still the one-row ones: the GEMM the one-call decode takes from routes.decode_gemm_rows()
- * rows is faster at many rows because it sums in another order (docs/kernels.md). */
-static int blk_multi_type(int type) { return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K; }
+ * pass (the six-bit values from ql and qh, the 16 scales), where the pair tiles unpack them again for every pair.
+ * The code is the one-row tile's (tile_q6k with R = 1 and M a constant up to TM), so each activation row's sum is
+ * the one-row product's bit for bit: a decode step of several sequences on these tiles (DELTASERVE_BATCH_INVARIANT)
+ * gives each the bits it gets alone. Only Q6_K: its unpacking is a third of its one-row work and shares nothing
+ * between weight rows; Q4_K's (and Q5_K's, the same tile) shares its scales among the four rows of a pair tile, and
+ * one or two weight rows against four activation rows were no faster than the pair tiles; Q8_0's is a load and an
+ * xor, and one weight row against 4-8 rows was slower than they are (docs/kernels.md). */
+static int blk_multi_type(int type) { return type == T_Q6_K; }
 
-/* its presence says that this build's decode products of 3 rows or more take multi_tile for blk_multi_type's types */
+/* its presence says that this build's Q6_K decode products of 3 rows or more take multi_tile */
 int ds_blocks_multi(void) { return 1; }
 
-static inline __attribute__((always_inline)) void multi_m(int type, const uint8_t *row, int K, const act_t *a,
-                                                          const int M, float *out) {
-    if (type == T_Q6_K) tile_q6k(row, 0, 1, K, a, M, out);
-    else tile_q45k(type, row, 0, 1, K, a, M, out);
-}
-
 /* one weight row against M <= TM activation rows (M a constant in each case: the sums stay in registers) */
-static void multi_tile(int type, const uint8_t *row, int K, const act_t *a, int M, float *out) {
+static void multi_tile(const uint8_t *row, int K, const act_t *a, int M, float *out) {
     switch (M) {
-    case 1: multi_m(type, row, K, a, 1, out); break;
-    case 2: multi_m(type, row, K, a, 2, out); break;
-    case 3: multi_m(type, row, K, a, 3, out); break;
-    default: multi_m(type, row, K, a, TM, out);
+    case 1: tile_q6k(row, 0, 1, K, a, 1, out); break;
+    case 2: tile_q6k(row, 0, 1, K, a, 2, out); break;
+    case 3: tile_q6k(row, 0, 1, K, a, 3, out); break;
+    default: tile_q6k(row, 0, 1, K, a, TM, out);
     }
 }
 
@@ -683,7 +675,7 @@ void blk_tiles_isa(int type, int kind, const uint8_t *blocks, size_t row_bytes, 
                 act_t am[TM];
                 float out[2 * TM];
                 for (int m = 0; m < mm; m++) am[m] = act_row(kind, scratch, Mall, K, m_first + m0 + m);
-                multi_tile(type, row, K, am, mm, out);
+                multi_tile(row, K, am, mm, out);
                 for (int m = 0; m < mm; m++) y[(size_t)(m0 + m) * ldy + n] = out[m];
             }
         }
