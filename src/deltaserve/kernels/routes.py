@@ -151,7 +151,8 @@ def _measure() -> Capabilities:
     return Capabilities(
         build=variant.name if variant is not None and lib is not None else "", why_not=library.why_not(),
         flags=flags, blocks=has("ds_linear_blocks"), vnni512=has("ds_blocks_vnni"), tables=has("ds_linear_i8"),
-        one_call=has("ds_decode_tokens"), multi=has("ds_blocks_multi"), gemm_fast=frozenset(gemm_fast), gemm_any=frozenset(gemm_any),
+        one_call=has("ds_decode_tokens"), multi=has("ds_blocks_multi"), gemm_fast=frozenset(gemm_fast),
+        gemm_any=frozenset(gemm_any),
         attention_bf16=has("ds_attention_bf16"), attention_f32=has("ds_attention_f32"),
         amx=s.amx and "amx_bf16" in flags and _amx_granted(), int8_exact=_int8_exact(), activations=s.activations,
         prefill=s.prefill, batch_invariant=s.batch_invariant, vision=s.vision, chunk_elements=CHUNK_ELEMENTS)
