@@ -310,6 +310,45 @@ def test_with_batch_invariance_a_row_gets_the_same_bits_alone_or_among_others(ba
     assert all(torch.equal(a, b) for a, b in zip(alone, together))
 
 
+def test_with_batch_invariance_greedy_sequences_on_k_quant_blocks_decode_the_same_bits_together_as_alone(
+        batch_invariant):
+    """Four sequences of a Q4_K_M file (llama.cpp's quantization of the demo model: Q4_K and Q6_K blocks) decode
+    greedily six steps, each alone and all four in one call a step: the same tokens and logits bit for bit. Their
+    Q6_K products of 4 rows run on the many-row tiles of the 512-bit build (each row summed as one row alone), the
+    Q4_K ones on the pair tiles (AVX2: its rows)."""
+    import deltaserve
+    from deltaserve.engine.forward import Forward
+    from deltaserve.kernels import routes
+    from tests.test_fast_weights import demo_by_llama_cpp
+
+    model = deltaserve.load(demo_by_llama_cpp("Q4_K_M", "q4_k_m"), cache=False)
+    f = Forward(model.config, model.host.weights)
+    c = routes.capabilities()
+    if c.vnni512 and c.multi:
+        assert routes.decode_step("Q6_K", 4).kernel == "multi_tile (tiles_avx512.c)"
+        assert routes.decode_step("Q4_K", 4).kernel == "tiles_avx512"
+    prompts = [[5 + i, 17, 42 + 3 * i, 99, 3 + i] for i in range(4)]
+
+    def greedy(group):
+        states, toks, logits = [], [], [[] for _ in group]
+        for p in group:
+            st = f.new_state(32)
+            toks.append(int(f.prefill(st, p).argmax()))
+            states.append(st)
+        for _ in range(6):
+            out, calls = f.run_rows([(st, [t], None) for st, t in zip(states, toks)])
+            assert calls == 1
+            for i, o in enumerate(out):
+                logits[i].append(o[0])
+            toks = [int(o[0].argmax()) for o in out]
+        return [torch.stack(rows) for rows in logits]
+
+    together = greedy(prompts)
+    alone = [greedy([p])[0] for p in prompts]
+    for a, b in zip(alone, together):
+        assert torch.equal(a.argmax(-1), b.argmax(-1)) and torch.equal(a, b)
+
+
 def test_by_default_four_rows_take_the_block_gemm_and_agree_with_one_row_to_rounding():
     import deltaserve
     from deltaserve.kernels import routes

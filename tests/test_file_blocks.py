@@ -126,6 +126,32 @@ def test_a_product_on_the_blocks_is_the_arithmetic_llama_cpp_does_and_each_row_i
                 assert torch.equal(lin(x[i:i + 1])[0], y[i]), (kind, m, i)
 
 
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_each_of_1_to_16_rows_on_the_decode_products_gets_its_one_row_bits_and_gguf_values_times_its_rounded_row(kind):
+    """The decode products of 1 to 16 rows (the one-row and pair tiles; from 3 rows Q6_K's many-row tiles on the
+    512-bit build; rows_avx2.c's rows on AVX2): each row's sum is bit for bit the one it gets alone, and it is the
+    weight as gguf.quants dequantizes it times the row as llama.cpp rounds it for the type, to f32 rounding."""
+    if not native.portable()[0]:
+        pytest.skip(f"no native decode products here: {native.portable()[1]}")
+    # 37 output rows: tiles of four and a rest; Q8_0/Q4_0 rows of 13 blocks (a run of 8 and a rest), K-quants of 2
+    rows, cols = 37, 416 if kind in ("Q8_0", "Q4_0") else 512
+    raw = random_blocks(kind, rows, cols, seed=11 + len(kind))
+    w = torch.from_numpy(quants.dequantize(raw, T[kind])).double().reshape(rows, cols)
+    lin = L.BlockLinear([(kind, torch.from_numpy(raw))], cols)
+    x = torch.randn(routes.GEMV_ROWS, cols, generator=torch.Generator().manual_seed(5)) * 3
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(len(x))])
+    claimed = quantized_activations(x, kind) @ w.t()
+    assert ((alone - claimed).norm(dim=1) / claimed.norm(dim=1)).max().item() < 1e-5, kind
+    for m in range(1, len(x) + 1):
+        with routes.recording() as ran:
+            y = lin(x[:m])
+        assert ran == [routes.blocks(kind, m)] and ran[0].family == "blocks", (kind, m, ran)
+        assert torch.equal(y, alone[:m]), (kind, m, [i for i in range(m) if not torch.equal(y[i], alone[i])])
+    c = routes.capabilities()
+    if c.vnni512 and c.multi and kind in routes.MULTI_512:
+        assert routes.blocks(kind, 3).kernel == routes.blocks(kind, 16).kernel == "multi_tile (tiles_avx512.c)"
+
+
 def test_many_rows_multiply_exact_chunks_of_the_weight_with_f32_activations(monkeypatch):
     monkeypatch.setenv("DELTASERVE_PREFILL", "f32")
     rows, cols = 300, 512

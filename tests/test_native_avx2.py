@@ -267,6 +267,8 @@ AVX2_ROUTE_TESTS = ["tests/test_native_avx2.py",
                     "tests/test_file_blocks.py::test_the_block_gemm_takes_the_types_with_a_scale_every_16_from_their_expanded_rows",
                     "tests/test_file_blocks.py::test_a_long_prefills_tokens_pass_the_panels_in_blocks_and_each_row_comes_out_as_if_alone",
                     "tests/test_file_blocks.py::test_the_default_weights_are_the_files_own_blocks_with_or_without_amx",
+                    "tests/test_file_blocks.py::test_each_of_1_to_16_rows_on_the_decode_products_gets_its_one_row_bits_"
+                    "and_gguf_values_times_its_rounded_row",
                     "tests/test_file_blocks.py::test_a_prefill_takes_the_block_gemm_where_it_beats_torchs_f32_gemm_on_exact_chunks"] + [
     "tests/test_file_blocks.py::test_the_block_gemm_is_the_files_values_times_activations_rounded_as_llama_cpp_rounds_them_"
     f"whatever_the_shape[{out}-{rows}-{kind}]" for kind in ("Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_1", "IQ4_NL")

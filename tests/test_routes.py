@@ -38,9 +38,32 @@ def test_a_product_on_the_files_blocks_takes_the_route_the_table_gives_for_its_r
             assert ran == [routes.blocks(kind, rows, lin.int8_activations)] and y.shape == (rows, 40), (kind, rows)
         ranges = routes.table_rows([("blocks", kind, 512)])
         starts = {r.first for r in ranges if r.weights == "blocks"}
-        assert starts <= {1, routes.block_rows() + 1}, ranges  # the table's only threshold for these weights
+        multi = c.multi and c.vnni512 and kind in routes.MULTI_512  # the many-row tiles from 3 rows
+        assert starts <= {1, routes.block_rows() + 1} | ({3} if multi else set()), ranges  # the table's thresholds
         if c.blocks:
-            assert ranges[0].route.family == "blocks" and ranges[0].last == routes.block_rows()
+            decode = [r for r in ranges if r.weights == "blocks" and r.route.family == "blocks"]
+            assert decode[0].first == 1 and decode[-1].last == routes.block_rows(), ranges
+            assert [r.route.kernel for r in decode][1:] == (["multi_tile (tiles_avx512.c)"] if multi else []), ranges
+
+
+def test_q6_k_products_of_3_to_16_rows_take_the_many_row_tiles_and_the_one_call_decode_keeps_its_gemm():
+    """On the 512-bit build Q6_K products of 3 to 16 rows take the many-row tiles (each row's sum the one it gets
+    alone: tests/test_file_blocks.py checks the bits); Q4_K's, Q5_K's and Q8_0's stay on the pair tiles and the AVX2
+    build on its rows. The one-call decode takes the GEMM from decode_gemm_rows() as before, and the many-row tiles
+    only where DELTASERVE_BATCH_INVARIANT=on keeps every row count on the decode products."""
+    base = dataclasses.replace(routes.capabilities(), vnni512=True, multi=True, blocks=True, one_call=True, amx=False,
+                               prefill="auto", gemm_any=frozenset(routes.GEMM_KINDS), batch_invariant=False)
+    multi = "multi_tile (tiles_avx512.c)"
+    for kind in ("Q4_K", "Q5_K", "Q6_K", "Q8_0"):
+        kernels = [routes.blocks(kind, n, True, base).kernel for n in range(1, routes.GEMV_ROWS + 1)]
+        assert kernels == ["tiles_avx512"] * 2 + [multi if kind == "Q6_K" else "tiles_avx512"] * (routes.GEMV_ROWS - 2)
+        avx2 = dataclasses.replace(base, vnni512=False, multi=False)
+        assert {routes.blocks(kind, n, True, avx2).kernel for n in range(1, routes.GEMV_ROWS + 1)} == {"rows_avx2"}
+        steps = [routes.decode_step(kind, n, base) for n in range(1, routes.TABLE_ROWS + 1)]
+        assert [s.family for s in steps] == ["blocks"] * 2 + ["gemm"] * (routes.TABLE_ROWS - 2), kind
+        invariant = dataclasses.replace(base, batch_invariant=True)
+        steps = [routes.decode_step(kind, n, invariant).kernel for n in range(1, routes.TABLE_ROWS + 1)]
+        assert steps == ["tiles_avx512"] * 2 + [multi if kind == "Q6_K" else "tiles_avx512"] * (routes.TABLE_ROWS - 2)
 
 
 def test_with_batch_invariance_the_one_call_decode_never_takes_the_gemm(batch_invariant):

@@ -44,6 +44,10 @@ DECODE_A256 = frozenset(("Q4_K", "Q5_K", "Q6_K"))
 TILED_512 = frozenset(("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS", "MXFP4",
                        "Q2_K", "Q3_K", "TQ2_0", "TQ1_0"))
 TILED_AVX2 = frozenset(("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"))
+# the types whose decode products of 3 rows or more take the 512-bit many-row tiles (tiles_avx512.c's multi_tile: a
+# weight row unpacked once for up to 4 activation rows a pass, each row summed as one row alone is summed); the
+# others' stay on the pair tiles, which were as fast or faster (docs/kernels.md)
+MULTI_512 = frozenset(("Q6_K",))
 # the block kinds the GEMM takes (gemm.c's gemm_mode)
 GEMM_KINDS = ("Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS", "MXFP4",
               "Q3_K", "TQ1_0", "TQ2_0", "NVFP4", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "Q2_K")
@@ -77,6 +81,7 @@ class Capabilities:
     vnni512: bool            # ... on the 512-bit tiles (tiles_avx512.c) rather than the AVX2 rows
     tables: bool             # the int8 tables' products (tables_avx512.c)
     one_call: bool           # the one-call decode (decode.c)
+    multi: bool              # the 512-bit many-row tiles of MULTI_512 (tiles_avx512.c's multi_tile)
     gemm_fast: frozenset     # the block types the GEMM takes faster than torch's f32 GEMM takes exact chunks
     gemm_any: frozenset      # the block types the GEMM takes at all (an MoE expert's few rows, a decode call's)
     attention_bf16: bool     # the vision tower's bf16 attention (attention_vision_avx512.c)
@@ -146,7 +151,8 @@ def _measure() -> Capabilities:
     return Capabilities(
         build=variant.name if variant is not None and lib is not None else "", why_not=library.why_not(),
         flags=flags, blocks=has("ds_linear_blocks"), vnni512=has("ds_blocks_vnni"), tables=has("ds_linear_i8"),
-        one_call=has("ds_decode_tokens"), gemm_fast=frozenset(gemm_fast), gemm_any=frozenset(gemm_any),
+        one_call=has("ds_decode_tokens"), multi=has("ds_blocks_multi"), gemm_fast=frozenset(gemm_fast),
+        gemm_any=frozenset(gemm_any),
         attention_bf16=has("ds_attention_bf16"), attention_f32=has("ds_attention_f32"),
         amx=s.amx and "amx_bf16" in flags and _amx_granted(), int8_exact=_int8_exact(), activations=s.activations,
         prefill=s.prefill, batch_invariant=s.batch_invariant, vision=s.vision, chunk_elements=CHUNK_ELEMENTS)
@@ -231,11 +237,13 @@ def block_rows(c: Capabilities | None = None) -> int:
     return GEMV_ROWS_AMX if chunk_dtype(None, c) == torch.bfloat16 and c.amx and c.vnni512 else GEMV_ROWS
 
 
-def _decode_kernel(kind: str, c: Capabilities) -> Route:
-    """The decode products' kernel for blocks of `kind` (products.c's dispatch)."""
+def _decode_kernel(kind: str, c: Capabilities, rows: int = 1) -> Route:
+    """The decode products' kernel for `rows` rows on blocks of `kind` (products.c's dispatch)."""
     if kind in ("F16", "BF16"):
         return Route("blocks", "rows_f32 (products.c)", "f32")
     dtype = "int8/256" if kind in DECODE_A256 else "int8/32"
+    if rows > 2 and c.multi and c.vnni512 and kind in MULTI_512:
+        return Route("blocks", "multi_tile (tiles_avx512.c)", dtype)
     if kind in (TILED_512 if c.vnni512 else TILED_AVX2):
         return Route("blocks", "tiles_avx512" if c.vnni512 else "rows_avx2", dtype)
     return Route("blocks", "rows_expanded (products.c)", dtype)
@@ -262,7 +270,7 @@ def blocks(kind: str, rows: int, int8_activations: bool = True, c: Capabilities 
     """A product of `rows` rows on a tensor held as the file's blocks of `kind`."""
     c = c or capabilities()
     if rows <= block_rows(c) and kind in PRODUCT_TYPES and c.blocks:
-        return _decode_kernel(kind, c)
+        return _decode_kernel(kind, c, rows)
     return many_rows(kind, int8_activations, c)
 
 
@@ -310,7 +318,7 @@ def decode_step(kind: str, rows: int, c: Capabilities | None = None) -> Route:
     gemm = decode_gemm_rows(c)
     if gemm and rows >= gemm and kind in c.gemm_any:
         return Route("gemm", "gemm_avx512" if c.vnni512 else "gemm_avx2", "int8/256" if kind in A256 else "int8/32")
-    return _decode_kernel(kind, c)
+    return _decode_kernel(kind, c, rows)
 
 
 def attention_dtype(device: str, f32_weights: bool, c: Capabilities | None = None) -> torch.dtype:

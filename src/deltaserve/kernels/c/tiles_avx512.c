@@ -3,8 +3,8 @@
  * a block in one instruction each, and every product of blocks of 32 or 256 runs on tiles of four weight rows: the
  * same exact integer sum of each block as rows_avx2.c's, scaled by the same f32 factors; only the order in which
  * the f32 terms are added differs (blocks in pairs and lanes, rows alike whatever M is, so a row's result never
- * depends on the rows beside it). Q8_0 tensors of long rows take 16-row tiles (tile16_q8_0). Compiled with
- * -ffp-contract=off. */
+ * depends on the rows beside it). Q8_0 tensors of long rows take 16-row tiles (tile16_q8_0); Q6_K products of 3 rows
+ * or more take one weight row against up to four activation rows (multi_tile). Compiled with -ffp-contract=off. */
 #include <omp.h>
 
 #include "expand.h"
@@ -14,10 +14,16 @@
 
 #ifdef BLK_VNNI
 
+/* The most activation rows a tile's pass takes: the tiles of four weight rows take one or two, multi_tile (one Q6_K
+ * weight row) up to TM: four rows' sums and the row's unpacked values fit the 32 registers. Each (weight row,
+ * activation row) pair has accumulators of its own and the same operations in the same order whatever R and M are,
+ * so a row's sum never depends on the rows beside it. */
+#define TM 4
+
 /* ---- the products of blocks of 32 and 256 with 512-bit vectors (AVX512-VNNI) ------------------------------------
  * R weight rows at a time (R = 4, or 1 for the last rows; a constant after inlining, as M is) against M = 1 or 2
- * activation rows (blk_tiles runs more rows two at a time): four independent accumulation chains, each row's blocks
- * read once and used for both activation rows. out[r * 2 + m].
+ * activation rows (blk_tiles runs more rows two at a time, or Q6_K's on multi_tile): four independent accumulation
+ * chains, each row's blocks read once and used for both activation rows. out[r * 2 + m].
  * Each row is prefetched into L2 PREFETCH bytes ahead (prefetch_ahead, above). */
 
 /* Blocks j, j + 1 of a Q8_0 or Q4_0 row (b: block j) as 64 unsigned bytes in the activations' order: Q8_0's w + 128
@@ -451,7 +457,7 @@ static inline __attribute__((always_inline)) void tile_q6k(const uint8_t *row0, 
     const __m512i lo4 = _mm512_set1_epi8(0x0F), hi2 = _mm512_set1_epi8(0x33);
     const __m512i idx = _mm512_set_epi16(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2,
                                          1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);  /* pair p: sub-block p / 8 */
-    __m512 vacc[4][2];
+    __m512 vacc[4][TM];
     for (int r = 0; r < R; r++)
         for (int m = 0; m < M; m++) vacc[r][m] = _mm512_setzero_ps();
     for (int jb = 0; jb < K / 256; jb++) {
@@ -460,7 +466,8 @@ static inline __attribute__((always_inline)) void tile_q6k(const uint8_t *row0, 
             prefetch_ahead(b, 210);
             __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));  /* the 16 scales */
             __m512i sc512 = _mm512_castsi256_si512(sc16);
-            __m512i dot[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+            __m512i dot[TM];
+            for (int m = 0; m < M; m++) dot[m] = _mm512_setzero_si512();
             for (int h = 0; h < 2; h++) {
                 __m512i ql = _mm512_loadu_si512(b + 64 * h);
                 __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
@@ -604,6 +611,30 @@ static inline __attribute__((always_inline)) void tile16_q8_0(const uint8_t *row
     }
     for (int m = 0; m < M; m++) _mm512_storeu_ps(out + (size_t)m * ldo, f[m]);
 }
+/* ---- the many-row decode products of Q6_K (3 to 16 activation rows) --------------------------------------------
+ * One weight row at a time against up to TM activation rows a pass: the row's blocks are loaded and unpacked once a
+ * pass (the six-bit values from ql and qh, the 16 scales), where the pair tiles unpack them again for every pair.
+ * The code is the one-row tile's (tile_q6k with R = 1 and M a constant up to TM), so each activation row's sum is
+ * the one-row product's bit for bit: a decode step of several sequences on these tiles (DELTASERVE_BATCH_INVARIANT)
+ * gives each the bits it gets alone. Only Q6_K: its unpacking is a third of its one-row work and shares nothing
+ * between weight rows; Q4_K's (and Q5_K's, the same tile) shares its scales among the four rows of a pair tile, and
+ * one or two weight rows against four activation rows were no faster than the pair tiles; Q8_0's is a load and an
+ * xor, and one weight row against 4-8 rows was slower than they are (docs/kernels.md). */
+static int blk_multi_type(int type) { return type == T_Q6_K; }
+
+/* its presence says that this build's Q6_K decode products of 3 rows or more take multi_tile */
+int ds_blocks_multi(void) { return 1; }
+
+/* one weight row against M <= TM activation rows (M a constant in each case: the sums stay in registers) */
+static void multi_tile(const uint8_t *row, int K, const act_t *a, int M, float *out) {
+    switch (M) {
+    case 1: tile_q6k(row, 0, 1, K, a, 1, out); break;
+    case 2: tile_q6k(row, 0, 1, K, a, 2, out); break;
+    case 3: tile_q6k(row, 0, 1, K, a, 3, out); break;
+    default: tile_q6k(row, 0, 1, K, a, TM, out);
+    }
+}
+
 void blk_tiles_isa(int type, int kind, const uint8_t *blocks, size_t row_bytes, int N, int K, void *scratch, int Mall,
                    int m_first, int M, float *y, long ldy) {
     act_t a[DS_MAX_ROWS > MG ? DS_MAX_ROWS : MG];
@@ -633,6 +664,21 @@ void blk_tiles_isa(int type, int kind, const uint8_t *blocks, size_t row_bytes, 
         const int q = total / nt, rest = total % nt, t0 = id * q + (id < rest ? id : rest), t1 = t0 + q + (id < rest);
         for (int m = 0; m < M; m++) a[m] = act_row(kind, scratch, Mall, K, m_first + m);
         decode_tiles(type, blocks, row_bytes, tiles, t0, t1, K, a, M, y, ldy);
+        return;
+    }
+    if (blk_multi_type(type)) {  /* more rows: up to TM at a time over each weight row */
+        #pragma omp for schedule(static) nowait
+        for (int n = 0; n < N; n++) {
+            const uint8_t *row = blocks + (size_t)n * row_bytes;
+            for (int m0 = 0; m0 < M; m0 += TM) {
+                const int mm = M - m0 < TM ? M - m0 : TM;
+                act_t am[TM];
+                float out[2 * TM];
+                for (int m = 0; m < mm; m++) am[m] = act_row(kind, scratch, Mall, K, m_first + m0 + m);
+                multi_tile(row, K, am, mm, out);
+                for (int m = 0; m < mm; m++) y[(size_t)(m0 + m) * ldy + n] = out[m];
+            }
+        }
         return;
     }
     #pragma omp for schedule(static) nowait  /* more rows: two at a time over each tile */
