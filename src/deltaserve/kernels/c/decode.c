@@ -22,7 +22,10 @@
 
 #ifdef DS_AVX2
 #define MAXM DS_MAX_ROWS
-#define KV_CHUNK 256  /* fewest positions a 16-bit cache's attention task takes (fewer: the merge would outweigh it) */
+/* positions a 16-bit cache's attention task takes (the row's last chunk fewer): fixed, so that a row's sums do not
+ * depend on the thread count or the rows beside it; small enough that a long row shares out among the threads,
+ * large enough that joining the chunks costs little beside reading them */
+#define KV_CHUNK 512
 
 
 /* The kind of a segment's activations: blk_kind's for a block type, TAB0 + tab_kind's for a table, 0 for F32
@@ -153,8 +156,8 @@ static size_t scratch_bytes(int kind, int M, int K) {
  * Returns 0, or -1 (nothing touched) where a product's segments are not taken, a shape or the KV type is not
  * supported or memory ran out.
  * An f32 cache is read one query head a task (attn_head); a 16-bit one one KV head a task (attn_group: its keys and
- * values read once for the g query heads of its group), the positions split into chunks where the rows' KV heads
- * are fewer than the threads (each chunk's softmax joined by attn_merge). */
+ * values read once for the g query heads of its group) and a chunk of KV_CHUNK positions a task (the chunks' softmax
+ * joined by attn_merge). */
 int ds_decode_tokens(const model_t *m, int B, float *x, float *const *const *state, const int *pos, const int *cap,
                      float *logits, int nthreads, int chain, float *const *const *snap, float *hidden,
                      const int *rope, int kv_type) {
@@ -173,20 +176,14 @@ int ds_decode_tokens(const model_t *m, int B, float *x, float *const *const *sta
     }
     run0[nrun] = B;
     if (chain && nrun != 1) return -1;
-    /* a 16-bit cache's tasks: row b's KV heads in nch[b] chunks of `span` positions each, tasks tb[b] .. tb[b + 1] - 1
-     * (KV head by KV head); enough chunks that every thread has one where the rows' KV heads are fewer */
-    int nkv = m->nkv, g = nh / nkv, nch[MAXM], tb[MAXM + 1], span = 1;
+    /* a 16-bit cache's tasks: row b's KV heads in nch[b] chunks of KV_CHUNK positions, tasks tb[b] .. tb[b + 1] - 1
+     * (KV head by KV head) */
+    int nkv = m->nkv, g = nh / nkv, nch[MAXM], tb[MAXM + 1];
     size_t pstride = (size_t)g * (m->hd + 2);  /* a task's part: attn_group's [g, hd + 2] */
     tb[0] = 0;
-    if (kv_type != DS_KV_F32) {
-        int team = nthreads > 0 ? nthreads : 1;
-        size_t work = (size_t)nkv * (spos[B] / nh);  /* positions times KV heads over all rows */
-        span = (int)((work + team - 1) / team);
-        span = span < KV_CHUNK ? KV_CHUNK : span;
-        for (int b = 0; b < B; b++) {
-            nch[b] = (pos[b] + span) / span;  /* ceil((pos[b] + 1) / span) */
-            tb[b + 1] = tb[b] + nkv * nch[b];
-        }
+    for (int b = 0; b < B; b++) {
+        nch[b] = kv_type == DS_KV_F32 ? 0 : (pos[b] + KV_CHUNK) / KV_CHUNK;  /* ceil((pos[b] + 1) / KV_CHUNK) */
+        tb[b + 1] = tb[b] + nkv * nch[b];
     }
     size_t emax = 0, umax = 0, ffmax = 0;  /* the MoE layers' most experts, chosen experts and expert rows */
     for (int i = 0; i < m->n_layers; i++) {
@@ -274,9 +271,9 @@ int ds_decode_tokens(const model_t *m, int B, float *x, float *const *const *sta
                             int b = 0;
                             while (t >= tb[b + 1]) b++;
                             int kvh = (t - tb[b]) / nch[b], c = (t - tb[b]) % nch[b], n = pos[b] + 1;
-                            int t1 = (c + 1) * span < n ? (c + 1) * span : n;
+                            int t1 = (c + 1) * KV_CHUNK < n ? (c + 1) * KV_CHUNK : n;
                             attn_group(m, kv_type, kvh, qr + (size_t)b * nh * m->hd, state[b][2 * i],
-                                       state[b][2 * i + 1], n, c * span, t1, cap[b], scores + spos[b],
+                                       state[b][2 * i + 1], n, c * KV_CHUNK, t1, cap[b], scores + spos[b],
                                        part + (size_t)t * pstride);
                         }
                         #pragma omp for schedule(static)
