@@ -17,6 +17,7 @@
 
 #define KV_SUB 32  /* positions per sub-block of a 16-bit chunk: its rows stay in L1 while every head group reads them */
 #define KV_HEADS 4 /* query heads whose accumulators a pass over the rows holds in registers */
+#define KV_AHEAD 8 /* key rows ahead that the scores' pass asks the memory for */
 
 /* a float as bfloat16, rounded to nearest even as torch's .to(torch.bfloat16) does (a NaN becomes 0x7FC0, as there) */
 static inline uint16_t bf16_of(float f) {
@@ -123,6 +124,7 @@ static inline __attribute__((always_inline)) void group_scores(const float *q, i
     int t = t0;
     for (; t + 2 <= t1; t += 2) {
         const uint16_t *k0 = keys + (size_t)t * hd, *k1 = k0 + hd;
+        for (int i = 0; i < 2 * hd; i += 32) _mm_prefetch((const char *)(k0 + KV_AHEAD * hd + i), _MM_HINT_T0);
         __m256 a0[KV_HEADS], a1[KV_HEADS];
         for (int j = 0; j < gn; j++) a0[j] = a1[j] = _mm256_setzero_ps();
         for (int i = 0; i < hd; i += 8) {
@@ -164,6 +166,7 @@ static inline __attribute__((always_inline)) void group_values(const float *p, s
         }
         for (int t = t0; t < t1; t++) {
             const uint16_t *vt = vals + (size_t)t * hd + d;
+            if (d % 32 == 0) _mm_prefetch((const char *)(vt + (size_t)KV_SUB * hd), _MM_HINT_T0);
             __m256 x0 = kv_load8(vt, kvt), x1 = kv_load8(vt + 8, kvt);
             for (int j = 0; j < gn; j++) {
                 __m256 pj = _mm256_broadcast_ss(p + j * ns + t);
