@@ -14,6 +14,7 @@ torch at most 3.4e-5 (f16) and 6.6e-5 (bf16) over 300 steps of the demo.
 from __future__ import annotations
 
 import dataclasses
+
 import pytest
 import torch
 
