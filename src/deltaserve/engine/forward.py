@@ -299,9 +299,9 @@ class Forward:
         return out, calls
 
     def _native(self, states: list[DecodeState]) -> TokenProgram | None:
-        """The one-call native decode where it takes these states (a CPU, a model that qualifies, f32 states, at
-        most TokenProgram.MAX_BATCH of them), else None."""
-        if not self.one_call or len(states) > TokenProgram.MAX_BATCH:
+        """The one-call native decode where it takes these states (a CPU, a model that qualifies, states whose KV
+        caches it reads, all of one type, at most TokenProgram.MAX_BATCH of them), else None."""
+        if not self.one_call or len(states) > TokenProgram.MAX_BATCH or len({st.kv_dtype for st in states}) > 1:
             return None
         program = self.token_program()[0]
         return program if program is not None and all(program.takes(st) for st in states) else None

@@ -13,7 +13,8 @@ Each projection's segments say whose products read them, by what the model holds
 - int8 tables (`Int8Linear`s, weights="tables"), with the Q4_K/Q6_K blocks kept beside them: tables_avx512.c's
   products, where the build has them (`routes.capabilities().tables`).
 Each product's kernel, and the rows from which it takes the GEMM, are kernels/routes.py's (decode_step,
-decode_gemm_rows: set in the library at load). Either needs a state with f32 caches; anything else keeps the torch
+decode_gemm_rows: set in the library at load). Either needs states on the CPU whose KV caches are f32, f16 or bf16
+(attention_decode.c reads each in its own type; one call's states share one type); anything else keeps the torch
 decode, and `why_not` says why.
 """
 
@@ -33,6 +34,9 @@ from deltaserve.engine.state import DecodeState
 # the C's structs, read from kernels/c/native.h (declared once, there)
 Seg, Lin, Layer, Model = (native.STRUCTS[n] for n in ("seg_t", "lin_t", "layer_t", "model_t"))
 MAX_SEGMENTS = native.CONSTANTS["DS_MAX_SEGMENTS"]
+# the KV cache types the native decode reads (attention_decode.c), as ds_decode_tokens' kv_type
+KV_TYPES = {torch.float32: native.CONSTANTS["DS_KV_F32"], torch.float16: native.CONSTANTS["DS_KV_F16"],
+            torch.bfloat16: native.CONSTANTS["DS_KV_BF16"]}
 
 
 class NotNative(Exception):
@@ -207,8 +211,8 @@ class TokenProgram:
     MAX_BATCH = native.MAX_ROWS  # sequences per call (the products' row limit)
 
     def takes(self, state: DecodeState) -> bool:
-        """f32 caches and states on the CPU, as the native step reads them."""
-        return state.kv_dtype == torch.float32 and state.device.type == "cpu"
+        """A state on the CPU whose KV cache is f32, f16 or bf16 (KV_TYPES), as the native step reads them."""
+        return state.kv_dtype in KV_TYPES and state.device.type == "cpu"
 
     def decode(self, states: list[DecodeState], tokens: list[int], nthreads: int | None = None,
                hidden: torch.Tensor | None = None) -> torch.Tensor:
@@ -260,6 +264,10 @@ class TokenProgram:
                         ptrs[2 * i], ptrs[2 * i + 1] = sn.conv[i].data_ptr(), sn.ssm[i].data_ptr()
                 snap_ptrs.append(ptrs)
             snap_table = (ctypes.c_void_p * b)(*(ctypes.addressof(p) if p is not None else None for p in snap_ptrs))
+        kinds = {st.kv_dtype for st in states}
+        if len(kinds) != 1 or next(iter(kinds)) not in KV_TYPES:
+            raise ValueError(f"KV caches of {sorted(map(str, kinds))} in one native call (one of "
+                             f"{', '.join(map(str, KV_TYPES))} for all its rows)")
         posv = (ctypes.c_int * b)(*pos)
         cap = (ctypes.c_int * b)(*(st.capacity for st in states))
         out = torch.empty(b, self.weights.lm_head.out_features) if logits else None
@@ -270,6 +278,7 @@ class TokenProgram:
                                      out.data_ptr() if out is not None else None,
                                      nthreads or torch.get_num_threads(), int(chain), snap_table,
                                      hidden.data_ptr() if hidden is not None else None,
-                                     (ctypes.c_int * b)(*rope) if rope is not None else None) != 0:
+                                     (ctypes.c_int * b)(*rope) if rope is not None else None,
+                                     KV_TYPES[next(iter(kinds))]) != 0:
             raise MemoryError("the native token decode could not allocate its scratch (or refused its rows)")
         return out

@@ -193,7 +193,7 @@ SIGNATURES = {
     "ds_repack_q4k": [_P, _L, _P],
     "ds_quantize_rows": [_P, _I, _I, _L, _P, _P, _I],
     "ds_scale_product": [_P, _I, _I, _P, _P, _P, _I],
-    "ds_decode_tokens": [_P, _I, _P, _P, _P, _P, _P, _I, _I, _P, _P, _P],
+    "ds_decode_tokens": [_P, _I, _P, _P, _P, _P, _P, _I, _I, _P, _P, _P, _I],
     "ds_delta_rule": [_P] * 7 + [_I] * 5,
     "ds_dequant": [_I, _P, _L, _I, _P, _L, _I],
     "ds_dequant_bf16": [_I, _P, _L, _I, _P, _L, _I],

@@ -95,15 +95,15 @@ class Backend:
 
     def describe(self, kv_type: str = "f32") -> str:
         """The route line: the CPU's threads, the products' kernels, how a token decodes with a KV cache of
-        `kv_type` (a 16-bit cache takes the torch attention: the one-call native decode reads f32 caches only)."""
+        `kv_type` (the one-call native decode reads an f32, f16 or bf16 cache in its own type; a q8_0 cache takes
+        the torch attention)."""
         head = self.host.weights.lm_head
         program, decode = self.forward.token_program() if isinstance(head, (Int8Linear, BlockLinear)) else (None, "")
         if program is not None and kv_type == "q8_0":
             decode = ("decode through torch ops (the q8_0 KV cache: its int8 blocks dequantized by the torch "
                       "attention; the one-call native decode does not read q8_0)")
         elif program is not None and kv_type != "f32":
-            decode = (f"decode through torch ops (the {kv_type} KV cache: the one-call native decode reads f32 "
-                      f"caches only)")
+            decode += f"; its attention reads the {kv_type} KV cache in its type"
         if isinstance(head, Int8Linear):
             route = f"; {routes.describe_tables()}; {decode}"
         elif isinstance(head, BlockLinear):

@@ -22,6 +22,10 @@
 
 #ifdef DS_AVX2
 #define MAXM DS_MAX_ROWS
+/* positions a 16-bit cache's attention task takes (the row's last chunk fewer): fixed, so that a row's sums do not
+ * depend on the thread count or the rows beside it; small enough that a long row shares out among the threads,
+ * large enough that joining the chunks costs little beside reading them */
+#define KV_CHUNK 512
 
 
 /* The kind of a segment's activations: blk_kind's for a block type, TAB0 + tab_kind's for a table, 0 for F32
@@ -136,7 +140,8 @@ static size_t scratch_bytes(int kind, int M, int K) {
 
 /* B sequences, one token each (B <= 8: the products read every weight once for all of them).
  * x [B, hidden]: the tokens' embedding rows (overwritten: the residual streams). state[b][2i], state[b][2i+1]:
- * sequence b's layer i (conv [Kc-1, C], ssm [nv, dk, dv]) or (k cache, v cache) [nkv, cap[b], hd], f32;
+ * sequence b's layer i (conv [Kc-1, C], ssm [nv, dk, dv], f32) or (k cache, v cache) [nkv, cap[b], hd] in type
+ * `kv_type` (native.h's DS_KV_*: every row's the same);
  * pos[b]: the position its token takes. logits [B, vocab] out (NULL: the head is not run).
  * Rows form runs: a row whose state is the previous row's and whose position follows it continues that row's run
  * (a sequence's token and its drafts in a speculative verification, or an MTP layer's catch-up); every other row
@@ -148,14 +153,18 @@ static size_t scratch_bytes(int kind, int M, int K) {
  * a run's last row is the live one): a rejected draft rolls back to one of them without a second pass. `hidden` (may be NULL):
  * [B, hidden] out, the rows after the final norm (what an MTP layer reads). `rope` (may be NULL: pos): row b's
  * rotary position, where it is not its cache index (a conversation past an image).
- * Returns 0, or -1 (nothing touched) where a product's segments are not taken, a shape is not supported or
- * memory ran out. */
+ * Returns 0, or -1 (nothing touched) where a product's segments are not taken, a shape or the KV type is not
+ * supported or memory ran out.
+ * An f32 cache is read one query head a task (attn_head); a 16-bit one one KV head a task (attn_group: its keys and
+ * values read once for the g query heads of its group) and a chunk of KV_CHUNK positions a task (the chunks' softmax
+ * joined by attn_merge). */
 int ds_decode_tokens(const model_t *m, int B, float *x, float *const *const *state, const int *pos, const int *cap,
                      float *logits, int nthreads, int chain, float *const *const *snap, float *hidden,
-                     const int *rope) {
+                     const int *rope, int kv_type) {
     int H = m->hidden, C = 2 * m->nk * m->dk + m->nv * m->dv, nh = m->nh, nv = m->nv;
     if (B < 1 || B > MAXM || m->nk <= 0 || nv % m->nk || m->nkv <= 0 || nh % m->nkv || m->hd % 8
-        || m->rotary > m->hd || m->rotary % 2 || !lin_ok(&m->head)) return -1;
+        || m->rotary > m->hd || m->rotary % 2 || !lin_ok(&m->head)
+        || (kv_type != DS_KV_F32 && kv_type != DS_KV_F16 && kv_type != DS_KV_BF16)) return -1;
     size_t kmax = (size_t)H, nmax = (size_t)H, spos[MAXM + 1];
     int run0[MAXM + 1], nrun = 0, longest = 1;  /* run r is rows run0[r] .. run0[r + 1] - 1 */
     spos[0] = 0;
@@ -167,6 +176,15 @@ int ds_decode_tokens(const model_t *m, int B, float *x, float *const *const *sta
     }
     run0[nrun] = B;
     if (chain && nrun != 1) return -1;
+    /* a 16-bit cache's tasks: row b's KV heads in nch[b] chunks of KV_CHUNK positions, tasks tb[b] .. tb[b + 1] - 1
+     * (KV head by KV head) */
+    int nkv = m->nkv, g = nh / nkv, nch[MAXM], tb[MAXM + 1];
+    size_t pstride = (size_t)g * (m->hd + 2);  /* a task's part: attn_group's [g, hd + 2] */
+    tb[0] = 0;
+    for (int b = 0; b < B; b++) {
+        nch[b] = kv_type == DS_KV_F32 ? 0 : (pos[b] + KV_CHUNK) / KV_CHUNK;  /* ceil((pos[b] + 1) / KV_CHUNK) */
+        tb[b + 1] = tb[b] + nkv * nch[b];
+    }
     size_t emax = 0, umax = 0, ffmax = 0;  /* the MoE layers' most experts, chosen experts and expert rows */
     for (int i = 0; i < m->n_layers; i++) {
         const layer_t *L = &m->layers[i];
@@ -188,9 +206,10 @@ int ds_decode_tokens(const model_t *m, int B, float *x, float *const *const *sta
     kmax = (kmax + 255) / 256 * 256;
     float *hbuf = malloc(B * kmax * sizeof(float)), *big = malloc(B * nmax * sizeof(float)),
           *mid = malloc(B * kmax * sizeof(float)), *u = malloc((size_t)B * C * sizeof(float)),
-          *qr = malloc((size_t)B * nh * m->hd * sizeof(float)), *scores = malloc(spos[B] * sizeof(float));
+          *qr = malloc((size_t)B * nh * m->hd * sizeof(float)), *scores = malloc(spos[B] * sizeof(float)),
+          *part = kv_type != DS_KV_F32 ? malloc((size_t)tb[B] * pstride * sizeof(float)) : NULL;
     void *scratch[NKIND] = {NULL};
-    int ok = hbuf && big && mid && u && qr && scores;
+    int ok = hbuf && big && mid && u && qr && scores && (kv_type == DS_KV_F32 || part);
     for (int kind = 1; kind < NKIND; kind++) ok = ok && (scratch[kind] = malloc(scratch_bytes(kind, B, (int)kmax)));
     moe_buf_t mb = {0};
     if (ok && emax) {
@@ -236,15 +255,34 @@ int ds_decode_tokens(const model_t *m, int B, float *x, float *const *const *sta
                 if (L->attention) {
                     #pragma omp for schedule(static)
                     for (int b = 0; b < B; b++)
-                        attn_prepare(m, L, big + (size_t)b * nin, state[b][2 * i], state[b][2 * i + 1], pos[b],
-                                     rope ? rope[b] : pos[b], cap[b],
-                                     qr + (size_t)b * nh * m->hd);
-                    #pragma omp for schedule(static)
-                    for (int t = 0; t < B * nh; t++) {
-                        int b = t / nh, h = t % nh;
-                        attn_head(m, h, big + (size_t)b * nin, qr + (size_t)b * nh * m->hd, state[b][2 * i],
-                                  state[b][2 * i + 1], pos[b], cap[b], scores + spos[b] + (size_t)h * (pos[b] + 1),
-                                  mid + (size_t)b * nmid);
+                        attn_prepare(m, L, big + (size_t)b * nin, state[b][2 * i], state[b][2 * i + 1], kv_type,
+                                     pos[b], rope ? rope[b] : pos[b], cap[b], qr + (size_t)b * nh * m->hd);
+                    if (kv_type == DS_KV_F32) {
+                        #pragma omp for schedule(static)
+                        for (int t = 0; t < B * nh; t++) {
+                            int b = t / nh, h = t % nh;
+                            attn_head(m, h, big + (size_t)b * nin, qr + (size_t)b * nh * m->hd, state[b][2 * i],
+                                      state[b][2 * i + 1], pos[b], cap[b], scores + spos[b] + (size_t)h * (pos[b] + 1),
+                                      mid + (size_t)b * nmid);
+                        }
+                    } else {
+                        #pragma omp for schedule(dynamic, 1)
+                        for (int t = 0; t < tb[B]; t++) {
+                            int b = 0;
+                            while (t >= tb[b + 1]) b++;
+                            int kvh = (t - tb[b]) / nch[b], c = (t - tb[b]) % nch[b], n = pos[b] + 1;
+                            int t1 = (c + 1) * KV_CHUNK < n ? (c + 1) * KV_CHUNK : n;
+                            attn_group(m, kv_type, kvh, qr + (size_t)b * nh * m->hd, state[b][2 * i],
+                                       state[b][2 * i + 1], n, c * KV_CHUNK, t1, cap[b], scores + spos[b],
+                                       part + (size_t)t * pstride);
+                        }
+                        #pragma omp for schedule(static)
+                        for (int t = 0; t < B * nh; t++) {
+                            int b = t / nh, h = t % nh;
+                            attn_merge(m, h, big + (size_t)b * nin,
+                                       part + (size_t)(tb[b] + h / g * nch[b]) * pstride + (size_t)(h % g) * (m->hd + 2),
+                                       nch[b], pstride, mid + (size_t)b * nmid);
+                        }
                     }
                 } else if (longest > 1) {  /* runs of consecutive rows: the conv and the delta rule in row order */
                     size_t conv_n = (size_t)(m->Kc - 1) * C, sn = (size_t)m->dk * m->dv;
@@ -312,7 +350,7 @@ int ds_decode_tokens(const model_t *m, int B, float *x, float *const *const *sta
         }
     }
     free(gact);
-    free(hbuf); free(big); free(mid); free(u); free(qr); free(scores);
+    free(hbuf); free(big); free(mid); free(u); free(qr); free(scores); free(part);
     for (int kind = 1; kind < NKIND; kind++) free(scratch[kind]);
     free(mb.logits); free(mb.gu); free(mb.mid); free(mb.out); free(mb.shared); free(mb.w); free(mb.sel); free(mb.slot);
     free(mb.uniq); free(mb.scratch);

@@ -5,13 +5,16 @@
 #ifndef DS_NATIVE_H
 #define DS_NATIVE_H
 
-#define DS_ABI 18           /* the library's interface version: a cached library of another one is rebuilt */
+#define DS_ABI 19           /* the library's interface version: a cached library of another one is rebuilt */
 #define DS_MAX_ROWS 8       /* activation rows per product, and sequences per batched decode call */
 #define DS_MAX_SEGMENTS 4   /* parts of a stacked linear that keep their own block kinds */
 #define DS_Q6K 14           /* GGUF Q6_K blocks, read as the file has them */
 #define DS_I8 100           /* an int8 table with per-row scales (tables_avx512.c) */
 #define DS_Q4KR 112         /* Q4_K blocks repacked at load (scale bits unpacked; tables_avx512.c) */
 #define DS_MAX_USED 32      /* routed experts a token may use in an MoE layer */
+#define DS_KV_F32 0         /* a decode call's KV cache type (ds_decode_tokens' kv_type): f32 */
+#define DS_KV_F16 1         /* IEEE half */
+#define DS_KV_BF16 2        /* bfloat16 */
 
 typedef struct {
     int type;               /* a GGUF type id of the file's blocks (quants.h: F16 1, Q4_0 2, Q8_0 8, Q4_K 12,
