@@ -95,7 +95,7 @@ def test_a_plan_that_fits_is_not_refused(hybrid_model):
 
 def test_a_session_that_cannot_grow_is_refused_before_it_allocates(hybrid_gguf, monkeypatch):
     # on the CPU a refusal is the answer (a CUDA session goes on on the CPU instead: test_fallback.py)
-    hybrid_model = deltaserve.load(hybrid_gguf, device="cpu")
+    hybrid_model = deltaserve.load(hybrid_gguf, device="cpu", kv_type="f32")  # 512 bytes a position
     c = hybrid_model.config
     # enough for 4096 positions; 8192 do not fit even counting the 4096-position state freed first
     old_state = 4096 * 512 + c.recurrent_state_bytes()
@@ -114,7 +114,7 @@ def test_a_session_that_cannot_grow_is_refused_before_it_allocates(hybrid_gguf, 
 
 def test_a_cpu_context_larger_than_the_machine_is_refused_before_any_allocation(tmp_path, hybrid_gguf, monkeypatch):
     huge = rewrite(hybrid_gguf, tmp_path / "huge-context.gguf", meta={"qwen35.context_length": 1 << 31})
-    model = deltaserve.load(huge, cache=False)
+    model = deltaserve.load(huge, cache=False)  # the default f16 KV cache: 256 bytes a position
     allocations = count_state_allocations(monkeypatch)
     s = model.session(one_call=True, quiet=True)
     with pytest.raises(CapacityError) as e:
@@ -122,7 +122,7 @@ def test_a_cpu_context_larger_than_the_machine_is_refused_before_any_allocation(
     assert not allocations
     msg = str(e.value)
     positions = 3 + (1 << 31) - 10
-    assert f"KV {round(positions * 512 / MiB)} MiB ({positions} positions x 0.5 KiB f32)" in msg
+    assert f"KV {round(positions * 256 / MiB)} MiB ({positions} positions x 0.2 KiB f16)" in msg
     assert "(cpu: MemAvailable)" in msg or "(cpu: cgroup limit)" in msg
     proc = subprocess.run([sys.executable, "-m", "deltaserve.frontends.cli", "run", str(huge), "-p", "hi", "-n", str((1 << 31) - 10),
                            "--device", "cpu"], capture_output=True, text=True, timeout=300)
@@ -135,4 +135,4 @@ def test_inspect_prints_the_plan_for_a_context(hybrid_gguf):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "capacity plan for 16384 positions: fits" in proc.stdout
-    assert "KV 8 MiB (16384 positions x 0.5 KiB f32)" in proc.stdout
+    assert "KV 4 MiB (16384 positions x 0.2 KiB f16)" in proc.stdout

@@ -22,6 +22,7 @@ from deltaserve.engine.forward import Forward
 from deltaserve.engine.graph import StaticStep
 from deltaserve.engine.q8cache import Q8Cache, quantize
 from deltaserve.engine.state import (
+    DEFAULT_KV_TYPE,
     KV_TYPES,
     DecodeState,
     kv_position_bytes,
@@ -109,11 +110,12 @@ def test_a_16_bit_cache_keeps_the_logits_within_the_measured_bound_of_the_f32_ca
             assert torch.equal(states[t].kv[first][j], states["f32"].kv[first][j].to(kv_torch_dtype(t)))
 
 
-def test_a_16_bit_cache_decodes_in_one_native_call_and_the_route_line_says_so():
+def test_a_16_bit_cache_decodes_in_one_native_call_by_default_and_the_route_line_says_so():
     model = deltaserve.load()  # the demo model: its file's blocks take the one-call native decode
-    f32 = next(n for n in model.session(quiet=True).notices if n.startswith("Backend:"))
-    assert "one native call per decoded token" in f32 and "KV cache" not in f32
-    s = model.session(quiet=True, kv_type="f16")
+    f32 = next(n for n in model.session(quiet=True, kv_type="f32").notices if n.startswith("Backend:"))
+    assert "one native call per decoded token" in f32 and f32.endswith("; KV cache f32) [qwen35 hybrid, 4 layers]")
+    s = model.session(quiet=True)  # f16, the default
+    assert s.kv_type == "f16" == DEFAULT_KV_TYPE
     line = next(n for n in s.notices if n.startswith("Backend:"))
     assert "one native call per decoded token" in line and "its attention reads the f16 KV cache in its type" in line
     assert "torch ops" not in line
@@ -126,7 +128,7 @@ def test_a_q8_0_cache_decodes_through_torch_ops_and_run_and_inspect_take_it(caps
     s = model.session(quiet=True)
     line = next(n for n in s.notices if n.startswith("Backend:"))
     assert ("decode through torch ops (the q8_0 KV cache: its int8 blocks dequantized by the torch attention; the "
-            "one-call native decode does not read q8_0)") in line and "KV cache q8_0" in line
+            "one-call native decode does not read q8_0)") in line and line.count("q8_0 KV cache") == 1
     assert "one native call per decoded token" not in line
     turn = s.generate(model.tokenizer.encode("hello"), max_tokens=4)
     assert turn.generated == 4
@@ -289,7 +291,7 @@ def test_a_saved_state_round_trips_in_its_own_kv_type(hybrid_model, tmp_path, kv
 
 
 def test_a_state_saved_in_one_kv_type_is_restored_in_another_only_by_converting_and_it_is_said(hybrid_model, tmp_path):
-    s = hybrid_model.session(quiet=True)  # f32
+    s = hybrid_model.session(quiet=True, kv_type="f32")
     history = []
     chat_turn(s, history, "save me in f32")
     n = s.save(tmp_path / "conv.state")
@@ -314,7 +316,7 @@ def test_a_state_saved_in_one_kv_type_is_restored_in_another_only_by_converting_
 
 def test_a_stored_state_of_another_kv_type_in_a_shared_store_is_converted_and_said(hybrid_model):
     store = StateStore(hybrid_model.config, ram_bytes=64 << 20, model_sha256=hybrid_model.host.sha256())
-    a = hybrid_model.session(quiet=True, store=store)  # f32
+    a = hybrid_model.session(quiet=True, store=store, kv_type="f32")
     history = []
     chat_turn(a, history, "one")
     a._store_checkpoint()
@@ -331,7 +333,7 @@ def test_a_q8_0_state_restored_in_f32_and_an_f32_state_restored_in_q8_0_are_conv
     chat_turn(s, history, "save me in q8_0")
     n = s.save(tmp_path / "q8.state")
     saved = s._checkpoint
-    other = hybrid_model.session(quiet=True)  # f32
+    other = hybrid_model.session(quiet=True, kv_type="f32")
     assert other.restore(tmp_path / "q8.state") == n
     assert [line for line in other.notices if "converted" in line] == [
         (f"[deltaserve] the saved state of {n} tokens in q8.state holds its KV cache in q8_0: converted to this "

@@ -21,7 +21,7 @@ _os.environ.setdefault("LRU_CACHE_CAPACITY", "64")
 
 
 def load(path=None, device: str = "cpu", threads: int | None = None, cache: bool = True, weights: str | None = None,
-         draft=None, mmproj=None, kv_type: str = "f32"):
+         draft=None, mmproj=None, kv_type: str | None = None):
     """Load a Qwen3.5 GGUF file or HF directory (no path: the embedded demo model); see `deltaserve.api.load`."""
     from deltaserve.api import load as _load
 

@@ -17,7 +17,8 @@ from deltaserve.kernels.cpu import plan_threads, serial_here
 from deltaserve.runtime.backend import Backend, select_backend
 from deltaserve.runtime.engine import EngineLoop
 from deltaserve.runtime.guard import MAX_AGE, ParityGuard
-from deltaserve.engine.state import DecodeState, KV_TYPES, kv_type_for, kv_type_name  # noqa: F401 - KV_TYPES: the CLI's
+from deltaserve.engine.state import (DecodeState, DEFAULT_KV_TYPE, KV_TYPES, kv_type_for,  # noqa: F401 - the CLI's
+                                     kv_type_name)
 from deltaserve.runtime.capacity import cpu_memory
 from deltaserve.session.resident import Session, Turn
 from deltaserve.session.store import StateStore
@@ -48,7 +49,8 @@ from deltaserve.vision.inputs import decode, fetch_url, ImageInputError, ImageLi
 class Model:
     """A loaded Qwen3.5 hybrid: config, tokenizer, host weights; sessions run on it."""
 
-    def __init__(self, host: HostModel, device: str = "cpu", engine: EngineLoop | None = None, kv_type: str = "f32"):
+    def __init__(self, host: HostModel, device: str = "cpu", engine: EngineLoop | None = None,
+                 kv_type: str | None = None):
         self.host = host
         self.device = device
         self.kv_type = kv_type_for(host.config, kv_type)  # the KV cache type of its sessions unless one says otherwise
@@ -190,7 +192,7 @@ class Model:
 
 def load(path: str | os.PathLike | None = None, device: str = "cpu", threads: int | None = None, cache: bool = True,
          weights: str | None = None, compute_thread: bool = False, draft: str | os.PathLike | None = None,
-         mmproj: str | os.PathLike | None = None, kv_type: str = "f32") -> Model:
+         mmproj: str | os.PathLike | None = None, kv_type: str | None = None) -> Model:
     """Load a Qwen3.5 GGUF file or HF directory (no path: the embedded demo model). `threads`: CPU threads for
     the forwards (default: one for a model too small to split, else the cores this process may use; see
     kernels/cpu.py). `weights`: "fast" (default: a GGUF's tensors held as the file's own blocks, see
@@ -199,7 +201,7 @@ def load(path: str | os.PathLike | None = None, device: str = "cpu", threads: in
     does; see runtime/engine.py). `draft`: a separate file with the model's MTP block (`mtp-*.gguf`, as llama.cpp's
     converter writes it with --mtp) for speculative decoding. `mmproj`: llama.cpp's projector GGUF (its converter with
     --mmproj) for a GGUF model's images (an HF directory carries its own vision encoder). `kv_type`: the KV cache
-    type of its sessions (engine/state.py: f32, the default, f16, bf16 or q8_0)."""
+    type of its sessions (engine/state.py: f32, f16, bf16 or q8_0; None: f16, the default)."""
     kv_type_name(kv_type)  # checked before the file is read
     if path is None:
         path = default_model_path()
@@ -291,6 +293,7 @@ __all__ = [
     'isolated',
     'kernel_levels',
     'kernel_loaded',
+    'DEFAULT_KV_TYPE',
     'KV_TYPES',
     'load',
     'load_host',

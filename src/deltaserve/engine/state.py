@@ -14,20 +14,21 @@ from deltaserve.engine.q8cache import BLOCK, Q8Cache
 from deltaserve.errors import DeltaserveError
 from deltaserve.formats.config import HybridConfig
 
-# The KV cache's types (--kv-type): the torch dtype a cache is stored in, and its bytes per value. f32 is the
-# default; f16/bf16 halve the cache and the bytes a decode step reads at depth (the one-call native decode reads
-# them in their type, widening in registers; the torch attention converts on read); q8_0 (llama.cpp's blocks of 32
+# The KV cache's types (--kv-type): the torch dtype a cache is stored in, and its bytes per value. f32 is exact;
+# f16 (the default: of the two 16-bit types the closer to the f32 cache, docs/accuracy.md) and bf16 halve the cache
+# and the bytes a decode step reads at depth (the one-call native decode reads them in their type, widening in registers; the torch attention converts on read); q8_0 (llama.cpp's blocks of 32
 # int8 values and an f16 scale: 34 bytes per 32 values) is a Q8Cache (engine/q8cache.py) whose dtype is its values'
 # int8, the torch attention dequantizing on read.
 KV_TYPES = ("f32", "f16", "bf16", "q8_0")
+DEFAULT_KV_TYPE = "f16"
 KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "q8_0": Q8Cache.dtype}
 KV_BYTES_PER_VALUE = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32}
 
 
 def kv_type_name(kv_type: str | None) -> str:
-    """`kv_type` checked against the types that exist (None: f32), or a one-line error naming them."""
+    """`kv_type` checked against the types that exist (None: DEFAULT_KV_TYPE), or a one-line error naming them."""
     if kv_type is None:
-        return "f32"
+        return DEFAULT_KV_TYPE
     if kv_type not in KV_TYPES:
         raise DeltaserveError(f"unknown KV cache type {kv_type!r}: one of {', '.join(KV_TYPES)}")
     return kv_type

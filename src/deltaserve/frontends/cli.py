@@ -14,7 +14,7 @@ from pathlib import Path
 
 from deltaserve.api import MAX_AGE as GUARD_MAX_AGE
 from deltaserve.api import __version__
-from deltaserve.api import KV_TYPES
+from deltaserve.api import DEFAULT_KV_TYPE, KV_TYPES
 from deltaserve.api import plural
 from deltaserve.errors import DeltaserveError
 from deltaserve.session.turns import ask
@@ -79,9 +79,10 @@ def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
 
 
 def _add_kv_type(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kv-type", choices=list(KV_TYPES), default="f32",
-                   help="the attention layers' KV cache type (default f32; f16 and bf16 halve it; q8_0, llama.cpp's "
-                        "blocks of 32 int8 values and an f16 scale, takes 34/128 of it)")
+    p.add_argument("--kv-type", choices=list(KV_TYPES), default=DEFAULT_KV_TYPE,
+                   help=f"the attention layers' KV cache type (default {DEFAULT_KV_TYPE}; f32 is exact at twice the "
+                        "bytes of f16 and bf16; q8_0, llama.cpp's blocks of 32 int8 values and an f16 scale, takes "
+                        "34/64 of f16's)")
 
 
 def _add_runtime(p: argparse.ArgumentParser) -> None:
@@ -350,7 +351,7 @@ def cmd_inspect(a) -> int:
             print("vision encoder: no (images need an HF checkpoint directory with model.visual.*, or --mmproj FILE)")
     for line in route_table(host):
         print(line)
-    kv_type = getattr(a, "kv_type", "f32")
+    kv_type = getattr(a, "kv_type", None) or DEFAULT_KV_TYPE
     per_type = ", ".join(f"{t} {capacity.kv_position_bytes(c, t) / 1024:.1f} KiB" for t in KV_TYPES)
     print(f"KV cache: {capacity.kv_position_bytes(c, kv_type) / 1024:.1f} KiB per position ({kv_type}; by type: "
           f"{per_type}); recurrent + conv state: {c.recurrent_state_bytes() / (1 << 20):.2f} MiB")

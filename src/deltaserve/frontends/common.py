@@ -22,7 +22,7 @@ def load_model(a, compute_thread: bool = False) -> Model:
     """The model of a command's arguments (MODEL, --device, --threads, --kv-type); `model.load_seconds` says how long it took."""
     return load(resolve_model(a.model), device=a.device, threads=a.threads, compute_thread=compute_thread,
                 draft=getattr(a, "draft", None), mmproj=getattr(a, "mmproj", None),
-                kv_type=getattr(a, "kv_type", None) or "f32")
+                kv_type=getattr(a, "kv_type", None))
 
 
 def sampling_kwargs(a) -> dict:

@@ -287,7 +287,7 @@ class ReplicaServer:
         threads, why = replica_threads(size, replicas_here, cores or available_cores(), a.threads)
         a.model = path
         model = load(path, device=a.device, threads=threads, compute_thread=wants_compute_thread(a), draft=a.draft,
-                     mmproj=a.mmproj, kv_type=getattr(a, "kv_type", None) or "f32")
+                     mmproj=a.mmproj, kv_type=getattr(a, "kv_type", None))
         model.threads_why = f"replica {index}: {why}"
         if a.step_ms is not None:
             model.engine.step_s = a.step_ms / 1000

@@ -17,7 +17,7 @@ from deltaserve.engine.host import HostModel
 from deltaserve.engine.forward import Forward
 from deltaserve.kernels import routes
 from deltaserve.kernels.linear import BlockLinear, Int8Linear
-from deltaserve.engine.state import Checkpoint, DecodeState
+from deltaserve.engine.state import Checkpoint, DecodeState, DEFAULT_KV_TYPE
 from deltaserve.kernels.cpu import plural
 from deltaserve import settings
 
@@ -93,7 +93,7 @@ class Backend:
     def memory(self) -> Memory:
         return cpu_memory()
 
-    def describe(self, kv_type: str = "f32") -> str:
+    def describe(self, kv_type: str = DEFAULT_KV_TYPE) -> str:
         """The route line: the CPU's threads, the products' kernels, how a token decodes with a KV cache of
         `kv_type` (the one-call native decode reads an f32, f16 or bf16 cache in its own type; a q8_0 cache takes
         the torch attention)."""
@@ -110,7 +110,7 @@ class Backend:
             route = f"; {routes.describe_blocks()}; {decode}"
         else:
             route = ""
-        kv = f"; KV cache {kv_type}" if kv_type != "f32" else ""
+        kv = "" if f"{kv_type} KV cache" in route else f"; KV cache {kv_type}"  # the type said once
         why = f": {self.threads_why}" if self.threads_why else ""
         threads = self._on_compute(torch.get_num_threads)  # the engine loop's thread runs the forwards: its count
         return f"CPU ({plural(threads, 'thread')}{why}{route}{kv})"
@@ -207,9 +207,9 @@ class CUDABackend(Backend):
         free, total = self._guarded("reading the free device memory", torch.cuda.mem_get_info, self.index)
         return Memory(int(free), int(total), f"{self.name}: mem_get_info")
 
-    def describe(self, kv_type: str = "f32") -> str:
+    def describe(self, kv_type: str = DEFAULT_KV_TYPE) -> str:
         props = torch.cuda.get_device_properties(self.index)
-        kv = f", KV cache {kv_type}" if kv_type != "f32" else ""
+        kv = f", KV cache {kv_type}"
         return f"GPU (CUDA, {props.name}, {props.total_memory // (1 << 20)} MiB{kv})"
 
     @property
@@ -307,8 +307,8 @@ class FaultyBackend(Backend):
             self._hit("upload")
         super().start()
 
-    def describe(self, kv_type: str = "f32") -> str:
-        kv = f", KV cache {kv_type}" if kv_type != "f32" else ""
+    def describe(self, kv_type: str = DEFAULT_KV_TYPE) -> str:
+        kv = f", KV cache {kv_type}"
         return f"test accelerator ({self.device_name}{kv})"
 
     def new_state(self, capacity, plan=None, kv_dtype=torch.float32):
