@@ -88,6 +88,31 @@ def test_the_plan_counts_each_kv_types_bytes_a_position_and_the_27b_shape_gives_
         assert st.nbytes == DecodeState.bytes_for(c, 64, kv_type=t) == 64 * per[t] + c.recurrent_state_bytes()
 
 
+def _parameters(c: HybridConfig) -> int:
+    """A dense shape's weights: embeddings (and an untied head), each layer's MLP, mixer and norms' matrices."""
+    h = c.hidden_size
+    attention = h * c.num_attention_heads * c.head_dim * 3 + 2 * h * c.num_kv_heads * c.head_dim
+    qk, v = c.linear_num_key_heads * c.linear_key_head_dim, c.linear_num_value_heads * c.linear_value_head_dim
+    deltanet = h * (2 * qk + v) + 2 * h * v + 2 * h * c.linear_num_value_heads
+    layers = len(c.attention_layers)
+    mixers = layers * attention + (c.num_layers - layers) * deltanet
+    return c.vocab_size * h * (1 if c.tie_word_embeddings else 2) + c.num_layers * 3 * h * c.intermediate_size + mixers
+
+
+def test_the_9b_shapes_declared_context_fits_a_24_gib_machine_with_a_q8_0_cache_and_the_plan_says_so():
+    from tools.bench.shapes import shape_config
+
+    c = shape_config("9B")  # the published Qwen3.5-9B text config: 262,144 positions, 8 attention layers
+    weights = _parameters(c) * 34 // 32  # its Q8_0 file's weights
+    assert 8.5e9 < _parameters(c) < 9.5e9
+    machine = cap.Memory(22 << 30, 24 << 30, "a 24 GiB machine, 2 GiB in use")
+    p = cap.plan(c, c.context_length, machine, weights=weights, kv_type="q8_0")
+    assert p.fits and p.kv == c.context_length * 17 * 1024  # 17 KiB a position: 8 layers x 2 x 4 heads x 256 x 34/32
+    assert "262144 positions x 17 KiB q8_0" in p.arithmetic()
+    with pytest.raises(DeltaserveError, match="262144 positions x 64 KiB f32"):  # the f32 cache does not fit
+        cap.plan(c, c.context_length, machine, weights=weights, kv_type="f32")
+
+
 @pytest.mark.parametrize("name", ["hybrid", "deep"])
 def test_a_16_bit_cache_keeps_the_logits_within_the_measured_bound_of_the_f32_caches_and_f16_is_closer(name):
     model = deltaserve.load(fx.gguf_path(name, "f32"))
