@@ -157,7 +157,8 @@ def _grow_under(hybrid_model, free_for):
 
     def need(plan):
         return cap.plan(hybrid_model.config, 8192, cap.Memory(1 << 40, 1 << 40, "t"), overhead=backend.overhead,
-                        plans=(plan,)).total - DecodeState.bytes_for(hybrid_model.config, 4096)
+                        plans=(plan,), kv_type=s.kv_type).total - DecodeState.bytes_for(hybrid_model.config, 4096,
+                                                                                          kv_type=s.kv_type)
 
     # the device's memory: what the test asks to be free with the 4096-position state held, and that state
     backend.memory_bytes = free_for(need) + s.state.nbytes

@@ -19,6 +19,7 @@ import torch
 
 import deltaserve
 from deltaserve.engine.forward import Forward
+from deltaserve.engine.state import kv_torch_dtype
 from deltaserve.demo import DEMO_FILE
 from deltaserve.kernels import linear as linear_mod
 from deltaserve.kernels import routes
@@ -568,10 +569,10 @@ def test_the_native_token_decode_says_why_it_is_not_used_and_leaves_other_states
         return
     assert "one native call per decoded token" in q8.session().notices[-1]
     ids = ids_for(q8, n=12)
-    bf16 = f.new_state(16, kv_dtype=torch.bfloat16)  # a bf16 KV cache: the torch decode, the same tokens
-    assert not f.token_program()[0].takes(bf16)
+    q8_0 = f.new_state(16, kv_dtype=kv_torch_dtype("q8_0"))  # a q8_0 KV cache: the torch decode, the same tokens
+    assert not f.token_program()[0].takes(q8_0)
     f32_state = f.new_state(16)
-    got = torch.stack([f.decode(bf16, t) for t in ids])
+    got = torch.stack([f.decode(q8_0, t) for t in ids])
     want = torch.stack([f.decode(f32_state, t) for t in ids])
     assert (got - want).abs().max().item() <= 0.05 * want.abs().max().item()
     with pytest.raises(ValueError, match="17 positions do not fit a decode state of 16"):
