@@ -145,7 +145,7 @@ def cpu_line() -> str:
 # -- deltaserve -----------------------------------------------------------------------------------------------------
 
 def prompt_ids(vocab: int, n: int, specials: set[int]) -> list[int]:
-    """`n` token ids, the same for every run: seeded, below min(200000, vocab), no special token (a turn's prompt
+    """`n` token ids, the same for every run: seeded, below min(200000, vocab), no added or stop token (a turn's prompt
     may not open a thought or end itself)."""
     import torch
 
@@ -176,7 +176,7 @@ def deltaserve_depths(path: Path, threads: int, kv_type: str, depths: list[int],
     native.library()  # built (or found built) before any clock
     m = deltaserve.load(path, threads=threads, kv_type=kv_type, cache=False)
     tok = m.host.tokenizer
-    specials = set(getattr(tok, "special_ids", ()) or ()) | set(tok.stop_ids)
+    specials = set(tok.added_ids) | set(tok.stop_ids)
     ids = prompt_ids(m.config.vocab_size, max(depths), specials)
     m.session(quiet=True, mtp=0).generate(ids[:64], max_tokens=2, stop=[])
     out: dict = {"depths": {}, "threads": torch.get_num_threads()}
@@ -184,6 +184,8 @@ def deltaserve_depths(path: Path, threads: int, kv_type: str, depths: list[int],
         runs = []
         for _ in range(repeats):
             s = m.session(quiet=True, mtp=0)
+            s.stop_ids = frozenset()  # every turn decodes its tg+1 tokens, as llama-bench's generation does (a stop
+            # token the random weights chose would end it early)
             out["notices"] = list(s.notices)
             turn = s.generate(ids[:depth], max_tokens=tg + 1, stop=[])
             runs.append({"prefill_tok_s": turn.prefill_tok_s, "decode_tok_s": turn.decode_tok_s,
