@@ -38,7 +38,7 @@ def test_bench_context_runs_each_kv_type_at_each_depth_and_writes_the_bound_from
     with Image.open(out / "results.png") as im:
         assert im.info.get("Software") == CHART_SOFTWARE
     r = json.loads((out / "results.json").read_text())
-    assert r["bench"] == "context" and r["depths"] == [32, 64] and r["threads"] == 1
+    assert r["bench"] == "context" and r["complete"] and r["depths"] == [32, 64] and r["threads"] == 1
     assert r["command"].startswith("deltaserve bench context --model")
     assert r["skipped"] == {"llama.cpp": "--llama-kv-type none"} and "llama_records" not in r
     assert [(x["engine"], x["kv_type"], x["depth"]) for x in r["rows"]] == \
@@ -119,3 +119,19 @@ def test_bench_context_refuses_bad_flags_in_one_line_naming_what_is_allowed(tmp_
     assert f"need {declared + 33} positions" in msg and f"declares {declared}" in msg
     assert context.parse_depths("16K,4096,4k") == [4096, 16384]
     assert not list(tmp_path.iterdir())  # refused before anything ran or was written
+
+
+def test_a_peers_peak_rss_is_its_own_process_high_water_mark_and_its_json_records_are_read(tmp_path):
+    """run_llama_bench on a real child that holds 96 MiB for a moment and prints a JSON list as llama-bench's -o json
+    does: its own peak, not this (larger, torch-holding) process's, which wait4's ru_maxrss would report."""
+    import sys
+
+    from tools.bench.context import run_llama_bench
+
+    code = ("import json, time; x = bytearray(96 << 20); x[::4096] = b'1' * len(x[::4096]); time.sleep(0.8); "
+            "print('warming up'); print(json.dumps([{'n_prompt': 8, 'avg_ts': 1.5}]))")
+    records, peak = run_llama_bench([sys.executable, "-c", code], every=0.05)
+    assert records == [{"n_prompt": 8, "avg_ts": 1.5}]
+    assert 96 << 20 <= peak < (96 << 20) + (64 << 20)
+    with pytest.raises(RuntimeError, match="exited 3"):
+        run_llama_bench([sys.executable, "-c", "raise SystemExit(3)"])

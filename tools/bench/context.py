@@ -213,20 +213,31 @@ def llama_bench_argv(binary: Path | str, path: Path, kv_type: str, depths: list[
             "decode": common + ["-p", "0", "-n", str(tg), "-d", ds]}
 
 
-def run_llama_bench(argv: list[str]) -> tuple[list[dict], int]:
-    """llama-bench's JSON records of one command line, and the peak RSS of its process (wait4's ru_maxrss of that
-    child alone; subprocess starts it with vfork, so that none of this process's pages are counted in it)."""
+def run_llama_bench(argv: list[str], every: float = 0.2) -> tuple[list[dict], int | None]:
+    """llama-bench's JSON records of one command line, and the peak RSS of its process: its VmHWM, read every
+    `every` seconds while it runs (the last reading; None if it ended before one). Not wait4's ru_maxrss: Linux
+    counts in it the high-water mark of the memory the child had before its exec, this larger process's."""
     import tempfile
 
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(argv, stdout=out, stderr=err, text=True)
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = code = os.waitstatus_to_exitcode(status)
+        peak = None
+        while True:  # the first reading a moment after the start: by then it runs llama-bench, exec'd
+            try:
+                proc.wait(timeout=every)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                with open(f"/proc/{proc.pid}/status") as fh:
+                    peak = next((int(x.split()[1]) * 1024 for x in fh if x.startswith("VmHWM:")), peak)
+            except OSError:
+                pass
         out.seek(0), err.seek(0)
         text, errors = out.read(), err.read()
-    if code != 0:
-        raise RuntimeError(f"llama-bench exited {code}: {' '.join(argv)}\n{errors[-800:]}")
-    return json.loads(text[text.index("["):]), usage.ru_maxrss * 1024
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama-bench exited {proc.returncode}: {' '.join(argv)}\n{errors[-800:]}")
+    return json.loads(text[text.index("["):]), peak
 
 
 def llama_rows(records: list[dict], kv_type: str, plan: dict, bandwidth: float, peak_rss: dict[str, int]) -> list[dict]:
@@ -288,6 +299,23 @@ def main(a) -> Path:
                      "model": plan, "rows": [], "skipped": {}}
     print(f"[bench] context: read bandwidth ({READ_GIB:g} GiB, {READ_REPS} reps)", file=sys.stderr, flush=True)
     bw_runs = read_bandwidth_runs(threads)
+    ds_rows: list[dict] = []
+
+    def save(complete: bool) -> Path:
+        """results.json and RESULTS.md of what has run so far (after each engine's runs: a run cut short keeps what
+        it measured, marked incomplete), the bounds from the bandwidth read so far; the chart once complete."""
+        bw = median(bw_runs)
+        results["read_bandwidth"] = {"median": bw, "runs": list(bw_runs), "gib": READ_GIB}
+        results["rows"] = [with_bound(dict(row), plan, bw) for row in ds_rows]
+        for rec in results.get("llama_records", []):
+            results["rows"] += llama_rows(rec["records"], rec["kv_type"], plan, bw, rec["peak_rss"])
+        results["complete"] = complete
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+        md = write_report(results, out)
+        if complete:  # (a run cut short: `charts` of report.py draws its chart from the JSON it left)
+            chart(out / "results.json")
+        return md
+
     for kv in kinds:
         print(f"[bench] context: deltaserve, {kv} cache, depths {', '.join(map(str, depths))}", file=sys.stderr,
               flush=True)
@@ -297,16 +325,18 @@ def main(a) -> Path:
         for depth in depths:
             d = got["depths"][str(depth)]
             runs = d["runs"]
-            results["rows"].append({"engine": "deltaserve", "kv_type": kv, "depth": depth,
-                                    "prefill_tok_s": median([r["prefill_tok_s"] for r in runs]),
-                                    "decode_tok_s": median([r["decode_tok_s"] for r in runs]),
-                                    "prefill_runs": [r["prefill_tok_s"] for r in runs],
-                                    "decode_runs": [r["decode_tok_s"] for r in runs], "turns": runs,
-                                    "peak_rss": d["peak_rss"], "route": got["route"], "threads": got["threads"]})
+            ds_rows.append({"engine": "deltaserve", "kv_type": kv, "depth": depth,
+                            "prefill_tok_s": median([r["prefill_tok_s"] for r in runs]),
+                            "decode_tok_s": median([r["decode_tok_s"] for r in runs]),
+                            "prefill_runs": [r["prefill_tok_s"] for r in runs],
+                            "decode_runs": [r["decode_tok_s"] for r in runs], "turns": runs,
+                            "peak_rss": d["peak_rss"], "route": got["route"], "threads": got["threads"]})
+        save(False)
     if llama_kinds:
         results["llama.cpp_flags"] = use_best_llama()
         binary = _llama_built("llama-bench", shared=False, product="llama-bench")
         results["llama.cpp_commands"] = {}
+        results["llama_records"] = []
         for kv in llama_kinds:
             records, peaks = [], {}
             for key, argv in llama_bench_argv(binary, path, kv, depths, threads, repeats).items():
@@ -315,18 +345,12 @@ def main(a) -> Path:
                 got, peaks[key] = run_llama_bench(argv)
                 records += got
                 results["llama.cpp_commands"][f"{kv} {key}"] = " ".join(argv)
-            results.setdefault("llama_records", []).append({"kv_type": kv, "records": records, "peak_rss": peaks})
+            results["llama_records"].append({"kv_type": kv, "records": records, "peak_rss": peaks})
+            save(False)
     else:
         results["skipped"]["llama.cpp"] = "--llama-kv-type none"
     bw_runs += read_bandwidth_runs(threads)  # the machine's bandwidth moves: measured again after the runs
-    results["read_bandwidth"] = {"median": median(bw_runs), "runs": bw_runs, "gib": READ_GIB}
-    bw = results["read_bandwidth"]["median"]
-    results["rows"] = [with_bound(row, plan, bw) for row in results["rows"]]
-    for rec in results.get("llama_records", []):
-        results["rows"] += llama_rows(rec["records"], rec["kv_type"], plan, bw, rec["peak_rss"])
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    md = write_report(results, out)
-    chart(out / "results.json")
+    md = save(True)
     print(md.read_text())
     return md
 
@@ -355,6 +379,9 @@ def write_report(r: dict, out: Path) -> Path:
                      f"{_f(row.get('decode_tok_s'), 2)} | {row['bound_tok_s']:.2f} | "
                      f"{_f(row.get('decode_over_bound'), 2)} | {row['token_bytes'] / 2**20:.0f} MiB | "
                      f"{f'{rss / 2**20:.0f} MiB' if rss else '-'} |")
+    if not r.get("complete", True):
+        lines += ["", "**Incomplete**: written after each engine's runs, and the run went no further; the bound from "
+                      "the bandwidth read before the runs alone."]
     for engine, why in r.get("skipped", {}).items():
         lines += ["", f"{engine}: not run ({why})."]
     routes = {row.get("route") for row in r["rows"]} - {None}
