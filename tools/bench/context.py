@@ -6,9 +6,9 @@ a token reads divided by the plain-read bandwidth measured in the same run.
 deltaserve runs as a user runs it (`deltaserve.load(path, kv_type=...)`, a resident session, greedy), one fresh
 process per KV type, the depths in increasing order: a turn whose prompt is DEPTH tokens gives the prefill's
 tokens/s, and its TG+1 generated tokens the decode's at that depth (TG steps fed); the process's VmHWM after a
-depth's turns is that depth's peak RSS. llama.cpp runs as
-llama-bench measures it: `-p DEPTH -n 0` for prefill, `-p 0 -n TG -d DEPTH` for decode at depth, built as `bench`
-builds llama.cpp (peers.py: this CPU's widest vector flags, never AMX).
+depth's turns is that depth's peak RSS. llama.cpp runs as llama-bench measures it: `-p DEPTH -n 0` for prefill
+(--no-warmup: its warmup would prefill the whole prompt once more), `-p 0 -n TG -d DEPTH` for decode at depth, built
+as `bench` builds llama.cpp (peers.py: this CPU's widest vector flags, never AMX).
 
 The bytes a decoded token reads: the weights as the file holds them (the token embedding left out where the file has
 its own output matrix: a token reads one row of it), the DeltaNet layers' recurrent and conv state (f32), and the
@@ -20,7 +20,6 @@ times, before and after the runs) divided by those bytes.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -40,14 +39,14 @@ READ_REPS = 7
 
 # -- the flags ------------------------------------------------------------------------------------------------------
 
-def parse_list(text: str, what: str) -> list[str]:
+def parse_list(text: str) -> list[str]:
     return [x.strip() for x in str(text).split(",") if x.strip()]
 
 
 def parse_depths(text: str) -> list[int]:
     """--depths: positive token counts (4096, 16K and 4k alike), in increasing order, each once."""
     out = []
-    for item in parse_list(text, "--depths"):
+    for item in parse_list(text):
         scale = 1024 if item[-1] in "kK" else 1
         try:
             n = int(item[:-1] if scale > 1 else item) * scale
@@ -65,7 +64,7 @@ def parse_kv_types(text: str) -> list[str]:
     """--kv-type: deltaserve's KV cache types to run, each one built (engine/state.py refuses the others)."""
     from deltaserve.engine.state import kv_torch_dtype
 
-    kinds = list(dict.fromkeys(parse_list(text, "--kv-type")))
+    kinds = list(dict.fromkeys(parse_list(text)))
     if not kinds:
         raise DeltaserveError("--kv-type: no KV cache type given (e.g. f32,f16)")
     for k in kinds:
@@ -75,7 +74,7 @@ def parse_kv_types(text: str) -> list[str]:
 
 def parse_llama_kv(text: str | None) -> list[str]:
     """--llama-kv-type: llama.cpp's cache types to run (f16, q8_0); "none" (or empty) runs no llama.cpp."""
-    kinds = [] if text is None or text.strip().lower() == "none" else list(dict.fromkeys(parse_list(text, "")))
+    kinds = [] if text is None or text.strip().lower() == "none" else list(dict.fromkeys(parse_list(text)))
     unknown = [k for k in kinds if k not in LLAMA_KV]
     if unknown:
         raise DeltaserveError(f"--llama-kv-type: {', '.join(unknown)} not among {', '.join(LLAMA_KV)} (or none)")
@@ -358,13 +357,15 @@ def main(a) -> Path:
 def write_report(r: dict, out: Path) -> Path:
     m = r["model"]
     bw = r["read_bandwidth"]
+    llama = (f"llama.cpp: llama-bench (`-p DEPTH -n 0 --no-warmup`; `-p 0 -n {r['tg']} -d DEPTH`), built with "
+             f"{r.get('llama.cpp_flags')}; peak RSS of its decode process (all depths)."
+             if r.get("llama.cpp_commands") else "")
     lines = [f"# deltaserve bench context ({r['date']})", "", f"Command: `{r['command']}`  ",
              f"CPU: {r['cpu']}; {r['threads']} threads; medians of {r['repeats']} run(s). File: "
-             f"`{Path(m['path']).name}` ({m['file_bytes'] / 2**20:.0f} MiB). deltaserve: a fresh process per KV type "
-             f"(the depths in increasing order), a resident session's turn of a DEPTH-token prompt and {r['tg'] + 1} greedy tokens (prefill "
-             f"tok/s, and decode of {r['tg']} steps at that depth); peak RSS is that process's VmHWM after the depth's turns. llama.cpp: "
-             f"llama-bench (`-p DEPTH -n 0 --no-warmup`; `-p 0 -n {r['tg']} -d DEPTH`), built with "
-             f"{r.get('llama.cpp_flags') or '-'}; peak RSS of its decode process (all depths).", "",
+             f"`{Path(m['path']).name}` ({m['file_bytes'] / 2**20:.0f} MiB). deltaserve: a fresh process per KV "
+             f"type (the depths in increasing order), a resident session's turn of a DEPTH-token prompt and "
+             f"{r['tg'] + 1} greedy tokens (prefill tok/s, and decode of {r['tg']} steps at that depth); peak RSS is "
+             f"that process's VmHWM after the depth's turns. {llama}", "",
              f"The bound: the plain-read bandwidth, {bw['median'] / 1e9:.1f} GB/s (median of {len(bw['runs'])} "
              f"reads of a {bw['gib']:g} GiB tensor before and after the runs, {min(bw['runs']) / 1e9:.1f}-"
              f"{max(bw['runs']) / 1e9:.1f}), over the bytes a decoded token reads: the weights as the file holds them "

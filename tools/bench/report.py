@@ -315,7 +315,8 @@ def _context(r: dict, plt):
     for row in r["rows"]:
         lines.setdefault((row["engine"], row["kv_type"]), []).append(row)
     marks = {"f32": "o", "f16": "s", "bf16": "^", "q8_0": "D"}
-    colors = {("deltaserve", "f32"): "tab:blue", ("deltaserve", "f16"): "tab:cyan", ("deltaserve", "bf16"): "tab:purple",
+    colors = {("deltaserve", "f32"): "tab:blue", ("deltaserve", "f16"): "tab:cyan",
+              ("deltaserve", "bf16"): "tab:purple",
               ("llama.cpp", "f16"): "tab:orange", ("llama.cpp", "q8_0"): "tab:red"}
     for (engine, kv), rows in lines.items():
         rows = sorted(rows, key=lambda x: x["depth"])
