@@ -117,8 +117,15 @@ def test_bench_context_refuses_bad_flags_in_one_line_naming_what_is_allowed(tmp_
     declared = hybrid_model.config.context_length
     msg = refused("--depths", str(declared))
     assert f"need {declared + 33} positions" in msg and f"declares {declared}" in msg
+    assert "not a file" in refused("--model", str(tmp_path / "none.gguf"))
     assert context.parse_depths("16K,4096,4k") == [4096, 16384]
     assert not list(tmp_path.iterdir())  # refused before anything ran or was written
+
+    from tools.bench import run  # the bench's program refuses them before it makes the results directory
+
+    with pytest.raises(DeltaserveError, match="not a token count"):
+        run.main(_args("--depths", "1,x", "--out", str(tmp_path / "new")))
+    assert not (tmp_path / "new").exists()
 
 
 def test_a_peers_peak_rss_is_its_own_process_high_water_mark_and_its_json_records_are_read(tmp_path):

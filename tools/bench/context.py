@@ -273,23 +273,30 @@ def default_model() -> Path:
     return model_file("0.8B", "q8_0")
 
 
+def flags(a) -> tuple[list[int], list[str], list[str], Path, dict]:
+    """The run's depths, deltaserve's and llama.cpp's cache types, the file and its bytes plan, from the flags: each
+    refused in one line (before any directory is made or anything runs)."""
+    depths = parse_depths(getattr(a, "depths", None) or DEFAULT_DEPTHS)
+    kinds = parse_kv_types(getattr(a, "kv_type", None) or DEFAULT_KV)
+    llama_kinds = parse_llama_kv(getattr(a, "llama_kv_type", DEFAULT_LLAMA_KV))
+    path = Path(getattr(a, "model", None) or default_model())
+    if not path.is_file():
+        raise DeltaserveError(f"--model {path}: not a file (the GGUF file both engines run)")
+    plan = token_bytes_plan(path)
+    longest = depths[-1] + TG + 1
+    if longest > plan["context_length"]:
+        raise DeltaserveError(f"--depths: a depth of {depths[-1]} and {TG + 1} generated tokens need {longest} "
+                              f"positions; {path.name} declares {plan['context_length']}")
+    return depths, kinds, llama_kinds, path, plan
+
+
 def main(a) -> Path:
     """The bench: results.json, RESULTS.md and results.png under --out; the markdown's path."""
     from tools.bench.peers import _llama_built, use_best_llama
     from tools.bench.report import chart
     from tools.bench.sizes import warm_page_cache
 
-    depths = parse_depths(getattr(a, "depths", None) or DEFAULT_DEPTHS)
-    kinds = parse_kv_types(getattr(a, "kv_type", None) or DEFAULT_KV)
-    llama_kinds = parse_llama_kv(getattr(a, "llama_kv_type", DEFAULT_LLAMA_KV))
-    path = Path(getattr(a, "model", None) or default_model())
-    if not path.is_file():
-        raise DeltaserveError(f"--model {path}: no such file")
-    plan = token_bytes_plan(path)
-    longest = depths[-1] + TG + 1
-    if longest > plan["context_length"]:
-        raise DeltaserveError(f"--depths: a depth of {depths[-1]} and {TG + 1} generated tokens need {longest} "
-                              f"positions; {path.name} declares {plan['context_length']}")
+    depths, kinds, llama_kinds, path, plan = flags(a)
     threads, repeats = a.threads, max(1, a.repeats)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -88,6 +88,10 @@ def command_line(argv: list[str], environ=os.environ) -> str:
 
 def main(a) -> int:
     a.command_line = command_line(sys.argv[1:])
+    if a.what == "context":  # its flags refused before a results directory is made
+        from tools.bench.context import flags
+
+        flags(a)
     a.out = str(out_dir(a.what, a.out))
     print(f"[bench] results go under {Path(a.out).resolve()}", file=sys.stderr)
     if a.threads:
