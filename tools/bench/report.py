@@ -334,8 +334,11 @@ def _context(r: dict, plt):
         axes[0].plot(depths, [pts[d] for d in depths], linestyle="--", color=("black", "dimgray", "darkgray")[k % 3],
                      linewidth=1,
                      label=f"bound, {kv} cache")
+    depths = sorted({row["depth"] for row in r["rows"]})
     for ax, title in ((axes[0], f"decode of {r.get('tg', '')} tokens at depth"), (axes[1], "prefill")):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(depths, [f"{d // 1024}K" if d % 1024 == 0 else str(d) for d in depths])
+        ax.minorticks_off()
         ax.set_xlabel("depth (tokens)")
         ax.set_ylabel("tokens/s")
         ax.set_ylim(bottom=0)
