@@ -307,7 +307,48 @@ def _replicas(r: dict, plt):
     return fig
 
 
+def _context(r: dict, plt):
+    """`bench context`: decode and prefill tokens/s against depth, one line per engine and KV cache type; the
+    memory's bound on decode for each cache type as a dashed line."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    lines: dict[tuple[str, str], list[dict]] = {}
+    for row in r["rows"]:
+        lines.setdefault((row["engine"], row["kv_type"]), []).append(row)
+    marks = {"f32": "o", "f16": "s", "bf16": "^", "q8_0": "D"}
+    colors = {("deltaserve", "f32"): "tab:blue", ("deltaserve", "f16"): "tab:cyan",
+              ("deltaserve", "bf16"): "tab:purple",
+              ("llama.cpp", "f16"): "tab:orange", ("llama.cpp", "q8_0"): "tab:red"}
+    for (engine, kv), rows in lines.items():
+        rows = sorted(rows, key=lambda x: x["depth"])
+        for ax, key in ((axes[0], "decode_tok_s"), (axes[1], "prefill_tok_s")):
+            pts = [(x["depth"], x[key]) for x in rows if x.get(key) is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker=marks.get(kv, "o"), color=colors.get((engine, kv), "tab:green"),
+                        linestyle="-" if engine == "deltaserve" else ":", label=f"{engine} {kv}")
+    bounds: dict[str, dict[int, float]] = {}
+    for row in r["rows"]:
+        kv = "16-bit" if row["kv_type"] in ("f16", "bf16") else row["kv_type"]
+        bounds.setdefault(kv, {})[row["depth"]] = row["bound_tok_s"]
+    for k, (kv, pts) in enumerate(sorted(bounds.items())):
+        depths = sorted(pts)
+        axes[0].plot(depths, [pts[d] for d in depths], linestyle="--", color=("black", "dimgray", "darkgray")[k % 3],
+                     linewidth=1,
+                     label=f"bound, {kv} cache")
+    depths = sorted({row["depth"] for row in r["rows"]})
+    for ax, title in ((axes[0], f"decode of {r.get('tg', '')} tokens at depth"), (axes[1], "prefill")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(depths, [f"{d // 1024}K" if d % 1024 == 0 else str(d) for d in depths])
+        ax.minorticks_off()
+        ax.set_xlabel("depth (tokens)")
+        ax.set_ylabel("tokens/s")
+        ax.set_ylim(bottom=0)
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=7)
+    return fig
+
+
 PLOTTERS = [
+    (lambda r: r.get("bench") == "context" and isinstance(r.get("rows"), list), _context),
     (lambda r: isinstance(r.get("speed"), dict), _speed),
     (lambda r: "device" in r and isinstance(r.get("rows"), list), _gpu),
     (lambda r: isinstance(r.get("rows"), list) and r["rows"] and isinstance(r["rows"][0], dict)

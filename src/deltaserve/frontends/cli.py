@@ -582,7 +582,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run the benchmarks and write their results to a new directory (or --out).")
     b.add_argument("what", nargs="?", default="all", choices=["all", "session", "speed", "chat", "threads", "conversations", "replicas",
                                                       "sizes", "moe", "quants", "grammar", "mtp", "responses",
-                                                      "vision", "serve"],
+                                                      "vision", "serve", "context"],
                    help="which benchmark (default all)")
     b.add_argument("--out", default=None, help="where results go (default: a new directory bench-WHAT-TIME/ here; "
                                                 "the committed results are benchmarks/, written only when named)")
@@ -594,6 +594,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=3, help="repetitions; medians are reported (default 3)")
     b.add_argument("--quick", action="store_true", help="a smaller, faster run")
     b.add_argument("--presets", default=None, help="bench quants: these llama-quantize presets alone (A,B,...)")
+    b.add_argument("--depths", default="4096,16384",
+                   help="bench context: prompt depths in tokens, e.g. 4K,16K,32K,64K (default 4096,16384)")
+    b.add_argument("--kv-type", default="f32,f16",
+                   help="bench context: deltaserve's KV cache types to run, a comma list (default f32,f16)")
+    b.add_argument("--llama-kv-type", default="f16,q8_0",
+                   help="bench context: llama.cpp's cache types to run, f16 and/or q8_0, or none (default f16,q8_0)")
+    b.add_argument("--model", default=None, metavar="FILE",
+                   help="bench context: the GGUF file both engines run (default: the 0.8B shape's Q8_0 bench file)")
     b.set_defaults(func=cmd_bench)
     models.add_commands(sub, _add_model, positive_int)
     kernels.add_commands(sub)
