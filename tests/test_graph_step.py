@@ -11,6 +11,21 @@ from deltaserve.engine.forward import Forward
 from deltaserve.engine.graph import StaticStep, graphs_enabled
 
 
+def replay_as_eager(f: Forward, eager, static) -> None:
+    """The recorded step (StaticStep on `static`) and the eager decode (on `eager`) fed the same greedy tokens to
+    the last position of the cache: each step's logits within 1e-4 and the same argmax."""
+    step = StaticStep(f, static)
+    tok = 5
+    with torch.inference_mode():
+        for _ in range(static.capacity - static.length):  # to the last position: no position after it to mask
+            want = f.decode(eager, tok)
+            step.set(tok, static.length)
+            got = step.run()
+            static.length += 1
+            assert (got - want).abs().max().item() < 1e-4 and int(got.argmax()) == int(want.argmax())
+            tok = int(want.argmax())
+
+
 def test_the_recorded_step_is_the_eager_decode_step_at_every_position(hybrid_gguf):
     m = deltaserve.load(hybrid_gguf, device="cpu")
     f = Forward(m.config, m.host.weights, native=False, one_call=False)  # the torch path the graph records
@@ -18,16 +33,7 @@ def test_the_recorded_step_is_the_eager_decode_step_at_every_position(hybrid_ggu
     eager, static = f.new_state(48), f.new_state(48)
     f.prefill(eager, prompt)
     f.prefill(static, prompt)
-    step = StaticStep(f, static)
-    tok = 5
-    with torch.inference_mode():
-        for _ in range(48 - len(prompt)):  # to the last position of the cache: no position after it to mask
-            want = f.decode(eager, tok)
-            step.set(tok, static.length)
-            got = step.run()
-            static.length += 1
-            assert (got - want).abs().max().item() < 1e-4 and int(got.argmax()) == int(want.argmax())
-            tok = int(want.argmax())
+    replay_as_eager(f, eager, static)
     for i, (k, v) in eager.kv.items():
         assert torch.allclose(static.kv[i][0], k, atol=1e-5) and torch.allclose(static.kv[i][1], v, atol=1e-5)
     for i in eager.ssm:

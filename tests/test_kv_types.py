@@ -19,7 +19,6 @@ import torch
 import deltaserve
 from deltaserve.engine import layers as L
 from deltaserve.engine.forward import Forward
-from deltaserve.engine.graph import StaticStep
 from deltaserve.engine.q8cache import Q8Cache, quantize
 from deltaserve.engine.state import (
     DEFAULT_KV_TYPE,
@@ -40,6 +39,7 @@ from deltaserve.session.store import (
 )
 from tests import llama_oracle as oracle
 from tests.fixtures import models as fx
+from tests.test_graph_step import replay_as_eager
 
 MAX = 6
 
@@ -113,16 +113,23 @@ def test_the_9b_shapes_declared_context_fits_a_24_gib_machine_with_a_q8_0_cache_
         cap.plan(c, c.context_length, machine, weights=weights, kv_type="f32")
 
 
-@pytest.mark.parametrize("name", ["hybrid", "deep"])
-def test_a_16_bit_cache_keeps_the_logits_within_the_measured_bound_of_the_f32_caches_and_f16_is_closer(name):
+def _prefilled(name: str, types: tuple[str, ...], n: int = 512):
+    """The fixture model `name`, and its teacher-forced logits and states over the same n random tokens with a
+    fresh cache of each type (the reference forward: the torch attention)."""
     model = deltaserve.load(fx.gguf_path(name, "f32"))
     f = model._reference_forward()
-    n = 512
     ids = torch.randint(0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(0)).tolist()
     out, states = {}, {}
-    for t in ("f32", "f16", "bf16"):
+    for t in types:
         states[t] = f.new_state(n, kv_dtype=kv_torch_dtype(t))
         out[t] = f.prefill(states[t], ids, all_logits=True)
+    return model, out, states
+
+
+@pytest.mark.parametrize("name", ["hybrid", "deep"])
+def test_a_16_bit_cache_keeps_the_logits_within_the_measured_bound_of_the_f32_caches_and_f16_is_closer(name):
+    model, out, states = _prefilled(name, ("f32", "f16", "bf16"))
+    for t in states:
         assert all(k.dtype == v.dtype == kv_torch_dtype(t) for k, v in states[t].kv.values())
     f16 = (out["f16"] - out["f32"]).abs().max().item()
     bf16 = (out["bf16"] - out["f32"]).abs().max().item()
@@ -197,12 +204,8 @@ def test_q8_0_blocks_are_gguf_quants_q8_0_bit_for_bit_halves_and_zero_blocks_inc
 
 @pytest.mark.parametrize("name", ["hybrid", "multimodal"])
 def test_a_q8_0_cache_holds_the_f32_caches_values_as_q8_0_blocks_and_keeps_the_logits_within_the_measured_bound(name):
-    model = deltaserve.load(fx.gguf_path(name, "f32"))
-    f = model._reference_forward()
-    n = 512
-    ids = torch.randint(0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(0)).tolist()
-    f32, q8 = f.new_state(n), f.new_state(n, kv_dtype=kv_torch_dtype("q8_0"))
-    want, got = f.prefill(f32, ids, all_logits=True), f.prefill(q8, ids, all_logits=True)
+    model, out, states = _prefilled(name, ("f32", "q8_0"))
+    (f32, q8), (want, got) = (states["f32"], states["q8_0"]), (out["f32"], out["q8_0"])
     diff = (got - want).abs().max().item()
     assert 0 < diff < 1e-2, diff  # measured: at most 6.2e-3 (hybrid and multimodal, 512 and 2048 positions)
     # the first attention layer's cache is the f32 cache's values quantized, nothing else (the later layers' inputs
@@ -225,16 +228,7 @@ def test_the_cuda_graphs_step_writes_and_reads_a_q8_0_cache_as_the_eager_decode_
         k[:, static.length:].zero_()
         v[:, static.length:].zero_()
         assert not k.qs[:, static.length:].any() and not v.d[:, static.length:].any()
-    step = StaticStep(f, static)
-    tok = 5
-    with torch.inference_mode():
-        for _ in range(40 - len(prompt)):
-            want = f.decode(eager, tok)
-            step.set(tok, static.length)
-            got = step.run()
-            static.length += 1
-            assert (got - want).abs().max().item() < 1e-4 and int(got.argmax()) == int(want.argmax())
-            tok = int(want.argmax())
+    replay_as_eager(f, eager, static)
     for i, pair in eager.kv.items():
         for a, b in zip(static.kv[i], pair):  # the same values quantized: within one step of their block's scale
             step_size = b.d.float().repeat_interleave(32, -1)

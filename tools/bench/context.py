@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 
 from deltaserve.errors import DeltaserveError
-from tools.bench.peers import _cpu_name, in_fresh_process, median
+from tools.bench.peers import _cpu_name, in_fresh_process, lscpu, median
+from tools.bench.sizes import _peak_rss
 
 TG = 32
 DEFAULT_DEPTHS = "4096,16384"
@@ -128,12 +129,9 @@ def read_bandwidth_runs(threads: int, gib: float | None = None, reps: int = READ
 
 def cpu_line() -> str:
     """lscpu's model name, cores and threads per core (the /proc/cpuinfo name where lscpu is missing)."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
+    info = lscpu()
+    if not info:
         return _cpu_name()
-    info = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    info = {k.strip(): v.strip() for k, v in info.items()}
     name = info.get("Model name") or _cpu_name()
     parts = [f"{info['CPU(s)']} CPUs" if "CPU(s)" in info else None,
              f"{info['Thread(s) per core']} thread(s) per core" if "Thread(s) per core" in info else None,
@@ -154,11 +152,6 @@ def prompt_ids(vocab: int, n: int, specials: set[int]) -> list[int]:
     while len(ids) < n:
         ids += [t for t in torch.randint(0, top, (n,), generator=g).tolist() if t not in specials]
     return ids[:n]
-
-
-def _peak_rss() -> int:
-    with open("/proc/self/status") as fh:
-        return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmHWM:"))
 
 
 def deltaserve_depths(path: Path, threads: int, kv_type: str, depths: list[int], tg: int, repeats: int) -> dict:

@@ -547,16 +547,13 @@ def write_report(r: dict, out: Path) -> Path:
 
 def _cpu() -> str:
     """lscpu's model name, family and model (the CPU line of the report)."""
-    from tools.bench.peers import _cpu_name
+    from tools.bench.peers import _cpu_name, lscpu
 
-    try:
-        info = dict(line.split(":", 1) for line in subprocess.run(["lscpu"], capture_output=True, text=True,
-                                                                   timeout=10).stdout.splitlines() if ":" in line)
-        info = {k.strip(): v.strip() for k, v in info.items()}
-        name = info.get("Model name") or _cpu_name()
-        return f"{name} (family {info.get('CPU family', '?')}, model {info.get('Model', '?')})"
-    except (OSError, subprocess.SubprocessError):
+    info = lscpu()
+    if not info:
         return _cpu_name()
+    name = info.get("Model name") or _cpu_name()
+    return f"{name} (family {info.get('CPU family', '?')}, model {info.get('Model', '?')})"
 
 
 def _llama_version() -> str:

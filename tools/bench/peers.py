@@ -461,6 +461,15 @@ def main(a) -> None:
     print(write_report(results, out))
 
 
+def lscpu() -> dict[str, str]:
+    """lscpu's fields by name (empty where lscpu is missing or fails)."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in out.splitlines() if ":" in line)}
+
+
 def _cpu_name() -> str:
     try:
         for line in open("/proc/cpuinfo"):

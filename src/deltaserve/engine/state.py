@@ -16,9 +16,10 @@ from deltaserve.formats.config import HybridConfig
 
 # The KV cache's types (--kv-type): the torch dtype a cache is stored in, and its bytes per value. f32 is exact;
 # f16 (the default: of the two 16-bit types the closer to the f32 cache, docs/accuracy.md) and bf16 halve the cache
-# and the bytes a decode step reads at depth (the one-call native decode reads them in their type, widening in registers; the torch attention converts on read); q8_0 (llama.cpp's blocks of 32
-# int8 values and an f16 scale: 34 bytes per 32 values) is a Q8Cache (engine/q8cache.py) whose dtype is its values'
-# int8, the torch attention dequantizing on read.
+# and the bytes a decode step reads at depth (the one-call native decode reads them in their type, widening in
+# registers; the torch attention converts on read); q8_0 (llama.cpp's blocks of 32 int8 values and an f16 scale: 34
+# bytes per 32 values) is a Q8Cache (engine/q8cache.py) whose dtype is its values' int8, the torch attention
+# dequantizing on read.
 KV_TYPES = ("f32", "f16", "bf16", "q8_0")
 DEFAULT_KV_TYPE = "f16"
 KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "q8_0": Q8Cache.dtype}

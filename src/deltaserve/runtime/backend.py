@@ -110,7 +110,8 @@ class Backend:
             route = f"; {routes.describe_blocks()}; {decode}"
         else:
             route = ""
-        kv = "" if f"{kv_type} KV cache" in route else f"; KV cache {kv_type}"  # the type said once
+        said = program is not None and kv_type != "f32"  # the decode's words above name the cache's type
+        kv = "" if said else f"; KV cache {kv_type}"
         why = f": {self.threads_why}" if self.threads_why else ""
         threads = self._on_compute(torch.get_num_threads)  # the engine loop's thread runs the forwards: its count
         return f"CPU ({plural(threads, 'thread')}{why}{route}{kv})"
