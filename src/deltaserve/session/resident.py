@@ -131,7 +131,7 @@ class Session(DecodeLoop):
                  store=None, label: str | None = None, log_prefills: bool = False, mtp: int | None = None,
                  loop_guard: bool | None = None, kv_type: str | None = None):
         self.host = host
-        # the KV cache's type (engine/state.py: KV_TYPES; None: f32), checked before anything is built
+        # the KV cache's type (engine/state.py: KV_TYPES; None: the default, f16), checked before anything is built
         self.kv_type = kv_type_for(host.config, kv_type)
         self.kv_dtype = kv_torch_dtype(self.kv_type)
         if mtp is not None and (isinstance(mtp, bool) or not isinstance(mtp, int) or mtp < 0):
